@@ -1,0 +1,57 @@
+# clash-ppo: two commands from a fresh clone.
+#   make test    create .venv (first use), install, run the fast tests, then the slow ones
+#   make train   create .venv (first use), install, train with the profile that fits this machine
+#   make .venv   build the environment alone
+#
+# royalegym needs Python >= 3.12; the machine default may be older. We look for one in
+# this order: $(PYTHON) if given, python3.12 / python3.13 on PATH, then pyenv's installs.
+
+VENV := .venv
+VPY  := $(VENV)/bin/python
+
+find_python = $(firstword $(PYTHON) \
+	$(foreach v,3.12 3.13,$(shell command -v python$(v) 2>/dev/null)) \
+	$(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python $(HOME)/.pyenv/versions/3.13*/bin/python \
+	           $(PYENV_ROOT)/versions/3.12*/bin/python /root/.pyenv/versions/3.12*/bin/python))
+
+.PHONY: test test-fast test-slow train clean $(VENV)
+
+$(VENV)/.installed: pyproject.toml
+	@py="$(strip $(find_python))"; \
+	if [ -z "$$py" ]; then \
+	  echo "error: no Python >= 3.12 found (royalegym needs it)." >&2; \
+	  echo "  install one, e.g. 'pyenv install 3.12' or your OS package python3.12," >&2; \
+	  echo "  or point at it: make test PYTHON=/path/to/python3.12" >&2; \
+	  exit 2; \
+	fi; \
+	if ! "$$py" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then \
+	  echo "error: $$py is $$("$$py" -V 2>&1); royalegym needs Python >= 3.12 (make ... PYTHON=...)" >&2; exit 2; \
+	fi; \
+	echo "creating $(VENV) with $$py ($$("$$py" -V 2>&1))"; \
+	"$$py" -m venv $(VENV) && \
+	$(VPY) -m pip install -q --upgrade pip && \
+	$(VPY) -m pip install -q -e '.[dev]' && \
+	touch $@
+
+$(VENV): $(VENV)/.installed
+
+# pytest exits 5 when a marker selects no test; the slow half may legitimately be empty.
+test: $(VENV)/.installed
+	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q -m slow || [ $$? -eq 5 ]
+
+test-fast: $(VENV)/.installed
+	$(VPY) -m pytest -q
+
+test-slow: $(VENV)/.installed
+	$(VPY) -m pytest -q -m slow || [ $$? -eq 5 ]
+
+# laptop where CUDA is present, the cpu profile otherwise.
+train: $(VENV)/.installed
+	@if [ ! -f ppo_clash.py ]; then echo "training is not built yet (ppo_clash.py lands with issue 4)"; exit 1; fi
+	@profile=$$($(VPY) -c 'import torch; print("laptop" if torch.cuda.is_available() else "cpu")'); \
+	echo "python ppo_clash.py --profile $$profile $(ARGS)"; \
+	$(VPY) ppo_clash.py --profile $$profile $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache
