@@ -1,0 +1,1864 @@
+"""farm.py -- experience collection: seeding, the environment description, the potential reward,
+scripted opponents, the shared-memory byte layout, the worker loop, ProcessFarm and InlineFarm.
+
+Stage owned: everything between "the learner has actions" and "the learner has the next packed
+observations". K worker processes each own `shards_per_worker` ClashSelfPlayVecEnvs (spec D2);
+a worker steps one shard, packs every slot's observation with codec.Packer straight into the
+shared-memory rectangle (spec D4), writes that round's scalars into its own control segment and
+releases a semaphore. InlineFarm runs the same ShardRunner code in one process and is the
+reference: ProcessFarm must match it byte for byte (tests/test_farm.py, spec 7.3).
+
+Reads:  an EnvFactorySpec (JSON), a codec.CodecTable, a master seed. Writes: nothing on disk.
+Never imports torch (spec D7; tests/test_farm.py asserts it inside a worker).
+
+Spec sections: 4.1 (EnvSpec, Assignment, SlotPlan, EpisodeRecord, WorkerFailure), 5.2 (seeding),
+5.3 (env value digest, engine binary), 7.1 (process model), 7.3 (byte layout), 7.4 (worker
+loop), 7.5 (round protocol), 7.6 (failure, timeouts, restart), 7.7 steps 1-3 and 11 (what the
+farm reads off the env), 10 (potential reward), 18.1 "the transition alignment" (fixed here).
+
+THE API THE LEARNER DRIVES (InlineFarm and ProcessFarm take the same arguments and behave the
+same; ProcessFarm additionally takes env_spec= to refuse a worker on other spaces or binary):
+
+    env_spec, table = preflight(env_factory_spec, frame_stack=k, master_seed=s)
+    farm = ProcessFarm(FarmConfig(env=env_factory_spec, master_seed=s, workers=K,
+                                  shards_per_worker=S, games_per_worker=M, cycles=T,
+                                  frame_stack=k, start_ordinals=<from a checkpoint or None>),
+                       table, assign_fn, env_spec=env_spec)
+    farm.rect        uint8 (T + k, R, row_bytes), shared memory. Cycle t's observation of slot r
+                     is rect[t + k - 1, r]; rows 0..k-2 are the previous iteration's last frames
+                     (begin_iteration copies rows T..T+k-1 to 0..k-1, so cycle T becomes cycle 0)
+    farm.first_obs   bool (T + k, R), aligned with rect: that row starts an episode;
+                     stack_valid(farm.first_obs, k) -> bool (T+1, R, k) frame liveness
+    farm.scalars     SCALAR_DTYPE (T, R). Row t holds what the ACTION at cycle t caused: reward,
+                     flags (F_TERMINATED, F_TRUNCATED, F_VALID, F_FINAL), deploy_status, tick,
+                     episode_end (0 none, 1 win, 2 loss, 3 draw, 4 ended with no winner),
+                     episode_steps, cards_played, elixir_leak, and the group that acted. This is
+                     the transition-alignment fix of spec 18.1: the learner reads row t's
+                     reward and done flags as the transition out of row t, as GAE expects.
+    farm.finals      {(t, r): uint8[row_bytes]}: the packed final observation of each truncated
+                     transition, at the row of the action that caused it (for the bootstrap)
+    farm.episodes    EpisodeRecords finished this iteration, in round order
+    farm.ordinals    int64 (n_battles,): reset ordinal of the episode each battle is playing;
+                     checkpoint it, restore through FarmConfig.start_ordinals
+    farm.assignment  the Assignment each battle is playing; farm.generation, farm.restarts
+
+    for each iteration i:
+        farm.begin_iteration(plan)           # SlotPlan. Iteration 0: the opening table. Later:
+                                             # must equal farm.assignment (spec 7.5), else raises
+        for cycle t in 0..T, for shard j in 0..J-1 (this order; J = K * S):
+            rnd = farm.next_round(timeout_s) # RolloutRound, see the class
+            if t < T:
+                farm.submit(actions, gamma)  # actions for rnd.slots (scripted seats ignored,
+                                             # the worker fills them); gamma = the schedule's
+    rnd.cycle, rnd.shard, rnd.slots (int32, ascending), rnd.obs_rows, rnd.group (routing, new
+    assignments folded in), rnd.new_episode, rnd.row (= cycle - 1, the row the scalars below
+    belong to; -1 at cycle 0), rnd.reward/terminated/truncated/valid/deploy_status/tick/
+    episode_end (views of farm.scalars[rnd.row, rnd.slots]), rnd.episodes, rnd.ended_battles,
+    rnd.timings["env_ms"].
+    farm.drain_failures() -> [WorkerFailure]   # a dead worker's slots arrive valid=False,
+    farm.restart(w)                            # group -3; restart rejoins at begin_iteration
+    farm.close()                               # idempotent, registered atexit
+
+The assignment protocol (spec 7.5): assign_fn(battle, ordinal) -> Assignment is called by the
+parent inside next_round for every battle whose episode ended on that round (ascending battle
+order), its groups are folded into rnd.group, and the worker is told on that round's submit.
+Without an assign_fn the caller passes submit(actions, gamma, assignments=[...]) with exactly one
+Assignment (ordinal = farm.ordinals[b]) per battle in rnd.ended_battles. The worker never draws.
+
+bench_farm(...) -> dict measures the farm against the direct loop (issue 3 "Show").
+"""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import struct
+import sys
+import time
+import traceback
+from fractions import Fraction
+from typing import Any, Callable
+
+import msgspec
+import numpy as np
+
+import codec
+
+# --- 1. Name-addressed seeding (spec 5.2) -----------------------------------------------------
+# Every random stream is addressed by a path string, never by spawn order (D8): adding a new
+# consumer of randomness cannot perturb an existing stream. The three functions are exactly
+# spec 5.2's; tests/test_farm.py pins their values so a change is deliberate.
+
+def derive_seedseq(master_seed: int, path: str) -> np.random.SeedSequence:
+    digest = hashlib.blake2b(path.encode("utf-8"), digest_size=16).digest()
+    return np.random.SeedSequence(entropy=master_seed, spawn_key=struct.unpack("<4I", digest))
+
+
+def derive_generator(master_seed: int, path: str) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(derive_seedseq(master_seed, path)))
+
+
+def derive_int(master_seed: int, path: str) -> int:
+    """A reproducible 63-bit integer, for env seeds."""
+    w = derive_seedseq(master_seed, path).generate_state(2, dtype=np.uint32).astype(np.uint64)
+    return int((w[0] | (w[1] << np.uint64(32))) >> np.uint64(1))
+
+
+# --- 2. Assignments (spec 4.1) ------------------------------------------------------------------
+
+ROLE_MIRROR, ROLE_POOL, ROLE_SCRIPTED = 0, 1, 2
+GROUP_LEARNER, GROUP_SCRIPTED, GROUP_DEAD = -1, -2, -3
+
+
+class Assignment(msgspec.Struct, frozen=True):
+    """What one battle's next episode is. Drawn by the matchmaker at the battle's own episode
+    boundary, from match/battle/{b}/ordinal/{k}: a pure function of the master seed, the battle
+    index and the reset ordinal."""
+    battle: int
+    ordinal: int                            # reset ordinal this assignment takes effect on
+    role: int                               # 0 mirror, 1 pool, 2 scripted
+    opponent_id: str | None                 # "snap:<id>", "scripted:<name>", or None for mirror
+    group: tuple[int, int]                  # per seat: -1 learner, 0..P-1 resident snapshot,
+                                            #           -2 scripted (worker-side), -3 dead
+    learner_seat: int                       # 0 blue, 1 red; -1 for mirror (both)
+
+
+class SlotPlan(msgspec.Struct, frozen=True):
+    """The iteration's opening assignment table: what every battle plays at the moment the
+    iteration begins. Assignments change only at a battle's own episode boundary."""
+    iteration: int
+    n_battles: int
+    n_slots: int                            # 2 * n_battles
+    assignment: tuple[Assignment, ...]      # one per battle, in battle order
+    resident_snapshots: tuple[str, ...]     # len <= ladder.max_resident_opponents
+
+
+# --- 3. The environment description (spec 6 EnvFactorySpec, 5.3 env value digest) --------------
+# A spec is data that arrives from a config file and later from a checkpoint; importlib on an
+# arbitrary string is a code-execution surface, so only allow-listed modules may be named.
+
+PROJECT_MODULES = ("farm", "codec", "ladder", "ppo_clash", "checks")
+
+
+class ComponentSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One env component: a dotted class (or factory function) path and JSON kwargs. A kwarg
+    value that is itself {"cls": ..., "kwargs": {...}} is built as a nested component (that is
+    how Reveal(enemy_spell_aim=True) reaches SpatialObsBuilder)."""
+    cls: str
+    kwargs: dict[str, Any] = {}
+
+
+class EnvFactorySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The JSON-able environment: sent to workers, recorded in checkpoints, hashed by value."""
+    engine: ComponentSpec
+    obs_builder: ComponentSpec
+    action_parser: ComponentSpec
+    reward_fn: ComponentSpec
+    state_mutator: ComponentSpec
+    termination: list[ComponentSpec]
+    truncation: list[ComponentSpec] = []
+    decision_ms: int = 500
+    extra_component_modules: list[str] = []   # allow-list additions; not part of the value digest
+
+    def digest(self) -> str:
+        """sha256 of the spelling (display only; identity uses env_value_digest)."""
+        return hashlib.sha256(msgspec.json.encode(self, order="deterministic")).hexdigest()
+
+
+def _allowed(path: str, extra: list[str] | tuple[str, ...]) -> bool:
+    mod = path.rsplit(".", 1)[0]
+    if mod == "royalegym" or mod.startswith("royalegym."):
+        return True
+    return any(mod == m or mod.startswith(m + ".") for m in (*PROJECT_MODULES, *extra))
+
+
+def resolve_class(path: str, extra: list[str] | tuple[str, ...] = ()) -> Any:
+    """The class (or factory) a ComponentSpec names, if the allow-list admits it."""
+    if not _allowed(path, extra):
+        raise ValueError(
+            f"component {path!r} is not on the allow-list (royalegym.*, {', '.join(PROJECT_MODULES)}"
+            f"{', ' + ', '.join(extra) if extra else ''}); add its module to "
+            "EnvFactorySpec.extra_component_modules if you mean it")
+    mod, name = path.rsplit(".", 1)
+    try:
+        obj = getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"component {path!r} does not import: {exc}") from exc
+    return obj
+
+
+def _is_component(v: Any) -> bool:
+    return isinstance(v, dict) and "cls" in v and set(v) <= {"cls", "kwargs"}
+
+
+def _build_kwargs(kwargs: dict[str, Any], extra) -> dict[str, Any]:
+    out = {}
+    for k, v in kwargs.items():
+        if _is_component(v):
+            out[k] = resolve_class(v["cls"], extra)(**_build_kwargs(v.get("kwargs", {}), extra))
+        else:
+            out[k] = v
+    return out
+
+
+def _factory_entry(c: ComponentSpec, extra) -> tuple[Any, dict[str, Any]]:
+    return resolve_class(c.cls, extra), _build_kwargs(c.kwargs, extra)
+
+
+def env_factory(spec: EnvFactorySpec) -> Any:
+    """The spec as royalegym's picklable EnvFactory recipe (one place assembles an env)."""
+    from royalegym.env import EnvFactory
+    from royalegym.done_condition import AnyCondition
+    x = spec.extra_component_modules
+    parts: dict[str, Any] = {
+        "engine": _factory_entry(spec.engine, x),
+        "obs_builder": _factory_entry(spec.obs_builder, x),
+        "action_parser": _factory_entry(spec.action_parser, x),
+        "reward_fn": _factory_entry(spec.reward_fn, x),
+        "state_mutator": _factory_entry(spec.state_mutator, x),
+    }
+    for key, conds in (("termination_cond", spec.termination), ("truncation_cond", spec.truncation)):
+        if len(conds) == 1:
+            parts[key] = _factory_entry(conds[0], x)
+        elif len(conds) > 1:
+            # AnyCondition takes built conditions; they pickle (plain classes), so EnvFactory's
+            # check still passes.
+            built = [cls(**kw) for cls, kw in (_factory_entry(c, x) for c in conds)]
+            parts[key] = (AnyCondition, {"conditions": built})
+    return EnvFactory(**parts, decision_ms=spec.decision_ms)
+
+
+def build_vec(spec: EnvFactorySpec, num_games: int, *, viser: Any = None,
+              autoreset_seed_fn: Callable[[int, int], int] | None = None) -> Any:
+    from royalegym.env import ClashSelfPlayVecEnv
+    return ClashSelfPlayVecEnv(num_games, env_factory(spec), viser=viser,
+                               autoreset_seed_fn=autoreset_seed_fn)
+
+
+def _value(v: Any, extra) -> Any:
+    """A kwarg value as the identity sees it: numbers as floats, a bool stays a bool, a nested
+    component by value, any other object through msgspec.to_builtins or by its type name."""
+    if isinstance(v, bool) or v is None or isinstance(v, str):
+        return v
+    if isinstance(v, (int, float, np.integer, np.floating)):
+        return float(v)
+    if _is_component(v):
+        return _component_value(ComponentSpec(v["cls"], v.get("kwargs", {})), extra)
+    if isinstance(v, (list, tuple)):
+        return [_value(e, extra) for e in v]
+    if isinstance(v, dict):
+        return {str(k): _value(e, extra) for k, e in v.items()}
+    try:
+        return _value(msgspec.to_builtins(v), extra)
+    except (TypeError, msgspec.EncodeError):
+        return f"<{type(v).__module__}.{type(v).__qualname__}>"
+
+
+def _component_value(c: ComponentSpec, extra) -> dict[str, Any]:
+    obj = resolve_class(c.cls, extra)
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None:
+        try:
+            bound = sig.bind(**c.kwargs)
+        except TypeError as exc:
+            raise ValueError(f"component {c.cls}: kwargs {sorted(c.kwargs)} do not fit its "
+                             f"signature {sig}: {exc}") from exc
+        bound.apply_defaults()
+        kw = dict(bound.arguments)
+    else:
+        kw = dict(c.kwargs)
+    return {"cls": c.cls, "kwargs": {k: _value(v, extra) for k, v in sorted(kw.items())}}
+
+
+def env_value_digest(spec: EnvFactorySpec) -> str:
+    """sha256 over each component's kwargs bound to its real signature, defaults applied,
+    numbers as floats (spec 5.3): {} and the defaults written out hash alike, 1 and 1.0 too."""
+    x = spec.extra_component_modules
+    doc = {
+        "engine": _component_value(spec.engine, x),
+        "obs_builder": _component_value(spec.obs_builder, x),
+        "action_parser": _component_value(spec.action_parser, x),
+        "reward_fn": _component_value(spec.reward_fn, x),
+        "state_mutator": _component_value(spec.state_mutator, x),
+        "termination": [_component_value(c, x) for c in spec.termination],
+        "truncation": [_component_value(c, x) for c in spec.truncation],
+        "decision_ms": float(spec.decision_ms),
+    }
+    return hashlib.sha256(msgspec.json.encode(doc, order="deterministic")).hexdigest()
+
+
+def default_env_spec(*, reveal_spell_aim: bool = False, max_steps: int | None = None,
+                     reward: ComponentSpec | None = None) -> EnvFactorySpec:
+    """RustEngine, SpatialObsBuilder, TileActionParser, the potential reward, a full battle
+    (plus a StepLimit truncation when max_steps is given: how tests keep episodes short)."""
+    ob_kwargs: dict[str, Any] = {}
+    if reveal_spell_aim:
+        ob_kwargs["reveal"] = {"cls": "royalegym.obs.Reveal", "kwargs": {"enemy_spell_aim": True}}
+    trunc = [] if max_steps is None else [
+        ComponentSpec("royalegym.done_condition.StepLimitCondition", {"max_steps": max_steps})]
+    return EnvFactorySpec(
+        engine=ComponentSpec("royalegym.rust_engine.RustEngine"),
+        obs_builder=ComponentSpec("royalegym.obs.SpatialObsBuilder", ob_kwargs),
+        action_parser=ComponentSpec("royalegym.action.TileActionParser"),
+        reward_fn=reward or ComponentSpec("farm.default_potential_reward"),
+        state_mutator=ComponentSpec("royalegym.state_mutator.DefaultStateMutator"),
+        termination=[ComponentSpec("royalegym.done_condition.GameOverCondition")],
+        truncation=trunc,
+    )
+
+
+# --- 4. EnvSpec, read off a built and reset env (spec 4.1, 7.7 steps 1-3) ----------------------
+
+class ObsKeySpec(msgspec.Struct, frozen=True):
+    shape: tuple[int, ...]
+    dtype: str
+    low: tuple[float, ...]                  # per channel for a 3-D key, length 1 otherwise
+    high: tuple[float, ...]
+
+
+class EnvSpec(msgspec.Struct, frozen=True):
+    num_cards: int
+    obs_space: dict[str, ObsKeySpec]
+    vector_layout: tuple[tuple[str, int, int], ...]   # (name, offset, size)
+    spatial_layout: tuple[tuple[str, bool], ...]      # (name, static)
+    frame_stack: int
+    vector_size: int
+    spatial_shape: tuple[int, int, int]
+    n_actions: int
+    hand_size: int
+    tiles: tuple[int, int]                  # (tiles_y, tiles_x)
+    decision_ms: int
+    tick_ms: int
+    decision_ticks: int
+    regular_ticks: int
+    overtime_ticks: int
+    engine_build_digest: str
+    engine_binary: str                      # config()["engine"]["params"]["engine_binary_sha256"]
+    calibration_digest: str
+    config_digest: str                      # sha256 of ClashParallelEnv.config(), canonical JSON
+    obs_digest: str
+    env_value_digest: str
+    env_factory: EnvFactorySpec
+
+
+def _key_spec(space: Any) -> ObsKeySpec:
+    low, high = np.asarray(space.low, dtype=np.float64), np.asarray(space.high, dtype=np.float64)
+    if low.ndim == 3:
+        lo = tuple(float(low[c].min()) for c in range(low.shape[0]))
+        hi = tuple(float(high[c].max()) for c in range(high.shape[0]))
+    else:
+        lo, hi = (float(low.min()),), (float(high.max()),)
+    return ObsKeySpec(tuple(int(d) for d in space.shape), np.dtype(space.dtype).name, lo, hi)
+
+
+def engine_binary(config: dict[str, Any]) -> str:
+    """spec 5.3's one rule: the binary hash the engine states in its own config, else
+    "not stated" (an engine with no compiled file)."""
+    params = ((config.get("engine") or {}).get("params") or {})
+    return str(params.get("engine_binary_sha256", "not stated"))
+
+
+def spaces_signature(obs_space: Any, n_actions: int) -> str:
+    """sha256 over every observation key's shape, dtype and bounds and the action count: what a
+    worker's handshake must agree on with the parent (spec 7.7)."""
+    return _sig_from_keyspecs({k: _key_spec(s) for k, s in obs_space.spaces.items()}, n_actions)
+
+
+def _sig_from_keyspecs(obs_space: dict[str, ObsKeySpec], n_actions: int) -> str:
+    doc = {k: msgspec.to_builtins(v) for k, v in obs_space.items()}
+    doc["__n_actions__"] = int(n_actions)
+    return hashlib.sha256(msgspec.json.encode(doc, order="deterministic")).hexdigest()
+
+
+def read_env_spec(spec: EnvFactorySpec, env: Any, frame_stack: int) -> EnvSpec:
+    """Every field read from `env`, a ClashParallelEnv that has been reset (a fresh env reports
+    decision_ticks = 1 until its first reset, spec 7.7 step 1)."""
+    if env.battle_state is None:
+        raise ValueError("read_env_spec needs an env that has been reset")
+    space = env.observation_space("blue")
+    obs_space = {k: _key_spec(s) for k, s in space.spaces.items()}
+    if "spatial" not in obs_space or "vector" not in obs_space:
+        raise ValueError(f"the observation space has keys {sorted(obs_space)}; the farm needs "
+                         "'spatial' and 'vector' (a SpatialObsBuilder)")
+    ob = env.obs_builder
+    vl, off = [], 0
+    for f in ob.vector_layout():
+        vl.append((f.key, off, int(f.size)))
+        off += int(f.size)
+    if off != obs_space["vector"].shape[0]:
+        raise ValueError(f"vector_layout sums to {off} but the vector key is "
+                         f"{obs_space['vector'].shape[0]} wide")
+    sl = tuple((str(n), bool(s)) for n, s in ob.spatial_layout())
+    cfg = env.config()
+    state = env.battle_state
+    cal = env.calibration
+    tick_ms = int(state.tick_ms)
+    arena = env.engine.arena()
+    n_actions = int(env.action_space("blue").n)
+    mp = obs_space.get("mask_planes")
+    from royalegym.protocol import HAND_SIZE
+    hand = int(mp.shape[0]) if mp is not None else int(HAND_SIZE)
+    ob_comp = msgspec.to_builtins(spec.obs_builder)
+    num_cards = len(env.engine.cards())
+    obs_doc = {"obs_space": msgspec.to_builtins(obs_space), "vector_layout": vl,
+               "spatial_layout": sl, "frame_stack": frame_stack, "n_actions": n_actions,
+               "num_cards": num_cards, "obs_builder": ob_comp,
+               "obs_builder_config": cfg.get("obs_builder")}
+    obs_digest = hashlib.sha256(msgspec.json.encode(obs_doc, order="deterministic")).hexdigest()
+    sp = obs_space["spatial"].shape
+    return EnvSpec(
+        num_cards=num_cards, obs_space=obs_space, vector_layout=tuple(vl), spatial_layout=sl,
+        frame_stack=int(frame_stack), vector_size=obs_space["vector"].shape[0],
+        spatial_shape=(sp[0], sp[1], sp[2]), n_actions=n_actions, hand_size=hand,
+        tiles=(int(arena.tiles_y), int(arena.tiles_x)), decision_ms=int(cfg["decision_ms"]),
+        tick_ms=tick_ms, decision_ticks=int(cfg["decision_ticks"]),
+        regular_ticks=-(-cal.int("match.REGULAR_TIME_S") * 1000 // tick_ms),
+        overtime_ticks=-(-cal.int("match.OVERTIME_S") * 1000 // tick_ms),
+        engine_build_digest=str(cfg.get("build_digest")), engine_binary=engine_binary(cfg),
+        calibration_digest=str(cfg.get("calibration_digest")),
+        config_digest=hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest(),
+        obs_digest=obs_digest, env_value_digest=env_value_digest(spec), env_factory=spec)
+
+
+def preflight(spec: EnvFactorySpec, *, frame_stack: int = 1, master_seed: int = 0,
+              sample_steps: int = 32) -> tuple[EnvSpec, "codec.CodecTable"]:
+    """Build one 2-battle vec env, reset it, read the EnvSpec and decide the codec table from a
+    sample of random-legal play (stream "preflight/sample"). The table is decided ONCE here and
+    handed to every worker, so all of them pack with the same table."""
+    from royalegym.selfplay import RandomLegalOpponent
+    vec = build_vec(spec, 2, autoreset_seed_fn=lambda g, k: derive_int(master_seed, f"preflight/battle/{g}/ordinal/{k}"))
+    obs, _ = vec.reset()
+    env_spec = read_env_spec(spec, vec.envs[0], frame_stack)
+    rng = derive_generator(master_seed, "preflight/sample")
+    opp = RandomLegalOpponent(0.5)
+    sample = [obs]
+    for _ in range(sample_steps):
+        acts = np.array([opp.act({}, obs["action_mask"][i], rng) for i in range(vec.num_envs)])
+        obs, *_ = vec.step(acts)
+        sample.append(obs)
+    table = codec.decide_table(vec.single_observation_space, env_spec.spatial_layout, sample)
+    vec.close()
+    return env_spec, table
+
+
+# --- 5. The potential-based reward (spec 10) -----------------------------------------------------
+# Each shaping term pays gamma * Phi(s') - Phi(s), with Phi(s') = 0 once the battle is over (a
+# truncated battle keeps the position's potential: the learner bootstraps from it). gamma comes
+# from the schedule: every submit carries it and the runner forwards it to every term through
+# PotentialCombinedReward.set_gamma, so the reward and the learner's GAE use one number.
+
+from royalegym.reward import CombinedReward, RewardFunction, WinLossReward  # noqa: E402
+
+TERMINAL_REWARD_TERM = "terminal"
+
+
+class PotentialReward(RewardFunction):
+    """gamma * Phi(s') - Phi(s); subclasses define potential(state, team)."""
+
+    def __init__(self) -> None:
+        self.gamma = 1.0
+
+    def set_gamma(self, gamma: float) -> None:
+        self.gamma = float(gamma)
+
+    def potential(self, state: Any, team: int) -> Any:
+        raise NotImplementedError
+
+    def phi(self, state: Any, team: int) -> Any:
+        return 0 if state.game_over else self.potential(state, team)
+
+    def get_reward(self, team, prev, state, results) -> float:
+        return float(self.gamma * self.phi(state, team) - self.phi(prev, team))
+
+
+class PotentialCrownReward(PotentialReward):
+    """Phi = (own_crowns - foe_crowns) / 3."""
+
+    def potential(self, state, team):
+        return (state.players[team].crowns - state.players[1 - team].crowns) / 3.0
+
+
+class PotentialTowerHPReward(PotentialReward):
+    """Phi = (sum_s own_hp/own_max - sum_s foe_hp/foe_max) / 3 (the mean tower fraction,
+    royalegym.env.tower_hp_frac, so what is logged and what is optimised are one number)."""
+
+    @staticmethod
+    def _side(p) -> float:
+        return sum(max(0, p.tower_hp[s]) / max(1, p.tower_max_hp[s]) for s in range(len(p.tower_hp)))
+
+    def potential(self, state, team):
+        return (self._side(state.players[team]) - self._side(state.players[1 - team])) / 3.0
+
+
+class CommittedElixirPotential(PotentialReward):
+    """Phi = ((own_bar + own_board) - (foe_bar + foe_board)) / scale, exact Fractions: bar is
+    elixir_milli / 1000, board the sum of Fraction(card.elixir, card.count) over that player's
+    live non-tower entities whose (max_hp, radius, flying) match their card's row (the rule of
+    royalegym's ElixirTradeReward: a unit the catalogue does not price is worth zero). Exact, so
+    the seat-mirror antisymmetry is checkable (a float sum gives +-1.1e-19, spec 10)."""
+
+    def __init__(self, scale: float = 10.0) -> None:
+        super().__init__()
+        self.scale = scale
+        self._value: dict[int, Fraction] = {}
+        self._row: dict[int, tuple[int, int, bool]] = {}
+
+    def config(self) -> dict[str, object]:
+        return {"scale": self.scale}
+
+    def bind(self, engine) -> None:
+        cards = engine.cards()
+        self._value = {c.card_id: Fraction(c.elixir, max(1, c.count)) for c in cards}
+        self._row = {c.card_id: (c.hitpoints, c.radius, c.flying) for c in cards}
+
+    def _board(self, state, team) -> Fraction:
+        from royalegym.protocol import EntityKind
+        total = Fraction(0)
+        for e in state.entities:
+            if e.team != team or e.kind in (EntityKind.KING_TOWER, EntityKind.PRINCESS_TOWER):
+                continue
+            if self._row.get(e.card_id) == (e.max_hp, e.radius, e.flying):
+                total += self._value[e.card_id]
+        return total
+
+    def potential(self, state, team):
+        own = Fraction(state.players[team].elixir_milli, 1000) + self._board(state, team)
+        foe = Fraction(state.players[1 - team].elixir_milli, 1000) + self._board(state, 1 - team)
+        return (own - foe) / Fraction(self.scale)
+
+
+class GammaProbeReward(PotentialReward):
+    """Phi = 1 everywhere (0 once over): pays exactly gamma - 1 a step. A probe for the test
+    that the schedule's gamma reaches the reward during collection (spec 10)."""
+
+    def potential(self, state, team):
+        return 1.0
+
+
+class PotentialCombinedReward(CombinedReward):
+    """royalegym's CombinedReward with gamma forwarded to every term that takes one, and the
+    objective (term index `terminal`) filed under TERMINAL_REWARD_TERM so a class rename cannot
+    move the shaping alarm's arithmetic (spec 10)."""
+
+    def __init__(self, terms, terminal: int = 0) -> None:
+        super().__init__(terms)
+        self.terminal = terminal
+
+    def set_gamma(self, gamma: float) -> None:
+        for t, _ in self.terms:
+            setter = getattr(t, "set_gamma", None)
+            if callable(setter):
+                setter(gamma)
+
+    def config(self) -> dict[str, object]:
+        return {**super().config(), "terminal": self.terminal}
+
+    def get_reward(self, team, prev, state, results) -> float:
+        total = 0.0
+        breakdown: dict[str, float] = {}
+        self.last_terms[team] = breakdown
+        for i, (t, w) in enumerate(self.terms):
+            v = w * t.get_reward(team, prev, state, results)
+            breakdown[TERMINAL_REWARD_TERM if i == self.terminal else type(t).__name__] = v
+            total += v
+        return total
+
+
+def default_potential_reward(*, crown: float = 0.2, tower_hp: float = 0.1,
+                             elixir: float = 0.05) -> PotentialCombinedReward:
+    for name, w in (("crown", crown), ("tower_hp", tower_hp), ("elixir", elixir)):
+        if not (np.isfinite(w) and w >= 0):
+            raise ValueError(f"default_potential_reward({name}={w}): a weight must be finite and >= 0")
+    return PotentialCombinedReward([
+        (WinLossReward(draw=0.0), 1.0),            # royalegym's; the objective
+        (PotentialCrownReward(), crown),
+        (PotentialTowerHPReward(), tower_hp),
+        (CommittedElixirPotential(scale=10.0), elixir),
+    ])
+
+
+def probe_reward() -> PotentialCombinedReward:
+    """The terminal term plus the gamma probe: what the gamma-reaches-the-reward test runs."""
+    return PotentialCombinedReward([(WinLossReward(draw=0.0), 1.0), (GammaProbeReward(), 1.0)])
+
+
+# --- 6. Scripted opponents (spec 7.4): run in the worker, numpy only ---------------------------
+# opponent_ix in an assignment indexes this table; each scripted slot draws from its own
+# generator, scripted/worker/{w}/slot/{r}/gen/{g}.
+
+def _make_scripted(name: str) -> Any:
+    from royalegym import opponents as o
+    from royalegym.selfplay import NoopOpponent, RandomLegalOpponent
+    table = {
+        "noop": NoopOpponent, "random_legal": lambda: RandomLegalOpponent(0.9),
+        "random": lambda: RandomLegalOpponent(0.7), "first-affordable": o.FirstAffordableOpponent,
+        "defend": o.DefendOpponent, "push": o.PushOpponent,
+        "patient": lambda: o.PatientOpponent(ready=3),
+    }
+    return table[name]()
+
+
+SCRIPTED_NAMES = ("noop", "random_legal", "random", "first-affordable", "defend", "push", "patient")
+"""noop, random_legal(0.9), then royalegym.opponents.ladder()'s rungs after noop, by its names."""
+
+
+def scripted_assignment(battle: int, ordinal: int, name: str, learner_seat: int) -> Assignment:
+    """A scripted battle: the learner on one seat, `name` (SCRIPTED_NAMES) on the other."""
+    g = [GROUP_LEARNER, GROUP_LEARNER]
+    g[1 - learner_seat] = GROUP_SCRIPTED
+    return Assignment(battle, ordinal, ROLE_SCRIPTED, f"scripted:{name}", (g[0], g[1]), learner_seat)
+
+
+def mirror_assignment(battle: int, ordinal: int) -> Assignment:
+    return Assignment(battle, ordinal, ROLE_MIRROR, None, (GROUP_LEARNER, GROUP_LEARNER), -1)
+
+
+# --- 7. The byte layout (spec 7.3): the cross-language contract ---------------------------------
+# Segment A "rlb-<tag>-<pid>-<n>": a 128-byte header, then the rectangle, (T + frame_stack) rows
+# of R slots of codec row_bytes; cycle t's observation of slot r is at row t + frame_stack - 1.
+# Segment B "rlc-<tag>-<pid>-<w>", one per worker: a 4 KiB handshake area, then per shard:
+#   control 64 B | error 512 B | scalars n*32 B | finals n*row_bytes | actions n*2 B (pad 8) |
+#   assign n*4 B (pad 8) | episodes n*EPISODE_BYTES_PER_SLOT (u32 length + msgspec JSON)
+# Deviations from spec 7.3, on purpose: one buffer per shard, not two parities (rollout.overlap
+# is refused, DESIGN.md 4, so a second parity would never be written); no plan area (the
+# opening table reaches the worker as assign entries on the first Step, which is the one path
+# an assignment takes, so there is one way to do it); finals are indexed by the slot within the
+# shard (n_trunc_max = n: every slot can truncate on one round); the episode area is added (an
+# EpisodeRecord crosses the boundary once per finished episode, spec 7.4).
+
+LAYOUT_VERSION = 1
+MAGIC = b"CLASHRLB"
+HEADER_BYTES = 128
+HANDSHAKE_BYTES = 4096
+CONTROL_BYTES = 64
+ERROR_BYTES = 512
+SCALAR_BYTES = 32
+ACTION_BYTES = 2
+ASSIGN_BYTES = 4
+EPISODE_BYTES_PER_SLOT = 16384
+
+HEADER_DTYPE = np.dtype({
+    "names": ["magic", "layout_version", "codec_version", "cycles", "frame_stack", "n_slots",
+              "row_bytes", "obs_offset", "pad"],
+    "formats": ["S8", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u8", "V88"],
+    "offsets": [0, 8, 12, 16, 20, 24, 28, 32, 40], "itemsize": HEADER_BYTES})
+
+CONTROL_DTYPE = np.dtype({
+    # state/cycle/n_slots/err_code/err_len/t_env_ns are spec 7.3's; cmd_* parent -> child.
+    "names": ["state", "n_slots", "cycle", "err_code", "err_len", "t_env_ns", "cmd_seq", "pub_seq",
+              "cmd_kind", "cmd_flags", "cmd_row", "gamma"],
+    "formats": ["<u4", "<u4", "<i8", "<u4", "<u4", "<u8", "<u8", "<u8", "<u2", "<u2", "<u4", "<f8"],
+    "offsets": [0, 4, 8, 16, 20, 24, 32, 40, 48, 50, 52, 56], "itemsize": CONTROL_BYTES})
+
+SCALAR_DTYPE = np.dtype({
+    # every byte is a named field (pad included) so a copy moves all 32 and rows compare bytewise
+    "names": ["reward", "group", "flags", "deploy_status", "episode_end", "tick", "episode_steps",
+              "cards_played", "elixir_leak", "pad"],
+    "formats": ["<f4", "i1", "u1", "i1", "i1", "<i4", "<i4", "<i2", "<i2", "V12"],
+    "offsets": [0, 4, 5, 6, 7, 8, 12, 16, 18, 20], "itemsize": SCALAR_BYTES})
+
+ASSIGN_DTYPE = np.dtype({
+    "names": ["group", "opponent_ix", "learner_seat", "present"],
+    "formats": ["i1", "i1", "i1", "u1"], "offsets": [0, 1, 2, 3], "itemsize": ASSIGN_BYTES})
+
+# scalars.flags bits
+F_TERMINATED, F_TRUNCATED, F_VALID, F_FINAL = 1, 2, 4, 8
+# episode_end: 0 none, 1 win, 2 loss, 3 draw (spec 4.1), 4 ended with no winner (a truncation,
+# or a termination condition that does not end the game, e.g. FirstCrownCondition)
+END_NONE, END_WIN, END_LOSS, END_DRAW, END_NO_RESULT = 0, 1, 2, 3, 4
+# control.state
+ST_STARTING, ST_READY, ST_FAILED, ST_CLOSED = 0, 1, 2, 3
+# control.cmd_kind
+CMD_STEP, CMD_CLOSE = 1, 2
+# control.err_code (spec 7.3)
+ERR_NONE, ERR_EXCEPTION, ERR_CRASH = 0, 1, 2
+
+assert HEADER_DTYPE.itemsize == HEADER_BYTES and CONTROL_DTYPE.itemsize == CONTROL_BYTES
+assert SCALAR_DTYPE.itemsize == SCALAR_BYTES and ASSIGN_DTYPE.itemsize == ASSIGN_BYTES
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def shard_layout(n: int, row_bytes: int) -> dict[str, tuple[int, int]]:
+    """(offset, size) of each region of one shard's block in segment B, relative to the block."""
+    sizes = [("control", CONTROL_BYTES), ("error", ERROR_BYTES), ("scalars", n * SCALAR_BYTES),
+             ("finals", _pad8(n * row_bytes)), ("actions", _pad8(n * ACTION_BYTES)),
+             ("assign", _pad8(n * ASSIGN_BYTES)), ("episodes", n * EPISODE_BYTES_PER_SLOT)]
+    out, off = {}, 0
+    for name, size in sizes:
+        out[name] = (off, size)
+        off += size
+    out["total"] = (0, off)
+    return out
+
+
+def segment_b_bytes(n: int, shards: int, row_bytes: int) -> int:
+    return HANDSHAKE_BYTES + shards * shard_layout(n, row_bytes)["total"][1]
+
+
+def segment_a_bytes(cycles: int, frame_stack: int, n_slots: int, row_bytes: int) -> int:
+    return HEADER_BYTES + (cycles + frame_stack) * n_slots * row_bytes
+
+
+class ShardIO:
+    """numpy views of one shard's block in segment B (shared memory or, inline, a bytearray)."""
+
+    def __init__(self, buf: Any, base: int, n: int, row_bytes: int) -> None:
+        lay = shard_layout(n, row_bytes)
+
+        def view(name, dtype, count):
+            off, _ = lay[name]
+            return np.ndarray((count,), dtype=dtype, buffer=buf, offset=base + off)
+        self.control = view("control", CONTROL_DTYPE, 1)
+        self.error = view("error", np.uint8, ERROR_BYTES)
+        self.scalars = view("scalars", SCALAR_DTYPE, n)
+        self.finals = view("finals", np.uint8, n * row_bytes).reshape(n, row_bytes)
+        self.actions = view("actions", "<i2", n)
+        self.assign = view("assign", ASSIGN_DTYPE, n)
+        self.episodes = view("episodes", np.uint8, n * EPISODE_BYTES_PER_SLOT)
+
+    def write_text(self, text: str) -> None:
+        raw = text.encode("utf-8")[-(ERROR_BYTES):]
+        self.error[: len(raw)] = np.frombuffer(raw, np.uint8)
+        self.control["err_len"] = len(raw)
+
+    def read_text(self) -> str:
+        n = int(self.control["err_len"][0])
+        return bytes(self.error[:n]).decode("utf-8", "replace")
+
+
+def write_header(buf: Any, cycles: int, frame_stack: int, n_slots: int, row_bytes: int) -> None:
+    h = np.ndarray((1,), HEADER_DTYPE, buffer=buf, offset=0)
+    h[0] = (MAGIC, LAYOUT_VERSION, codec.CODEC_VERSION, cycles, frame_stack, n_slots, row_bytes,
+            HEADER_BYTES, bytes(88))
+
+
+def rect_view(buf: Any, cycles: int, frame_stack: int, n_slots: int, row_bytes: int) -> np.ndarray:
+    return np.ndarray((cycles + frame_stack, n_slots, row_bytes), np.uint8, buffer=buf,
+                      offset=HEADER_BYTES)
+
+
+# --- 8. Records and configuration (spec 4.1) ----------------------------------------------------
+
+class EpisodeRecord(msgspec.Struct, frozen=True):
+    """One seat's finished episode. The terminal statistics are copied out of final_info; the
+    rest the worker counted. episode_seed and played make the episode re-simulable: reset a
+    ClashParallelEnv built from the same EnvFactorySpec with seed=episode_seed and replay
+    `played` ((decision index, seat, action) for every non-no-op action of BOTH seats)."""
+    slot: int
+    worker: int
+    shard: int
+    battle: int
+    seat: int
+    ordinal: int
+    episode_seed_path: str
+    episode_seed: int
+    policy_id: str                          # "learner" | "snap:<id>" | "scripted:<name>"
+    opponent_id: str
+    bucket: str                             # "mirror" | "pool" | "scripted"
+    episode_steps: int
+    episode_ticks: int
+    own_crowns: int
+    enemy_crowns: int
+    own_tower_hp_frac: float
+    enemy_tower_hp_frac: float
+    elixir_leak_steps: int
+    elixir_count_exact: bool
+    winner: int                             # -1 none, 0 blue, 1 red, 2 draw
+    outcome: int                            # +1 win, 0 draw/none, -1 loss
+    cards_played: int
+    illegal_commands: int
+    undiscounted_return: float
+    reward_terms: dict[str, float]
+    played: tuple[tuple[int, int, int], ...]
+
+
+class WorkerFailure(msgspec.Struct, frozen=True):
+    worker: int
+    shard: int
+    cycle: int
+    kind: str                               # "exception" | "crash" | "timeout" | "protocol"
+    message: str                            # the child's traceback, verbatim
+
+
+class FarmError(RuntimeError):
+    """A farm refused to start or to continue; the message names the worker and the remedy."""
+
+
+class WorkerTimeout(FarmError):
+    """A wait ran past its timeout; names the worker, shard and cycle and the exit codes."""
+
+
+class FarmConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    env: EnvFactorySpec
+    master_seed: int
+    workers: int = 1
+    shards_per_worker: int = 1
+    games_per_worker: int = 2               # battles per worker, split evenly over its shards
+    cycles: int = 16                        # T
+    frame_stack: int = 1
+    spin_us: int = 200                      # spin before sleeping on a semaphore (spec 7.3)
+    round_timeout_s: float = 30.0
+    join_timeout_s: float = 10.0
+    startup_timeout_s: float = 120.0
+    launch_delay_s: float = 0.0
+    max_restarts_per_worker: int = 3
+    viewer: bool = True                     # worker 0's first shard gets viser="env"
+    start_ordinals: list[int] | None = None  # per battle; a resume restores them
+    debug_fault: str = ""                   # tests only: "raise:<w>:<steps>", "hang:<w>:<steps>"
+
+    @property
+    def games_per_shard(self) -> int:
+        return self.games_per_worker // self.shards_per_worker
+
+    @property
+    def n_battles(self) -> int:
+        return self.workers * self.games_per_worker
+
+    @property
+    def n_slots(self) -> int:
+        return 2 * self.n_battles
+
+    @property
+    def n_shards(self) -> int:
+        return self.workers * self.shards_per_worker
+
+    def check(self) -> None:
+        if self.games_per_worker % self.shards_per_worker or self.games_per_shard < 1:
+            raise ValueError(f"games_per_worker={self.games_per_worker} must be a positive "
+                             f"multiple of shards_per_worker={self.shards_per_worker}")
+        if self.start_ordinals is not None and len(self.start_ordinals) != self.n_battles:
+            raise ValueError(f"start_ordinals has {len(self.start_ordinals)} entries; the farm "
+                             f"has {self.n_battles} battles")
+
+
+SLEEP_S = 0.05   # the longest a waiting side sleeps on a semaphore before looking again (spec 7.3)
+
+SPIN_S_DEFAULT = 200e-6
+
+
+def _wait_word(is_new: Callable[[], bool], sem: Any, spin_s: float, sleep_s: float) -> bool:
+    """True once is_new() (the control word) says so, having taken the token that announced it.
+    Spin for spin_s timed with perf_counter (time.monotonic moves in 15.6 ms steps on Windows),
+    then sleep on the semaphore for at most sleep_s. The word is the truth; a wake is not."""
+    if is_new():
+        sem.acquire(timeout=5.0)                  # the token follows the word; take it
+        return True
+    end = time.perf_counter() + spin_s
+    while time.perf_counter() < end:
+        if is_new():
+            sem.acquire(timeout=5.0)
+            return True
+    # a token is released only after its word is written, so a token taken here is a command
+    return bool(sem.acquire(timeout=sleep_s))
+
+
+# --- 9. The shard runner: the worker's loop body (spec 7.4), shared by both farms -------------
+
+def _battle_seed(master_seed: int, base: int, game: int, ordinal: int) -> int:
+    return derive_int(master_seed, f"env/battle/{base + game}/ordinal/{ordinal}")
+
+
+class ShardRunner:
+    """One ClashSelfPlayVecEnv and everything counted about it. numpy only."""
+
+    def __init__(self, cfg: FarmConfig, table: Any, w: int, s: int, gen: int,
+                 ordinals: list[int]) -> None:
+        import functools
+        self.cfg, self.w, self.s, self.gen = cfg, w, s, gen
+        M = cfg.games_per_shard
+        self.n = 2 * M
+        self.battle0 = (w * cfg.shards_per_worker + s) * M
+        self.slot0 = 2 * self.battle0
+        fn = functools.partial(_battle_seed, cfg.master_seed, self.battle0)
+        viser = "env" if (cfg.viewer and w == 0 and s == 0) else None
+        self.vec = build_vec(cfg.env, M, viser=viser, autoreset_seed_fn=fn)
+        self.vec.set_episode_ordinals(ordinals)
+        self.ordinal = np.asarray(ordinals, np.int64)       # of the episode now running
+        self.packer = codec.Packer(table)
+        self.row_bytes = table.row_bytes
+        self.group = np.full(self.n, GROUP_LEARNER, np.int8)
+        self.opp_ix = np.full(self.n, -1, np.int8)
+        self.scripted: list[Any] = [None] * self.n
+        self.rngs = [derive_generator(cfg.master_seed,
+                                      f"scripted/worker/{w}/slot/{self.slot0 + i}/gen/{gen}")
+                     for i in range(self.n)]
+        self.gamma: float | None = None
+        self.ep_step = np.zeros(M, np.int64)                # decision index within the episode
+        self.cards = np.zeros(self.n, np.int64)
+        self.illegal = np.zeros(self.n, np.int64)
+        self.ret = np.zeros(self.n, np.float64)
+        self.played: list[list[tuple[int, int, int]]] = [[] for _ in range(M)]
+        self.obs: dict[str, np.ndarray] | None = None
+        self.steps_taken = 0
+        fault = cfg.debug_fault.split(":") if cfg.debug_fault else []
+        self.fault = (fault[0], int(fault[2])) if fault and int(fault[1]) == w and s == 0 else None
+
+    def reset(self, io: ShardIO, rect_row: np.ndarray) -> None:
+        """Start every battle's episode (seeded by name, env/battle/{b}/ordinal/{k}) and publish
+        the first observations. reset() gets no seed: every episode, the first included, takes
+        its seed from autoreset_seed_fn, so spec 5.2's shard path env/worker/{w}/shard/{s}/gen/{g}
+        has no consumer here; a restart moves each battle to its next ordinal instead, and the
+        generation reaches the scripted opponents' streams."""
+        obs, _ = self.vec.reset()
+        self.obs = obs
+        self.packer.pack(obs, rect_row, self.slot0)
+        io.scalars[:] = np.zeros(self.n, SCALAR_DTYPE)
+        io.scalars["flags"] = F_VALID
+        io.scalars["group"] = self.group
+        io.episodes[:4] = 0
+
+    def _apply_assignments(self, assign: np.ndarray) -> None:
+        for i in np.flatnonzero(assign["present"]):
+            self.group[i] = assign["group"][i]
+            self.opp_ix[i] = assign["opponent_ix"][i]
+            self.scripted[i] = (_make_scripted(SCRIPTED_NAMES[self.opp_ix[i]])
+                                if self.group[i] == GROUP_SCRIPTED else None)
+
+    def step(self, io: ShardIO, rect_row: np.ndarray, gamma: float) -> None:
+        from royalegym.action import NOOP
+        self.steps_taken += 1
+        if self.fault is not None and self.steps_taken >= self.fault[1]:
+            if self.fault[0] == "raise":
+                raise RuntimeError(f"planted fault in worker {self.w} at step {self.steps_taken}")
+            if self.fault[0] == "hang":
+                time.sleep(3600)
+        self._apply_assignments(io.assign)
+        acts = io.actions.astype(np.int64)
+        for i in np.flatnonzero(self.group == GROUP_SCRIPTED):
+            one = {k: v[i] for k, v in self.obs.items()}
+            acts[i] = self.scripted[i].act(one, self.obs["action_mask"][i], self.rngs[i])
+        if gamma != self.gamma:                 # the schedule's gamma reaches every term
+            for env in self.vec.envs:
+                setter = getattr(env.reward_fn, "set_gamma", None)
+                if callable(setter):
+                    setter(gamma)
+            self.gamma = gamma
+        acted_group = self.group.copy()
+        for i in np.flatnonzero(acts != NOOP):
+            self.played[i // 2].append((int(self.ep_step[i // 2]), int(i % 2), int(acts[i])))
+        t0 = time.perf_counter_ns()
+        obs, rew, term, trunc, info = self.vec.step(acts)
+        io.control["t_env_ns"] = time.perf_counter_ns() - t0
+        self.ep_step += 1
+        deploy = np.asarray(info["deploy_status"]).astype(np.int64)
+        tick = np.asarray(info["tick"]).astype(np.int64)
+        done = term | trunc
+        fin = info.get("final_info")
+        if fin is not None:
+            m = np.asarray(info["_final_info"])
+            # after an autoreset the flat keys hold the NEW episode's reset info; the transition's
+            # own deploy_status and tick are in final_info
+            deploy[m] = np.asarray(fin["deploy_status"])[m]
+            tick[m] = np.asarray(fin["tick"])[m]
+        self.ret += rew
+        self.cards += deploy == 0
+        self.illegal += (deploy >= 1) & (deploy <= 11)
+        sc = np.zeros(self.n, SCALAR_DTYPE)
+        sc["reward"] = rew
+        sc["group"] = acted_group
+        sc["flags"] = (F_TERMINATED * term + F_TRUNCATED * trunc + F_VALID).astype(np.uint8)
+        sc["deploy_status"] = deploy
+        sc["tick"] = tick
+        episodes: list[dict[str, Any]] = []
+        if done.any():
+            fo = info["final_obs"]
+            for i in map(int, np.flatnonzero(done)):
+                g = i // 2
+                w_ = int(fin["winner"][i]) if "winner" in fin and fin["_winner"][i] else -1
+                out = int(fin["outcome"][i]) if "outcome" in fin and fin["_outcome"][i] else 0
+                sc["episode_end"][i] = (END_NO_RESULT if w_ == -1 else
+                                        END_WIN if out == 1 else END_LOSS if out == -1 else END_DRAW)
+                sc["episode_steps"][i] = fin["episode_steps"][i]
+                sc["cards_played"][i] = self.cards[i]
+                sc["elixir_leak"][i] = fin["elixir_leak_steps"][i]
+                if trunc[i]:
+                    one = {k: np.asarray(v)[None] for k, v in fo[i].items()}
+                    self.packer.pack(one, io.finals, int(i))
+                    sc["flags"][i] |= F_FINAL
+                k = int(self.ordinal[g])
+                terms = {key.split("/", 1)[1]: float(fin[key][i]) for key in fin
+                         if key.startswith("reward_sum/") and fin["_" + key][i]}
+                episodes.append({
+                    "slot": self.slot0 + int(i), "worker": self.w, "shard": self.s,
+                    "battle": self.battle0 + g, "seat": int(i % 2), "ordinal": k,
+                    "episode_seed_path": f"env/battle/{self.battle0 + g}/ordinal/{k}",
+                    "episode_seed": _battle_seed(self.cfg.master_seed, self.battle0, g, k),
+                    "episode_steps": int(fin["episode_steps"][i]),
+                    "episode_ticks": int(fin["episode_ticks"][i]),
+                    "own_crowns": int(fin["own_crowns"][i]),
+                    "enemy_crowns": int(fin["enemy_crowns"][i]),
+                    "own_tower_hp_frac": float(fin["own_tower_hp_frac"][i]),
+                    "enemy_tower_hp_frac": float(fin["enemy_tower_hp_frac"][i]),
+                    "elixir_leak_steps": int(fin["elixir_leak_steps"][i]),
+                    "elixir_count_exact": bool(fin["elixir_count_exact"][i]),
+                    "winner": w_, "outcome": out, "cards_played": int(self.cards[i]),
+                    "illegal_commands": int(self.illegal[i]),
+                    "undiscounted_return": float(self.ret[i]), "reward_terms": terms,
+                    "played": self.played[g],
+                })
+                self.cards[i] = self.illegal[i] = 0
+                self.ret[i] = 0.0
+            for g in np.flatnonzero(done[0::2]):
+                self.ordinal[g] += 1
+                self.ep_step[g] = 0
+                self.played[g] = []
+        io.scalars[:] = sc
+        raw = msgspec.json.encode(episodes) if episodes else b""
+        if len(raw) + 4 > io.episodes.size:
+            raise FarmError(f"worker {self.w} shard {self.s}: {len(raw)} bytes of episode records "
+                            f"exceed the {io.episodes.size}-byte area; raise EPISODE_BYTES_PER_SLOT")
+        io.episodes[:4] = np.frombuffer(struct.pack("<I", len(raw)), np.uint8)
+        if raw:
+            io.episodes[4:4 + len(raw)] = np.frombuffer(raw, np.uint8)
+        self.packer.pack(obs, rect_row, self.slot0)
+        self.obs = obs
+
+
+def read_episodes(io: ShardIO) -> list[dict[str, Any]]:
+    n = struct.unpack("<I", bytes(io.episodes[:4]))[0]
+    return msgspec.json.decode(bytes(io.episodes[4:4 + n])) if n else []
+
+
+# --- 10. The parent side: the round protocol (spec 7.5), shared by both farms -----------------
+
+class RolloutRound:
+    """One shard-round. Views, valid until the next next_round for the same shard.
+
+    cycle      the observation cycle: rnd.obs_rows index farm.rect's first axis
+    slots      int32[n], ascending; obs at farm.rect[cycle + frame_stack - 1, slots]
+    group      int8[n], this round's routing, with the assignments drawn on it folded in
+    new_episode bool[n], this cycle's observation is the first of an episode (frame liveness)
+    row        cycle - 1: the rectangle row of the ACTION whose consequences the scalars below
+               are (-1 on the first round of an iteration: nothing arrived)
+    reward, terminated, truncated, valid, deploy_status, tick, episode_end: that transition's
+    episodes   EpisodeRecords of episodes that ended on this round
+    ended_battles int[n_ended], ascending
+    """
+
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+
+def _bucket(role: int) -> str:
+    return ("mirror", "pool", "scripted")[role]
+
+
+class _FarmCore:
+    """Geometry, the rectangle, the per-iteration scalars and the assignment bookkeeping."""
+
+    def __init__(self, cfg: FarmConfig, table: Any,
+                 assign_fn: Callable[[int, int], Assignment] | None = None) -> None:
+        cfg.check()
+        self.cfg, self.table = cfg, table
+        self.assign_fn = assign_fn
+        self.T, self.k, self.R = cfg.cycles, cfg.frame_stack, cfg.n_slots
+        self.row_bytes = table.row_bytes
+        self.n_shard = 2 * cfg.games_per_shard
+        self.J = cfg.n_shards
+        self.ordinals = np.asarray(cfg.start_ordinals if cfg.start_ordinals is not None
+                                   else [0] * cfg.n_battles, np.int64)
+        self.generation = [0] * cfg.workers
+        self.restarts = [0] * cfg.workers
+        self.dead = [False] * cfg.workers
+        self._pending_restart: set[int] = set()
+        self._failures: list[WorkerFailure] = []
+        self.assignment: list[Assignment | None] = [None] * cfg.n_battles
+        self.group = np.full(self.R, GROUP_LEARNER, np.int8)
+        self.opp_ix = np.full(self.R, -1, np.int8)
+        self._new_assign = np.zeros(self.R, bool)          # to send on the shard's next Step
+        self.new_episode = np.ones(self.R, bool)
+        # first_obs[q, r]: rect row q holds the FIRST observation of its episode (a reset, an
+        # autoreset, a restart). Frame liveness is read here, at the observation's own row
+        # (spec 18.1): see stack_valid.
+        self.first_obs = np.zeros((self.T + self.k, self.R), bool)
+        self.first_obs[self.k - 1] = True
+        self.scalars = np.zeros((self.T, self.R), SCALAR_DTYPE)
+        self.finals: dict[tuple[int, int], np.ndarray] = {}
+        self.episodes: list[EpisodeRecord] = []
+        self.iteration = -1
+        self.plan: SlotPlan | None = None
+        self._cycle, self._shard, self._await_submit = 0, 0, False
+        self._last_ended: list[int] = []
+        self._fresh = [True] * self.J                       # shard has an unread reset publication
+        self._closed = False
+        self.rect = np.zeros((0,), np.uint8)                # set by the subclass
+
+    # geometry
+    def shard_of(self, j: int) -> tuple[int, int]:
+        return divmod(j, self.cfg.shards_per_worker)
+
+    def shard_slots(self, j: int) -> slice:
+        return slice(j * self.n_shard, (j + 1) * self.n_shard)
+
+    def _obs_row(self, cycle: int) -> np.ndarray:
+        return self.rect[cycle + self.k - 1]
+
+    # the parent's side of the protocol
+    def begin_iteration(self, plan: SlotPlan) -> None:
+        if self._closed:
+            raise FarmError("begin_iteration on a closed farm")
+        if plan.n_battles != self.cfg.n_battles or len(plan.assignment) != plan.n_battles:
+            raise ValueError(f"SlotPlan for iteration {plan.iteration} has {plan.n_battles} "
+                             f"battles / {len(plan.assignment)} assignments; the farm has "
+                             f"{self.cfg.n_battles}")
+        if self.iteration >= 0 and (self._cycle, self._shard) != (self.T + 1, 0):
+            raise FarmError(f"begin_iteration({plan.iteration}) before the previous iteration's "
+                            f"rounds were all read (at cycle {self._cycle}, shard {self._shard}); "
+                            "read every shard's cycle-T round first")
+        for b, a in enumerate(plan.assignment):
+            if a.battle != b:
+                raise ValueError(f"SlotPlan.assignment[{b}] is for battle {a.battle}")
+            cur = self.assignment[b]
+            if cur is None:
+                self._set_assignment(a)
+            elif cur != a:
+                raise ValueError(
+                    f"SlotPlan for iteration {plan.iteration} gives battle {b} {a}, but it is "
+                    f"mid-episode under {cur}; assignments change only at a battle's own episode "
+                    "boundary (spec 7.5): build the plan from the current assignments")
+        if self.iteration >= 0:
+            # the last k rows (cycles T-k+1..T) become rows 0..k-1: cycle T is cycle 0 now
+            self.rect[: self.k] = self.rect[self.T: self.T + self.k]
+            self.first_obs[: self.k] = self.first_obs[self.T: self.T + self.k]
+            self.first_obs[self.k:] = False
+            self.scalars[:] = np.zeros(1, SCALAR_DTYPE)
+            self.finals = {}
+            self.episodes = []
+        self.iteration, self.plan = plan.iteration, plan
+        self._cycle, self._shard, self._await_submit = 0, 0, False
+        for w in sorted(self._pending_restart):
+            self._do_restart(w)
+        self._pending_restart.clear()
+
+    def _set_assignment(self, a: Assignment) -> None:
+        self.assignment[a.battle] = a
+        for seat in (0, 1):
+            r = 2 * a.battle + seat
+            self.group[r] = a.group[seat]
+            self.opp_ix[r] = (SCRIPTED_NAMES.index(a.opponent_id.split(":", 1)[1])
+                              if a.group[seat] == GROUP_SCRIPTED else -1)
+            self._new_assign[r] = True
+
+    def _policy_ids(self, a: Assignment, seat: int) -> tuple[str, str]:
+        def name(g: int) -> str:
+            if g == GROUP_LEARNER:
+                return "learner"
+            if g == GROUP_SCRIPTED:
+                return str(a.opponent_id)
+            if self.plan is not None and 0 <= g < len(self.plan.resident_snapshots):
+                return f"snap:{self.plan.resident_snapshots[g]}"
+            return str(a.opponent_id)
+        return name(a.group[seat]), name(a.group[1 - seat])
+
+    def next_round(self, timeout_s: float | None = None) -> RolloutRound:
+        if self.iteration < 0:
+            raise FarmError("next_round before begin_iteration")
+        if self._await_submit:
+            raise FarmError(f"next_round twice without submit (cycle {self._cycle}, shard "
+                            f"{self._shard}); exactly one submit per round below cycle T")
+        if self._cycle > self.T:
+            raise FarmError(f"iteration {self.iteration} is complete; call begin_iteration")
+        c, j = self._cycle, self._shard
+        w, s = self.shard_of(j)
+        sl = self.shard_slots(j)
+        slots = np.arange(sl.start, sl.stop, dtype=np.int32)
+        timeout = self.cfg.round_timeout_s if timeout_s is None else timeout_s
+        arrived = (c > 0 or self._fresh[j]) and not self.dead[w]
+        if arrived:
+            ok = self._wait(j, c, timeout)
+            arrived = ok
+        self._fresh[j] = False
+        row = c - 1
+        ended: list[int] = []
+        self._last_ended = []
+        episodes: list[EpisodeRecord] = []
+        if not arrived and c > 0 and self.dead[w]:
+            # a dead worker's slots arrive with valid=False rather than not arriving (spec 4.1);
+            # the row before the failure keeps its flags: if its transition completed, it is
+            # marked truncated so the learner bootstraps from the observation that exists
+            sc = np.zeros(self.n_shard, SCALAR_DTYPE)
+            sc["group"] = GROUP_DEAD
+            self.scalars[row, sl] = sc
+        elif arrived and c > 0:
+            io = self._io(j)
+            sc = io.scalars.copy()
+            self.scalars[row, sl] = sc
+            for i in np.flatnonzero(sc["flags"] & F_FINAL):
+                self.finals[(row, sl.start + int(i))] = io.finals[i].copy()
+            done = (sc["flags"] & (F_TERMINATED | F_TRUNCATED)) != 0
+            self.new_episode[sl] = done
+            self.first_obs[c + self.k - 1, sl] = done
+            for raw in read_episodes(io):
+                a = self.assignment[raw["battle"]]
+                pol, opp = self._policy_ids(a, raw["seat"])
+                raw.update(policy_id=pol, opponent_id=opp, bucket=_bucket(a.role))
+                episodes.append(msgspec.convert(raw, EpisodeRecord))
+            ended = sorted({e.battle for e in episodes})
+            self._last_ended = ended
+            for b in ended:                      # ascending battle order; ends come in pairs
+                self.ordinals[b] += 1
+                if self.assign_fn is not None:
+                    a = self.assign_fn(b, int(self.ordinals[b]))
+                    if a.battle != b or a.ordinal != self.ordinals[b]:
+                        raise ValueError(f"assign_fn({b}, {self.ordinals[b]}) returned {a}")
+                    self._set_assignment(a)
+            self.episodes.extend(episodes)
+        elif arrived:
+            self.new_episode[sl] = True          # the reset's first observations
+            self.first_obs[c + self.k - 1, sl] = True
+        sc_row = self.scalars[row, sl] if row >= 0 else np.zeros(self.n_shard, SCALAR_DTYPE)
+        flags = sc_row["flags"]
+        rnd = RolloutRound(
+            iteration=self.iteration, cycle=c, shard=j, worker=w, slots=slots,
+            obs_rows=np.full(self.n_shard, c + self.k - 1, np.int32),
+            group=self.group[sl].copy() if not self.dead[w] else np.full(self.n_shard, GROUP_DEAD, np.int8),
+            new_episode=self.new_episode[sl].copy(), row=row,
+            reward=sc_row["reward"], terminated=(flags & F_TERMINATED) != 0,
+            truncated=(flags & F_TRUNCATED) != 0, valid=(flags & F_VALID) != 0,
+            deploy_status=sc_row["deploy_status"], tick=sc_row["tick"],
+            episode_end=sc_row["episode_end"], episodes=episodes,
+            ended_battles=np.asarray(ended, np.int64), obs_valid=not self.dead[w],
+            timings={"env_ms": float(self._io(j).control["t_env_ns"][0]) / 1e6
+                     if arrived and c > 0 else 0.0})
+        if c < self.T:
+            self._await_submit = True
+        else:
+            self._advance()
+        return rnd
+
+    def _advance(self) -> None:
+        self._await_submit = False
+        self._shard += 1
+        if self._shard == self.J:
+            self._shard, self._cycle = 0, self._cycle + 1
+
+    def submit(self, actions: np.ndarray, gamma: float,
+               assignments: list[Assignment] | tuple[Assignment, ...] = ()) -> None:
+        """Actions for the last round's slots (ascending), the schedule's gamma, and -- only when
+        the farm has no assign_fn -- an Assignment for every battle that ended on that round."""
+        if not self._await_submit:
+            raise FarmError(f"submit without a round to answer (cycle {self._cycle}, shard "
+                            f"{self._shard})")
+        c, j = self._cycle, self._shard
+        w, _ = self.shard_of(j)
+        acts = np.asarray(actions)
+        if acts.shape != (self.n_shard,):
+            raise ValueError(f"submit: {acts.shape} actions for shard {j} at cycle {c}; it has "
+                             f"{self.n_shard} slots")
+        if self.assign_fn is not None and assignments:
+            raise FarmError("submit(assignments=...) on a farm built with an assign_fn: the farm "
+                            "already drew them in next_round; pass one or the other")
+        if self.assign_fn is None:
+            given = {a.battle: a for a in assignments}
+            want = set(int(b) for b in self._last_ended)
+            if set(given) != want:
+                raise FarmError(f"submit at cycle {c}, shard {j}: battles {sorted(want)} ended on "
+                                f"this round and need an Assignment each; got {sorted(given)}")
+            for b in sorted(want):
+                a = given[b]
+                if a.ordinal != self.ordinals[b]:
+                    raise FarmError(f"Assignment for battle {b} has ordinal {a.ordinal}; its next "
+                                    f"episode is ordinal {int(self.ordinals[b])}")
+                self._set_assignment(a)
+        if not self.dead[w]:
+            sl = self.shard_slots(j)
+            io = self._io(j)
+            io.actions[:] = acts.astype(np.int16)
+            asg = np.zeros(self.n_shard, ASSIGN_DTYPE)
+            new = self._new_assign[sl]
+            asg["group"] = self.group[sl]
+            asg["opponent_ix"] = self.opp_ix[sl]
+            asg["learner_seat"] = [self.assignment[b].learner_seat
+                                   for b in range(sl.start // 2, sl.stop // 2) for _ in (0, 1)]
+            asg["present"] = new
+            io.assign[:] = asg
+            self._new_assign[sl] = False
+            self._kick(j, c + 1, float(gamma))
+        self._advance()
+
+    def drain_failures(self) -> list[WorkerFailure]:
+        out, self._failures = self._failures, []
+        return out
+
+    def restart(self, w: int) -> None:
+        """Restart worker w with the next generation's seed paths; it rejoins at the next
+        begin_iteration. Its battles' running episodes are abandoned: each moves to the next
+        ordinal, so no episode is played twice."""
+        self.restarts[w] += 1
+        if self.restarts[w] > self.cfg.max_restarts_per_worker:
+            raise FarmError(f"worker {w} has been restarted {self.restarts[w] - 1} times; "
+                            f"max_restarts_per_worker={self.cfg.max_restarts_per_worker}")
+        self._pending_restart.add(w)
+
+    def _worker_ordinals(self, w: int, s: int) -> list[int]:
+        j = w * self.cfg.shards_per_worker + s
+        b0 = j * self.cfg.games_per_shard
+        return [int(x) for x in self.ordinals[b0: b0 + self.cfg.games_per_shard]]
+
+    def _do_restart(self, w: int) -> None:
+        b0 = w * self.cfg.games_per_worker
+        self.ordinals[b0: b0 + self.cfg.games_per_worker] += 1   # abandon the running episodes
+        self.generation[w] += 1
+        self._stop_worker(w)
+        self.dead[w] = False
+        for s in range(self.cfg.shards_per_worker):
+            j = w * self.cfg.shards_per_worker + s
+            sl = self.shard_slots(j)
+            self.rect[:, sl] = 0                 # history from the abandoned episodes
+            self.first_obs[:, sl] = False
+            self._new_assign[sl] = True
+            self._fresh[j] = True
+            if self.assign_fn is not None:
+                for b in range(sl.start // 2, sl.stop // 2):
+                    self._set_assignment(self.assign_fn(b, int(self.ordinals[b])))
+        self._start_worker(w)
+
+    def _fail(self, w: int, j: int, c: int, kind: str, message: str) -> None:
+        self.dead[w] = True
+        self._failures.append(WorkerFailure(w, j, c, kind, message))
+        # the transition whose action was lost is invalid; the one before it completed, and its
+        # observation exists: truncate it there so the learner bootstraps (spec 7.6)
+        for s in range(self.cfg.shards_per_worker):
+            sl = self.shard_slots(w * self.cfg.shards_per_worker + s)
+            if c - 2 >= 0:
+                prev = self.scalars[c - 2, sl]
+                open_ = (prev["flags"] & (F_TERMINATED | F_TRUNCATED)) == 0
+                prev["flags"][open_] |= F_TRUNCATED
+                self.scalars[c - 2, sl] = prev
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return {"worker_restarts": float(sum(self.restarts))}
+
+    # subclass hooks
+    def _io(self, j: int) -> ShardIO: ...
+    def _kick(self, j: int, cycle: int, gamma: float) -> None: ...
+    def _wait(self, j: int, cycle: int, timeout_s: float) -> bool: ...
+    def _start_worker(self, w: int) -> None: ...
+    def _stop_worker(self, w: int) -> None: ...
+
+
+def stack_valid(first_obs: np.ndarray, k: int) -> np.ndarray:
+    """bool (rows - k + 1, R, k): for the observation at rect row q = t + k - 1 (cycle t), which
+    of its k frames (oldest..newest, rows q-k+1..q) belong to its own episode. Frame q-i is live
+    iff none of rows q-i+1..q starts an episode; the newest frame is always live."""
+    rows, R = first_obs.shape
+    n = rows - k + 1
+    out = np.ones((n, R, k), bool)
+    for t in range(n):
+        q = t + k - 1
+        live = np.ones(R, bool)
+        for i in range(1, k):                    # frame q - i, walking back
+            live &= ~first_obs[q - i + 1]
+            out[t, :, k - 1 - i] = live
+    return out
+
+
+# --- 11. InlineFarm: the reference, one process, the same bytes ----------------------------
+
+class InlineFarm(_FarmCore):
+    """The same ShardRunner writing the same layout into process-local buffers; submit steps the
+    shard at once. What the fast tests run, and what ProcessFarm must equal byte for byte."""
+
+    def __init__(self, cfg: FarmConfig, table: Any,
+                 assign_fn: Callable[[int, int], Assignment] | None = None) -> None:
+        super().__init__(cfg, table, assign_fn)
+        self._seg_a = bytearray(segment_a_bytes(self.T, self.k, self.R, self.row_bytes))
+        write_header(self._seg_a, self.T, self.k, self.R, self.row_bytes)
+        self.rect = rect_view(self._seg_a, self.T, self.k, self.R, self.row_bytes)
+        self._seg_b: list[bytearray] = []
+        self._ios: list[ShardIO] = []
+        self._runners: list[ShardRunner | None] = [None] * self.J
+        lay = shard_layout(self.n_shard, self.row_bytes)["total"][1]
+        for w in range(cfg.workers):
+            buf = bytearray(segment_b_bytes(self.n_shard, cfg.shards_per_worker, self.row_bytes))
+            self._seg_b.append(buf)
+            for s in range(cfg.shards_per_worker):
+                self._ios.append(ShardIO(buf, HANDSHAKE_BYTES + s * lay, self.n_shard, self.row_bytes))
+        for w in range(cfg.workers):
+            self._start_worker(w)
+
+    def _start_worker(self, w: int) -> None:
+        for s in range(self.cfg.shards_per_worker):
+            j = w * self.cfg.shards_per_worker + s
+            r = ShardRunner(self.cfg, self.table, w, s, self.generation[w], self._worker_ordinals(w, s))
+            r.reset(self._ios[j], self._obs_row(0))
+            self._runners[j] = r
+
+    def _stop_worker(self, w: int) -> None:
+        for s in range(self.cfg.shards_per_worker):
+            r = self._runners[w * self.cfg.shards_per_worker + s]
+            if r is not None:
+                r.vec.close()
+
+    def _io(self, j: int) -> ShardIO:
+        return self._ios[j]
+
+    def _kick(self, j: int, cycle: int, gamma: float) -> None:
+        w, _ = self.shard_of(j)
+        try:
+            self._runners[j].step(self._ios[j], self._obs_row(cycle), gamma)
+        except Exception:
+            self._fail(w, j, cycle, "exception", traceback.format_exc())
+
+    def _wait(self, j: int, cycle: int, timeout_s: float) -> bool:
+        return not self.dead[self.shard_of(j)[0]]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for w in range(self.cfg.workers):
+            self._stop_worker(w)
+
+
+# --- 12. ProcessFarm: spawn, handshake, semaphores, timeouts, restart, close (spec 7.1, 7.6) --
+
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+class _SpawnEnv:
+    """Around Process.start(): the child's environment gets the thread variables (so they are set
+    before the child imports numpy, spec 7.1) and the parent's __main__ is hidden, so a learner
+    run as `python ppo_clash.py` is not re-imported (with torch) into every worker. Both are
+    restored when start() returns; the parent's own torch never sees the variables."""
+
+    def __enter__(self) -> None:
+        self._env = {k: os.environ.get(k) for k in THREAD_VARS}
+        for k in THREAD_VARS:
+            os.environ[k] = "1"
+        main = sys.modules.get("__main__")
+        self._main = main
+        self._saved = {}
+        if main is not None:
+            for attr in ("__file__", "__spec__"):
+                if hasattr(main, attr):
+                    self._saved[attr] = getattr(main, attr)
+            if hasattr(main, "__file__"):
+                del main.__file__
+            main.__spec__ = None
+
+    def __exit__(self, *exc: Any) -> None:
+        for k, v in self._env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if self._main is not None:
+            for attr, v in self._saved.items():
+                setattr(self._main, attr, v)
+            if "__spec__" not in self._saved:
+                del self._main.__spec__
+
+
+def _worker_entry(cfg_json: bytes, table_json: bytes, w: int, gen: int, ordinals: list[list[int]],
+                  seg_a: str, seg_b: str, obs_sems: list[Any], act_sems: list[Any]) -> None:
+    """The child. Its environment already carries the thread variables (set at exec by
+    _SpawnEnv, before numpy loaded); Ctrl-C is the parent's business."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from multiprocessing import shared_memory
+    cfg = msgspec.json.decode(cfg_json, type=FarmConfig)
+    table = msgspec.json.decode(table_json, type=codec.CodecTable)
+    T, k, R, rb = cfg.cycles, cfg.frame_stack, cfg.n_slots, table.row_bytes
+    n = 2 * cfg.games_per_shard
+    S = cfg.shards_per_worker
+    a = shared_memory.SharedMemory(name=seg_a)
+    b = shared_memory.SharedMemory(name=seg_b)
+    rect = rect_view(a.buf, T, k, R, rb)
+    lay = shard_layout(n, rb)["total"][1]
+    ios = [ShardIO(b.buf, HANDSHAKE_BYTES + s * lay, n, rb) for s in range(S)]
+    hand = np.ndarray((HANDSHAKE_BYTES,), np.uint8, buffer=b.buf, offset=0)
+    cur = 0
+    try:
+        runners = [ShardRunner(cfg, table, w, s, gen, ordinals[s]) for s in range(S)]
+        for s, r in enumerate(runners):
+            r.reset(ios[s], rect[k - 1])
+        vec = runners[0].vec
+        report = {
+            "spaces": spaces_signature(vec.single_observation_space, vec.single_action_space.n),
+            "engine_binary": engine_binary(vec.envs[0].config()),
+            "threads": {v: os.environ.get(v) for v in THREAD_VARS},
+            "torch_loaded": "torch" in sys.modules, "pid": os.getpid(),
+        }
+        raw = json.dumps(report).encode()
+        hand[4:4 + len(raw)] = np.frombuffer(raw, np.uint8)
+        hand[:4] = np.frombuffer(struct.pack("<I", len(raw)), np.uint8)
+        for s in range(S):
+            ios[s].control["state"] = ST_READY
+        seen = [0] * S
+        spin_s = cfg.spin_us * 1e-6
+        due = 0
+        while True:
+            # sleep only on the shard whose command is due next; glance at the others
+            for s in [due] + [x for x in range(S) if x != due]:
+                io = ios[s]
+                new = (lambda io=io, s=s: int(io.control["cmd_seq"][0]) != seen[s])
+                if s == due:
+                    if not _wait_word(new, act_sems[s], spin_s, SLEEP_S):
+                        continue
+                elif not new():
+                    continue
+                else:
+                    act_sems[s].acquire(timeout=5.0)
+                cur = s
+                ctl = io.control
+                seq = int(ctl["cmd_seq"][0])
+                seen[s] = seq
+                if int(ctl["cmd_kind"][0]) == CMD_CLOSE:
+                    for x in range(S):
+                        ios[x].control["state"] = ST_CLOSED
+                    return
+                row = int(ctl["cmd_row"][0])
+                runners[s].step(io, rect[row], float(ctl["gamma"][0]))
+                ctl["cycle"] = row - (k - 1)
+                ctl["pub_seq"] = seq
+                obs_sems[s].release()
+                due = (s + 1) % S
+                break
+    except BaseException:
+        io = ios[cur]
+        io.write_text(traceback.format_exc())
+        io.control["err_code"] = ERR_EXCEPTION
+        for s in range(S):
+            ios[s].control["state"] = ST_FAILED
+            obs_sems[s].release()
+        raise SystemExit(1)
+    finally:
+        del rect, ios, hand
+        for shm in (a, b):
+            try:
+                shm.close()
+            except BufferError:
+                pass
+
+
+class ProcessFarm(_FarmCore):
+    """K spawned workers writing into shared memory. Same semantics and bytes as InlineFarm."""
+
+    _count = 0
+
+    def __init__(self, cfg: FarmConfig, table: Any,
+                 assign_fn: Callable[[int, int], Assignment] | None = None,
+                 env_spec: EnvSpec | None = None) -> None:
+        import multiprocessing as mp
+        from multiprocessing import shared_memory
+        super().__init__(cfg, table, assign_fn)
+        self._ctx = mp.get_context("spawn")
+        ProcessFarm._count += 1
+        tag = f"{os.getpid()}-{ProcessFarm._count}"
+        self._shm_a = shared_memory.SharedMemory(
+            create=True, size=segment_a_bytes(self.T, self.k, self.R, self.row_bytes), name=f"rlb-{tag}")
+        write_header(self._shm_a.buf, self.T, self.k, self.R, self.row_bytes)
+        self.rect = rect_view(self._shm_a.buf, self.T, self.k, self.R, self.row_bytes)
+        self.rect[:] = 0
+        self._shm_b = []
+        self._ios: list[ShardIO] = []
+        lay = shard_layout(self.n_shard, self.row_bytes)["total"][1]
+        for w in range(cfg.workers):
+            shm = shared_memory.SharedMemory(
+                create=True, size=segment_b_bytes(self.n_shard, cfg.shards_per_worker, self.row_bytes),
+                name=f"rlc-{tag}-{w}")
+            self._shm_b.append(shm)
+            for s in range(cfg.shards_per_worker):
+                self._ios.append(ShardIO(shm.buf, HANDSHAKE_BYTES + s * lay, self.n_shard, self.row_bytes))
+        self._obs_sems = [self._ctx.Semaphore(0) for _ in range(self.J)]
+        self._act_sems = [self._ctx.Semaphore(0) for _ in range(self.J)]
+        self._seq = [0] * self.J
+        self._procs: list[Any] = [None] * cfg.workers
+        self.handshakes: list[dict[str, Any]] = [{} for _ in range(cfg.workers)]
+        self._expect = env_spec
+        self._cfg_json = msgspec.json.encode(cfg)
+        self._table_json = msgspec.json.encode(table)
+        atexit.register(self.close)
+        try:
+            for w in range(cfg.workers):
+                self._start_worker(w)
+                if cfg.launch_delay_s and w + 1 < cfg.workers:
+                    time.sleep(cfg.launch_delay_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _io(self, j: int) -> ShardIO:
+        return self._ios[j]
+
+    def _shards(self, w: int) -> range:
+        S = self.cfg.shards_per_worker
+        return range(w * S, (w + 1) * S)
+
+    def _start_worker(self, w: int) -> None:
+        S = self.cfg.shards_per_worker
+        hand = np.ndarray((HANDSHAKE_BYTES,), np.uint8, buffer=self._shm_b[w].buf, offset=0)
+        hand[:] = 0
+        for j in self._shards(w):
+            io = self._ios[j]
+            io.control[:] = np.zeros(1, CONTROL_DTYPE)
+            io.control["n_slots"] = self.n_shard
+            self._seq[j] = 0
+            while self._obs_sems[j].acquire(block=False):   # stale tokens of a dead worker
+                pass
+            while self._act_sems[j].acquire(block=False):
+                pass
+        ords = [self._worker_ordinals(w, s) for s in range(S)]
+        args = (self._cfg_json, self._table_json, w, self.generation[w], ords, self._shm_a.name,
+                self._shm_b[w].name, [self._obs_sems[j] for j in self._shards(w)],
+                [self._act_sems[j] for j in self._shards(w)])
+        p = self._ctx.Process(target=_worker_entry, args=args, name=f"farm-worker-{w}", daemon=True)
+        with _SpawnEnv():
+            p.start()
+        self._procs[w] = p
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        j0 = self._shards(w)[0]
+        while True:
+            states = [int(self._ios[j].control["state"][0]) for j in self._shards(w)]
+            if all(s_ == ST_READY for s_ in states):
+                break
+            if ST_FAILED in states or not p.is_alive():
+                msg = self._ios[j0].read_text() or f"exit code {p.exitcode}"
+                for j in self._shards(w):
+                    msg = self._ios[j].read_text() or msg
+                self._kill(w)
+                raise FarmError(f"worker {w} (generation {self.generation[w]}) failed at start-up:\n{msg}")
+            if time.monotonic() > deadline:
+                self._kill(w)
+                raise WorkerTimeout(f"worker {w} did not finish start-up within "
+                                    f"{self.cfg.startup_timeout_s} s (startup_timeout_s)")
+            time.sleep(0.01)
+        n = struct.unpack("<I", bytes(hand[:4]))[0]
+        report = json.loads(bytes(hand[4:4 + n]))
+        self.handshakes[w] = report
+        if self._expect is not None:
+            problems = []
+            vec_sig = report["spaces"]
+            want_sig = self._expect_sig()
+            if vec_sig != want_sig:
+                problems.append(f"observation/action spaces {vec_sig[:16]} != parent's {want_sig[:16]}")
+            if report["engine_binary"] != self._expect.engine_binary:
+                problems.append(f"engine binary {report['engine_binary']} != the identity's "
+                                f"{self._expect.engine_binary} (was the engine rebuilt?)")
+            if problems:
+                self._kill(w)
+                raise FarmError(f"worker {w} (generation {self.generation[w]}) refused: "
+                                + "; ".join(problems) + ". Stopped; restart the run on one build.")
+
+    def _expect_sig(self) -> str:
+        return _sig_from_keyspecs(self._expect.obs_space, self._expect.n_actions)
+
+    def _kick(self, j: int, cycle: int, gamma: float) -> None:
+        ctl = self._ios[j].control
+        ctl["cmd_kind"] = CMD_STEP
+        ctl["cmd_row"] = cycle + self.k - 1
+        ctl["gamma"] = gamma
+        self._seq[j] += 1
+        ctl["cmd_seq"] = self._seq[j]         # the word last, then the token
+        self._act_sems[j].release()
+
+    def _wait(self, j: int, cycle: int, timeout_s: float) -> bool:
+        w, s = self.shard_of(j)
+        ctl = self._ios[j].control
+        if self._seq[j] == 0:
+            return True                       # the reset publication, checked at start-up
+        deadline = time.monotonic() + timeout_s
+        spin_s = self.cfg.spin_us * 1e-6
+        new = lambda: int(ctl["pub_seq"][0]) == self._seq[j] or int(ctl["state"][0]) == ST_FAILED
+        while not _wait_word(new, self._obs_sems[j], spin_s, SLEEP_S):
+            p = self._procs[w]
+            if not p.is_alive():
+                if int(ctl["state"][0]) == ST_FAILED:
+                    break
+                self._fail(w, j, cycle, "crash", f"worker {w} died with exit code {p.exitcode}")
+                return False
+            if time.monotonic() > deadline:
+                codes = {i: (q.exitcode if q is not None else None) for i, q in enumerate(self._procs)}
+                raise WorkerTimeout(
+                    f"worker {w} shard {s} (global shard {j}) did not answer cycle {cycle} within "
+                    f"{timeout_s} s (round_timeout_s); alive={p.is_alive()}, exit codes {codes}")
+        if int(ctl["state"][0]) == ST_FAILED or int(ctl["err_code"][0]) != ERR_NONE:
+            text = ""
+            for jj in self._shards(w):
+                text = self._ios[jj].read_text() or text
+            self._procs[w].join(timeout=self.cfg.join_timeout_s)
+            self._fail(w, j, cycle, "exception", text)
+            return False
+        return True
+
+    def _kill(self, w: int) -> None:
+        p = self._procs[w]
+        if p is None:
+            return
+        p.join(timeout=0.1)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=self.cfg.join_timeout_s)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=self.cfg.join_timeout_s)
+        self._procs[w] = None
+
+    def _stop_worker(self, w: int) -> None:
+        """Close, join with timeout, then terminate, then kill (spec 7.6)."""
+        p = self._procs[w]
+        if p is None:
+            return
+        if p.is_alive():
+            for j in self._shards(w):
+                ctl = self._ios[j].control
+                ctl["cmd_kind"] = CMD_CLOSE
+                self._seq[j] += 1
+                ctl["cmd_seq"] = self._seq[j]
+                self._act_sems[j].release()
+            p.join(timeout=self.cfg.join_timeout_s)
+        self._kill(w)
+
+    def close(self) -> None:
+        """Idempotent; also registered atexit."""
+        if self._closed:
+            return
+        self._closed = True
+        for w in range(self.cfg.workers):
+            try:
+                self._stop_worker(w)
+            except Exception:
+                pass
+        self.rect = np.zeros((0,), np.uint8)
+        self._ios = []
+        import gc
+        gc.collect()
+        for shm in [self._shm_a, *self._shm_b]:
+            try:
+                shm.close()
+            except BufferError:
+                pass
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
+        atexit.unregister(self.close)
+
+
+
+# --- 13. The benchmark (issue 3 "Show"; DESIGN.md 7): farm overhead against the direct loop ---
+
+def _bench_actions(master_seed: int, t: int, masks: np.ndarray, slots: np.ndarray,
+                   n_slots: int, noop_prob: float = 0.7) -> np.ndarray:
+    """A pure function of (seed, cycle, slot, mask): the same actions in every arm, whichever
+    process holds the battle. One uniform pair per slot from bench/cycle/{t}."""
+    u = derive_generator(master_seed, f"bench/cycle/{t}").random((n_slots, 2))[slots]
+    out = np.zeros(masks.shape[0], np.int64)
+    for i in range(masks.shape[0]):
+        if u[i, 0] >= noop_prob:
+            legal = np.flatnonzero(masks[i, 1:]) + 1
+            if legal.size:
+                out[i] = legal[int(u[i, 1] * legal.size)]
+    return out
+
+
+def _bench_direct(env: EnvFactorySpec, battles: int, cycles: int, iterations: int,
+                  master_seed: int) -> tuple[float, str]:
+    import functools
+    R = 2 * battles
+    vec = build_vec(env, battles, autoreset_seed_fn=functools.partial(_battle_seed, master_seed, 0))
+    obs, _ = vec.reset()
+    allslots = np.arange(R)
+    h = hashlib.sha256()
+    for t in range(cycles * (iterations + 1)):
+        if t == cycles:                                    # after the warm-up iteration
+            t0 = time.perf_counter()
+        acts = _bench_actions(master_seed, t, obs["action_mask"], allslots, R)
+        if t >= cycles:
+            h.update(acts.tobytes())
+        obs, *_ = vec.step(acts)
+    dt = time.perf_counter() - t0
+    vec.close()
+    return dt, h.hexdigest()[:16]
+
+
+def _bench_farm_arm(env: EnvFactorySpec, table: Any, K: int, S: int, battles: int, cycles: int,
+                    iterations: int, master_seed: int) -> tuple[float, float, str]:
+    a0, a1 = table.offsets["mask"]
+    R = 2 * battles
+    cfg = FarmConfig(env=env, master_seed=master_seed, workers=K, shards_per_worker=S,
+                     games_per_worker=battles // K, cycles=cycles, viewer=False)
+    f = ProcessFarm(cfg, table, mirror_assignment)
+    h = hashlib.sha256()
+    try:
+        for it in range(iterations + 1):
+            opening = (tuple(f.assignment) if it else
+                       tuple(mirror_assignment(b, 0) for b in range(cfg.n_battles)))
+            f.begin_iteration(SlotPlan(it, cfg.n_battles, cfg.n_slots, opening, ()))
+            if it == 1:                                    # after the warm-up iteration
+                t0, wait = time.perf_counter(), 0.0
+            for c in range(cycles + 1):
+                for _ in range(cfg.n_shards):
+                    w0 = time.perf_counter()
+                    rnd = f.next_round()
+                    if it >= 1:
+                        wait += time.perf_counter() - w0
+                    if c < cycles:
+                        rows = f.rect[c + f.k - 1, rnd.slots]
+                        masks = np.unpackbits(rows[:, a0:a1], axis=1,
+                                              bitorder="little")[:, : table.n_actions]
+                        acts = _bench_actions(master_seed, it * cycles + c, masks, rnd.slots, R)
+                        if it >= 1:
+                            h.update(acts.tobytes())
+                        f.submit(acts, 0.99)
+        dt = time.perf_counter() - t0
+    finally:
+        f.close()
+    return dt, wait / dt, h.hexdigest()[:16]
+
+
+def bench_farm(env: EnvFactorySpec | None = None, *, battles: int = 16, cycles: int = 64,
+               iterations: int = 2,
+               arms: tuple[tuple[int, int], ...] = ((1, 1), (1, 2), (2, 1), (2, 2)),
+               repeats: int = 3, master_seed: int = 0) -> dict[str, Any]:
+    """Game-steps per second (one decision of one battle) collected by ProcessFarm per
+    (workers, shards_per_worker) arm, against one process stepping ClashSelfPlayVecEnv directly;
+    same battles (env/battle/{b}/ordinal/{k} seeds), same actions (_bench_actions reading each
+    arm's own masks: the farm's from the packed rows, as a learner would). One warm-up iteration
+    per measurement is not timed. The arms are INTERLEAVED `repeats` times (direct, arm 1, arm
+    2, ..., direct, ...) because the machine is shared and its load drifts; each arm reports
+    every measurement and the median. Equal `actions_digest`s show the arms played the same
+    games. The farm also pays codec.pack for every row, which the direct loop does not."""
+    env = env or default_env_spec()
+    _, table = preflight(env, master_seed=master_seed)
+    steps = battles * cycles * iterations
+    out: dict[str, Any] = {"battles": battles, "cycles": cycles, "iterations": iterations,
+                           "game_steps": steps, "cpus": os.cpu_count(), "repeats": repeats,
+                           "loadavg_before": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    runs: dict[str, list[float]] = {}
+    extra: dict[str, dict[str, Any]] = {}
+    names = ["direct"] + [f"farm_w{K}_s{S}" for K, S in arms if battles % (K * S) == 0]
+    for _ in range(repeats):
+        dt, digest = _bench_direct(env, battles, cycles, iterations, master_seed)
+        runs.setdefault("direct", []).append(steps / dt)
+        extra["direct"] = {"actions_digest": digest}
+        for K, S in arms:
+            if battles % (K * S):
+                continue
+            dt, wait_frac, digest = _bench_farm_arm(env, table, K, S, battles, cycles,
+                                                    iterations, master_seed)
+            name = f"farm_w{K}_s{S}"
+            runs.setdefault(name, []).append(steps / dt)
+            extra[name] = {"actions_digest": digest, "parent_wait_frac": wait_frac}
+    base = float(np.median(runs["direct"]))
+    for name in names:
+        med = float(np.median(runs[name]))
+        out[name] = {"game_steps_per_s_median": med, "runs": [round(x, 1) for x in runs[name]],
+                     "vs_direct": med / base, **extra[name]}
+    out["loadavg_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(bench_farm(), indent=1))

@@ -1,0 +1,1908 @@
+"""ladder.py -- the ladder: "is the new policy better?" as a claim with an error bar.
+
+Stage owned: everything between a frozen snapshot and a decision about it. The result log every
+rated battle is appended to, the batch rating fitted to that log, the statistics the promotion
+gate rests on, the gate itself, the paired evaluation bookkeeping, the content-addressed snapshot
+store, hall-of-fame eviction, and the matchmaker that lays the self-play mixture over the
+battles of an iteration.
+
+Reads (all under runs/<id>/ladder/):
+    games.jsonl                 the append-only result log (section 2), the source of truth
+    eval_seeds.json             the frozen evaluation seed set (section 4)
+    snapshots/<id>/             actor.safetensors (fp16) + spec.json (section 6)
+    pool.json, eval_env.json    the pool as last admitted, the evaluation env (sections 7, 11)
+Writes (same folder):
+    games.jsonl, aggregate.json (a derived cache that always equals a rebuild of the log)
+    gates/<candidate>.json      one GateDecision per candidate (section 5)
+    ratings.json                the latest RatingTable (written by the trainer's refit)
+    eval_seeds.json, snapshots/<id>/, pool.json, eval_env.json
+Nothing is pickled: JSON (msgspec) and safetensors only. Never a checkpoint or a metric file.
+
+Spec sections implemented: D10-D11, 11.2 (rating: Bradley-Terry-Davidson MAP fit, Elo readout),
+11.3 (matchmaking: role counts, per-episode draw, PFSP), 11.4 (the gate), 11.5 (paired
+evaluation: the EvalRunner that plays it, bootstrap over seeds, paired_rho), 11.6 (result log,
+snapshot store, eviction), 11.7 (Wilson interval), 11.8 (transitivity residual), 11.9 (the
+probe of the live policy: run_probe + probe_metrics).
+
+Evaluation (section 10) plays real RustEngine battles: EvalRunner(train_env_spec, seeds, ...)
+strips the training env's truncation, builds its own envs, plays each frozen seed from both
+sides and appends kind="eval" (or "probe") GameResults; it is the gate's
+`play(a, b, n_battles) -> list[GameResult]`. It drives royalegym's ClashParallelEnv directly
+rather than farm.py's farms (section 10 says which farm feature each workaround stands in for).
+Not here yet (issue 5 item 8): the wiring into the training loop.
+
+Import rule: codec <- farm <- ladder. This module never imports torch, so
+`python ladder.py rate runs/<id>` and a scripted-vs-scripted `eval` work on a machine without it
+(tests/test_ladder.py runs them with torch made unimportable). A network is built by a callable
+the caller passes in (policy_builder); the CLI imports ppo_clash lazily, only for snap: players.
+
+CLI:
+    python ladder.py rate runs/<id> [--context CTX]          the fitted table (torch-free)
+    python ladder.py eval --run runs/<id> --a ID --b ID [--seeds N]
+                                                             a paired comparison, appended
+    python ladder.py gate --run runs/<id> --candidate ID [--champion ID]
+                                                             the WilsonGate, its decision file
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import hashlib
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import msgspec
+import numpy as np
+
+import farm
+from farm import (
+    GROUP_LEARNER,
+    GROUP_SCRIPTED,
+    ROLE_MIRROR,
+    ROLE_POOL,
+    ROLE_SCRIPTED,
+    Assignment,
+    SlotPlan,
+    EnvFactorySpec,
+    derive_generator,
+)
+
+# --- 1. Names and constants ---------------------------------------------------------------------
+
+ANCHOR = "scripted:noop"
+"""The rating gauge (spec 11.2, rater.anchor): pinned at 0 Elo. A scripted anchor exists from the
+first game, before any snapshot does, and its strength never changes."""
+
+GATE_ANCHORS = ("scripted:noop", "scripted:random_legal")
+"""The gate's anchors (spec 11.4 condition 2). They do not move with ladder.scripted_opponents."""
+
+KINDS = ("eval", "train", "probe")
+"""The three cuts of games.jsonl (spec 11.6). Only "eval" is fitted: "train" is PFSP-selected
+(biased towards hard matchups) and "probe" names a one-moment player (spec 11.9)."""
+
+SIDES = ("blue", "red")
+SCORES = (0.0, 0.5, 1.0)
+
+ELO_PER_NAT = 400.0 / math.log(10.0)
+"""[A] q = 10 ** (r / 400) = exp(r * ln(10) / 400), so one nat of log-strength is 173.7 Elo."""
+C = 1.0 / ELO_PER_NAT
+
+PRIOR_SD = 400.0          # rater.prior_sd: weakly informative, keeps a player with no losses finite
+MIN_DRAW_RATE = 0.02      # rater.draws falls back to "half_win" under this measured draw rate
+RESIDUAL_MIN_GAMES = 30   # spec 11.8: pairs with at least 30 games enter the residual
+Z95 = 1.96
+
+ROLE_NAMES = {ROLE_MIRROR: "mirror", ROLE_POOL: "pool", ROLE_SCRIPTED: "scripted"}
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write-then-rename, fsynced, so a crash leaves the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _json_pretty(obj: Any) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(obj), indent=2) + b"\n"
+
+
+def ladder_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "ladder"
+
+
+# --- 2. The result log (spec 11.6) ----------------------------------------------------------------
+# One line per battle, appended and never rewritten. The aggregate table is a cache derived from
+# it; the log is the truth. Draws are stored as draws (score 0.5), never folded into "wins":
+# five wins and five losses and ten draws carry different variance (spec 11.1).
+
+class GameResult(msgspec.Struct, frozen=True):
+    """One battle. score_a is a's score (1 win, 0.5 draw, 0 loss); side_a is the seat a held."""
+    a: str
+    b: str
+    score_a: float
+    seed_index: int          # index into the frozen eval seed set; -1 where none (train games)
+    side_a: str              # "blue" | "red"
+    context: str             # sha256(env, obs builder, deck protocol, engine build)[:16]
+    kind: str                # "eval" | "train" | "probe"
+    run_id: str
+    iteration: int
+    wall: str                # ISO-8601 UTC
+
+
+def check_game(g: GameResult) -> None:
+    """Refuse a malformed record before it reaches the log, naming the field."""
+    if g.score_a not in SCORES:
+        raise ValueError(f"GameResult.score_a={g.score_a!r} for {g.a} vs {g.b}: must be 0, 0.5 or 1")
+    if g.side_a not in SIDES:
+        raise ValueError(f"GameResult.side_a={g.side_a!r} for {g.a} vs {g.b}: must be blue or red")
+    if g.kind not in KINDS:
+        raise ValueError(f"GameResult.kind={g.kind!r} for {g.a} vs {g.b}: must be one of {KINDS}")
+    if g.a == g.b:
+        raise ValueError(f"GameResult.a == GameResult.b == {g.a!r}: a player cannot be rated against itself")
+    if not g.context:
+        raise ValueError(f"GameResult.context is empty for {g.a} vs {g.b}: every result names its context")
+
+
+class Aggregate(msgspec.Struct):
+    """The derived cache: per (context, kind, a, b) with a < b, [wins of a, draws, wins of b].
+    `lines` is how many complete log lines it covers, so a stale cache is detected and rebuilt."""
+    lines: int = 0
+    cells: dict[str, list[int]] = {}
+
+
+def _cell_key(g: GameResult) -> tuple[str, int]:
+    """The canonical cell and which column a's score lands in (0 a wins, 1 draw, 2 b wins)."""
+    lo, hi = (g.a, g.b) if g.a < g.b else (g.b, g.a)
+    s = g.score_a if g.a == lo else 1.0 - g.score_a
+    col = 0 if s == 1.0 else (1 if s == 0.5 else 2)
+    return f"{g.context}\t{g.kind}\t{lo}\t{hi}", col
+
+
+def rebuild_aggregate(games: Sequence[GameResult]) -> Aggregate:
+    cells: dict[str, list[int]] = {}
+    for g in games:
+        key, col = _cell_key(g)
+        cells.setdefault(key, [0, 0, 0])[col] += 1
+    return Aggregate(lines=len(games), cells=dict(sorted(cells.items())))
+
+
+def _lock(f: Any) -> None:
+    """An exclusive advisory lock on an open file, held until it is closed. fcntl is POSIX; where
+    it is absent (Windows) a single writer per run is the caller's to keep."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+
+
+class LogRead(msgspec.Struct):
+    games: list[GameResult]
+    torn_tail: bytes | None    # the bytes of a torn last line, ignored; None when the log is clean
+
+
+class ResultLog:
+    """runs/<id>/ladder/games.jsonl and its aggregate.json cache.
+
+    Writes are append + flush + os.fsync per batch, so a crash truncates at most the last line.
+    The reader ignores (and reports) a last line without its newline; a bad line anywhere else is
+    corruption and is refused by file and line number. Before appending, a torn tail is cut off,
+    so a new record never glues onto half of an old one."""
+
+    def __init__(self, run_dir: str | Path):
+        self.dir = ladder_dir(run_dir)
+        self.path = self.dir / "games.jsonl"
+        self.aggregate_path = self.dir / "aggregate.json"
+        self.last_repair: bytes | None = None
+
+    def read(self) -> LogRead:
+        if not self.path.exists():
+            return LogRead(games=[], torn_tail=None)
+        data = self.path.read_bytes()
+        lines = data.split(b"\n")
+        tail = lines.pop()               # b"" when the file ends with a newline
+        games = []
+        dec = msgspec.json.Decoder(GameResult)
+        for lineno, line in enumerate(lines, 1):
+            try:
+                games.append(dec.decode(line))
+            except msgspec.DecodeError as e:
+                raise ValueError(
+                    f"{self.path}: line {lineno} is not a GameResult ({e}); only the LAST line may be "
+                    f"torn by a crash, so this is corruption: restore the file from a copy") from None
+        return LogRead(games=games, torn_tail=tail if tail else None)
+
+    def _cut_torn_tail(self) -> None:
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return
+        with open(self.path, "rb+") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) == b"\n":
+                return
+            f.seek(0)
+            data = f.read()
+            keep = data.rfind(b"\n") + 1
+            self.last_repair = data[keep:]
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def append(self, games: Sequence[GameResult]) -> None:
+        """Append one batch: validate all, write all, flush, fsync once, then update the cache.
+        The whole append holds an exclusive lock on games.jsonl (flock, where the OS has it),
+        because `ladder.py eval|gate` append to the log of a run that is training: two writers
+        must not interleave a tail repair, a batch or a cache rewrite."""
+        for g in games:
+            check_game(g)
+        if not games:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        enc = msgspec.json.Encoder()
+        payload = b"".join(enc.encode(g) + b"\n" for g in games)
+        with open(self.path, "ab") as f:
+            _lock(f)
+            self._cut_torn_tail()
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+            # The cache: increment when it covers exactly the lines before this batch, else
+            # rebuild (a crash between the log write and the cache write leaves it a batch behind).
+            agg = self._load_cache()
+            n_before = self._count_lines() - len(games)
+            if agg is None or agg.lines != n_before:
+                agg = rebuild_aggregate(self.read().games)
+            else:
+                for g in games:
+                    key, col = _cell_key(g)
+                    agg.cells.setdefault(key, [0, 0, 0])[col] += 1
+                agg.cells = dict(sorted(agg.cells.items()))
+                agg.lines += len(games)
+            _write_atomic(self.aggregate_path, msgspec.json.encode(agg))
+            # the lock is released when f closes
+
+    def _count_lines(self) -> int:
+        return self.path.read_bytes().count(b"\n") if self.path.exists() else 0
+
+    def _load_cache(self) -> Aggregate | None:
+        if not self.aggregate_path.exists():
+            return None
+        try:
+            return msgspec.json.decode(self.aggregate_path.read_bytes(), type=Aggregate)
+        except msgspec.DecodeError:
+            return None
+
+    def aggregate(self) -> Aggregate:
+        """The cache if it covers the whole log, else a rebuild (never a stale table)."""
+        agg = self._load_cache()
+        if agg is not None and agg.lines == self._count_lines():
+            return agg
+        return rebuild_aggregate(self.read().games)
+
+
+def contexts_of(games: Sequence[GameResult]) -> list[str]:
+    return sorted({g.context for g in games})
+
+
+def eval_view(games: Sequence[GameResult], context: str | None = None,
+              kind: str = "eval") -> tuple[str | None, list[GameResult]]:
+    """The games of one kind in ONE context. Contexts are never pooled (spec 11.6): a policy shown
+    the opponent's hand and one that was not are different kinds of player. With context=None the
+    view must hold a single context, else this refuses and names them."""
+    games = [g for g in games if g.kind == kind]
+    ctxs = contexts_of(games)
+    if context is None:
+        if len(ctxs) > 1:
+            raise ValueError(f"the {kind} games hold {len(ctxs)} contexts {ctxs}: results from different "
+                             f"contexts are never pooled; choose one (rate --context CTX)")
+        return (ctxs[0] if ctxs else None), games
+    return context, [g for g in games if g.context == context]
+
+
+# --- 3. Rating: Bradley-Terry-Davidson, MAP, Newton (spec 11.2, 11.8) ----------------------------
+# With d = (r_i - r_j) / 173.7 and nu the draw parameter, the Davidson model reads
+#     P(i wins) = e^(d/2) / D,   P(draw) = nu / D,   P(j wins) = e^(-d/2) / D,
+#     D = e^(d/2) + e^(-d/2) + nu,
+# which is spec 11.2's q-form divided through by sqrt(q_i q_j). log D is a log-sum-exp of linear
+# functions of (d, log nu), so the negative log-likelihood is convex in (ratings, log nu) and the
+# prior adds a positive diagonal: Newton with a backtracking line search converges from zero.
+# The games enter only through integer counts per sorted pair, which is why the fit is a pure
+# function of the multiset of games: the same games in any order give bit-identical numbers.
+
+class PairCounts(msgspec.Struct):
+    ids: list[str]            # sorted
+    i: list[int]              # index of the lower id of each pair
+    j: list[int]
+    wins_i: list[int]
+    draws: list[int]
+    wins_j: list[int]
+
+
+def pair_counts(games: Sequence[GameResult], anchor: str = ANCHOR) -> PairCounts:
+    ids = sorted({g.a for g in games} | {g.b for g in games} | {anchor})
+    index = {p: k for k, p in enumerate(ids)}
+    cells: dict[tuple[int, int], list[int]] = {}
+    for g in games:
+        key, col = _cell_key(g)
+        _, _, lo, hi = key.split("\t")
+        cells.setdefault((index[lo], index[hi]), [0, 0, 0])[col] += 1
+    keys = sorted(cells)
+    return PairCounts(ids=ids, i=[k[0] for k in keys], j=[k[1] for k in keys],
+                      wins_i=[cells[k][0] for k in keys], draws=[cells[k][1] for k in keys],
+                      wins_j=[cells[k][2] for k in keys])
+
+
+class RatingTable(msgspec.Struct, frozen=True):
+    """A fit's output (spec 4.5 RatingTable, plus what the dashboard and gate read)."""
+    rating: dict[str, float]          # Elo, anchor at exactly 0
+    se: dict[str, float]              # sqrt of the inverse observed Fisher information's diagonal
+    anchor: str
+    draws: str                        # "davidson" | "half_win": the model actually fitted
+    draw_fallback: bool               # davidson was asked for, the draw rate was under 2%
+    draw_nu: float | None             # Davidson's nu; None under half_win
+    draw_rate: float
+    n_games: dict[str, int]
+    n_total: int
+    transitivity_residual: float | None   # None when no pair has RESIDUAL_MIN_GAMES games
+    residual_pairs: int
+    converged: bool
+    iterations: int
+    context: str | None
+    ids: list[str]                    # row/column order of cov
+    cov: list[list[float]]            # Elo^2; the anchor's row and column are 0
+
+    def se_diff(self, a: str, b: str) -> float:
+        """SE of r_a - r_b from the 2x2 block of the covariance, never the two marginals summed."""
+        k = {p: n for n, p in enumerate(self.ids)}
+        ia, ib = k[a], k[b]
+        v = self.cov[ia][ia] + self.cov[ib][ib] - 2.0 * self.cov[ia][ib]
+        return math.sqrt(max(v, 0.0))
+
+    def predict(self, a: str, b: str) -> float:
+        """P(a scores against b), a draw counting 0.5, from the fitted model."""
+        for p in (a, b):
+            if p not in self.rating:
+                raise KeyError(f"{p!r} is not in the fitted rating table (context {self.context}): "
+                               f"it has no eval games yet; refit after it has played")
+        return float(_outcome_probs((self.rating[a] - self.rating[b]) * C, self.draw_nu)[3])
+
+    def predict_se(self, a: str, b: str) -> float:
+        """Delta-method SE of predict(a, b) from se_diff (the nu uncertainty is not propagated)."""
+        d = (self.rating[a] - self.rating[b]) * C
+        pw, pd, pl, p = _outcome_probs(d, self.draw_nu)
+        slope = p * (1.0 - p) if self.draw_nu is None else pw / 2.0 - (pw - pl) / 2.0 * p
+        return abs(slope) * C * self.se_diff(a, b)
+
+
+def _outcome_probs(d: float | np.ndarray, nu: float | None):
+    """(P win, P draw, P loss, expected score) for log-strength difference d."""
+    if nu is None:
+        pw = 1.0 / (1.0 + np.exp(-d))
+        return pw, 0.0 * pw, 1.0 - pw, pw
+    eta = math.log(nu)
+    log_d = np.logaddexp(np.logaddexp(d / 2.0, -d / 2.0), eta)
+    pw, pl, pd = np.exp(d / 2.0 - log_d), np.exp(-d / 2.0 - log_d), np.exp(eta - log_d)
+    return pw, pd, pl, pw + pd / 2.0
+
+
+def _nll_terms(x: np.ndarray, free: np.ndarray, n_ids: int, pc: dict[str, np.ndarray],
+               davidson: bool, prior_sd: float):
+    """Negative log-posterior, its gradient and Hessian over the free parameters
+    (the non-anchor ratings in Elo, then log nu under Davidson)."""
+    F = len(free)
+    r = np.zeros(n_ids)
+    r[free] = x[:F]
+    I, J, W, T, L = pc["i"], pc["j"], pc["w"], pc["t"], pc["l"]
+    N = W + T + L
+    d = (r[I] - r[J]) * C
+    if davidson:
+        eta = x[F]
+        log_d = np.logaddexp(np.logaddexp(d / 2.0, -d / 2.0), eta)
+        pw, pl, pd = np.exp(d / 2.0 - log_d), np.exp(-d / 2.0 - log_d), np.exp(eta - log_d)
+        nll = -np.sum((W - L) * d / 2.0 + T * eta - N * log_d)
+        g_d = -(W - L) / 2.0 + N * (pw - pl) / 2.0
+        g_e = np.sum(-T + N * pd)
+        h_dd = N * ((pw + pl) / 4.0 - (pw - pl) ** 2 / 4.0)
+        h_de = -N * pd * (pw - pl) / 2.0
+        h_ee = np.sum(N * (pd - pd * pd))
+    else:
+        S = W + T / 2.0
+        log_p, log_q = -np.logaddexp(0.0, -d), -np.logaddexp(0.0, d)
+        p = np.exp(log_p)
+        nll = -np.sum(S * log_p + (N - S) * log_q)
+        g_d = N * p - S
+        h_dd = N * p * (1.0 - p)
+    # Chain rule to the full rating vector: dd/dr_i = C, dd/dr_j = -C.
+    g = np.zeros(n_ids)
+    np.add.at(g, I, C * g_d)
+    np.add.at(g, J, -C * g_d)
+    H = np.zeros((n_ids, n_ids))
+    np.add.at(H, (I, I), C * C * h_dd)
+    np.add.at(H, (J, J), C * C * h_dd)
+    np.add.at(H, (I, J), -C * C * h_dd)
+    np.add.at(H, (J, I), -C * C * h_dd)
+    rf = x[:F]
+    nll += np.sum(rf * rf) / (2.0 * prior_sd ** 2)
+    n_par = F + (1 if davidson else 0)
+    G = np.zeros(n_par)
+    G[:F] = g[free] + rf / prior_sd ** 2
+    Hf = np.zeros((n_par, n_par))
+    Hf[:F, :F] = H[np.ix_(free, free)] + np.eye(F) / prior_sd ** 2
+    if davidson:
+        he = np.zeros(n_ids)
+        np.add.at(he, I, C * h_de)
+        np.add.at(he, J, -C * h_de)
+        G[F] = g_e
+        Hf[:F, F] = Hf[F, :F] = he[free]
+        Hf[F, F] = h_ee
+    return float(nll), G, Hf
+
+
+def fit_pair_counts(pc: PairCounts, anchor: str = ANCHOR, prior_sd: float = PRIOR_SD,
+                    draws: str = "davidson", context: str | None = None,
+                    max_iter: int = 100, tol_elo: float = 1e-7) -> RatingTable:
+    """The MAP fit. `draws` is the configured rater.draws; under MIN_DRAW_RATE measured draws a
+    Davidson request falls back to half_win and the table records that it did."""
+    if draws not in ("davidson", "half_win"):
+        raise ValueError(f"rater.draws={draws!r}: must be 'davidson' or 'half_win'")
+    ids = pc.ids
+    n_ids = len(ids)
+    arr = {"i": np.asarray(pc.i, dtype=np.int64), "j": np.asarray(pc.j, dtype=np.int64),
+           "w": np.asarray(pc.wins_i, dtype=np.float64), "t": np.asarray(pc.draws, dtype=np.float64),
+           "l": np.asarray(pc.wins_j, dtype=np.float64)}
+    n_total = int(arr["w"].sum() + arr["t"].sum() + arr["l"].sum())
+    draw_rate = float(arr["t"].sum() / n_total) if n_total else 0.0
+    fallback = draws == "davidson" and draw_rate < MIN_DRAW_RATE
+    davidson = draws == "davidson" and not fallback
+    free = np.array([k for k, p in enumerate(ids) if p != anchor], dtype=np.int64)
+    F = len(free)
+    x = np.zeros(F + (1 if davidson else 0))
+    if davidson:
+        x[F] = math.log(2.0 * draw_rate / (1.0 - draw_rate))   # nu at equal strengths [A]
+    converged, it = False, 0
+    nll, G, H = _nll_terms(x, free, n_ids, arr, davidson, prior_sd)
+    for it in range(1, max_iter + 1):
+        step = np.linalg.solve(H, G)
+        t = 1.0
+        while True:   # backtracking: Newton from zero can overshoot on lopsided records
+            x_new = x - t * step
+            nll_new, G_new, H_new = _nll_terms(x_new, free, n_ids, arr, davidson, prior_sd)
+            if nll_new <= nll + 1e-12 * abs(nll) or t < 1e-6:
+                break
+            t *= 0.5
+        x, nll, G, H = x_new, nll_new, G_new, H_new
+        if np.max(np.abs(t * step), initial=0.0) < tol_elo:
+            converged = True
+            break
+    cov_f = np.linalg.inv(H)
+    cov = np.zeros((n_ids, n_ids))
+    cov[np.ix_(free, free)] = cov_f[:F, :F]
+    rating = {p: 0.0 for p in ids}
+    for k, idx in enumerate(free):
+        rating[ids[idx]] = float(x[k])
+    se = {p: float(math.sqrt(max(cov[k, k], 0.0))) for k, p in enumerate(ids)}
+    n_games = {p: 0 for p in ids}
+    for i, j, w, t_, l_ in zip(pc.i, pc.j, pc.wins_i, pc.draws, pc.wins_j):
+        n_games[ids[i]] += w + t_ + l_
+        n_games[ids[j]] += w + t_ + l_
+    table = RatingTable(
+        rating=rating, se=se, anchor=anchor, draws="davidson" if davidson else "half_win",
+        draw_fallback=fallback, draw_nu=float(math.exp(x[F])) if davidson else None,
+        draw_rate=draw_rate, n_games=n_games, n_total=n_total, transitivity_residual=None,
+        residual_pairs=0, converged=converged, iterations=it, context=context, ids=list(ids),
+        cov=cov.tolist())
+    resid, n_pairs = transitivity_residual(table, pc)
+    return msgspec.structs.replace(table, transitivity_residual=resid, residual_pairs=n_pairs)
+
+
+def fit_ratings(games: Sequence[GameResult], anchor: str = ANCHOR, prior_sd: float = PRIOR_SD,
+                draws: str = "davidson") -> RatingTable:
+    """The authoritative rating (spec D11): a pure function of a ONE-context set of eval games."""
+    ctxs = contexts_of(games)
+    if len(ctxs) > 1:
+        raise ValueError(f"fit_ratings got games from {len(ctxs)} contexts {ctxs}: contexts are never "
+                         f"pooled; filter with eval_view(games, context)")
+    kinds = sorted({g.kind for g in games} - {"eval"})
+    if kinds:
+        raise ValueError(f"fit_ratings got {kinds} games: the fit reads kind='eval' only (spec 11.5, "
+                         f"11.9); filter with eval_view")
+    return fit_pair_counts(pair_counts(games, anchor), anchor, prior_sd, draws,
+                           context=ctxs[0] if ctxs else None)
+
+
+def transitivity_residual(table: RatingTable, pc: PairCounts) -> tuple[float | None, int]:
+    """Spec 11.8: the fraction of head-to-head pairs with >= 30 games whose observed score rate
+    contradicts the fit by more than two standard errors. The SE combines the pair's sampling
+    SE under the model and the fit's own SE of the prediction (delta method on the 2x2 block).
+    Above ~10% a scalar rating is not a meaningful summary of the population."""
+    k = {p: n for n, p in enumerate(table.ids)}
+    order = np.array([k[p] for p in pc.ids], dtype=np.int64)       # pc's ids in the table's order
+    r = np.array([table.rating[p] for p in pc.ids])
+    cov = np.asarray(table.cov)[np.ix_(order, order)]
+    I, J = np.asarray(pc.i, dtype=np.int64), np.asarray(pc.j, dtype=np.int64)
+    W, T, Lo = (np.asarray(v, dtype=np.float64) for v in (pc.wins_i, pc.draws, pc.wins_j))
+    N = W + T + Lo
+    sel = N >= RESIDUAL_MIN_GAMES
+    if not sel.any():
+        return None, 0
+    I, J, W, T, N = I[sel], J[sel], W[sel], T[sel], N[sel]
+    pw, pd, pl, p = _outcome_probs((r[I] - r[J]) * C, table.draw_nu)
+    var_game = pw + pd / 4.0 - p * p
+    slope = p * (1.0 - p) if table.draw_nu is None else pw / 2.0 - (pw - pl) / 2.0 * p
+    var_diff = np.maximum(cov[I, I] + cov[J, J] - 2.0 * cov[I, J], 0.0)
+    se = np.sqrt(var_game / N + (slope * C) ** 2 * var_diff)
+    bad = int(np.sum(np.abs((W + T / 2.0) / N - p) > 2.0 * se))
+    return float(bad / len(N)), int(len(N))
+
+
+class EloReadout:
+    """Layer 1 (spec 11.2): zero-sum logistic Elo at k = 32 for the dashboard between refits.
+    Order-dependent and never the gate."""
+
+    def __init__(self, k_factor: float = 32.0):
+        self.k = k_factor
+        self.rating: dict[str, float] = {}
+
+    def update(self, a: str, b: str, score_a: float) -> None:
+        ra, rb = self.rating.get(a, 0.0), self.rating.get(b, 0.0)
+        expected = 1.0 / (1.0 + 10.0 ** ((rb - ra) / 400.0))
+        delta = self.k * (score_a - expected)
+        self.rating[a], self.rating[b] = ra + delta, rb - delta
+
+
+def write_ratings(run_dir: str | Path, table: RatingTable) -> Path:
+    path = ladder_dir(run_dir) / "ratings.json"
+    _write_atomic(path, _json_pretty(table))
+    return path
+
+
+# --- 4. The statistics: Wilson, paired scores, bootstrap, rho (spec 11.5, 11.7) -------------------
+
+def wilson_interval(p_hat: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval, spec 11.7's formula. 55.2% at n = 1000 gives 0.521 (clears 0.52)."""
+    if n <= 0:
+        raise ValueError(f"wilson_interval: n={n}, needs at least one battle")
+    centre = (p_hat + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p_hat * (1 - p_hat) / n + z * z / (4 * n * n))
+    return centre - half, centre + half
+
+
+class PairedScores(msgspec.Struct):
+    """a's per-seed scores against b. x_s = (score as blue + score as red) / 2, in
+    {0, .25, .5, .75, 1}: the seed, not the battle, is the unit (spec 11.5)."""
+    a: str
+    b: str
+    seed_index: list[int]
+    blue: list[float]
+    red: list[float]
+    x: list[float]
+    unpaired: int             # seeds played from one side only; excluded
+
+    @property
+    def n_battles(self) -> int:
+        return 2 * len(self.x)
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.x)) if self.x else float("nan")
+
+
+def paired_scores(games: Sequence[GameResult], a: str, b: str) -> PairedScores:
+    """Collapse the games between a and b (recorded either way round) to per-seed pairs.
+    Repeated battles of one (seed, side) are averaged."""
+    acc: dict[int, dict[str, list[float]]] = {}
+    for g in games:
+        if {g.a, g.b} != {a, b} or g.seed_index < 0:
+            continue
+        if g.a == a:
+            s, side = g.score_a, g.side_a
+        else:
+            s, side = 1.0 - g.score_a, ("red" if g.side_a == "blue" else "blue")
+        acc.setdefault(g.seed_index, {"blue": [], "red": []})[side].append(s)
+    seeds, blue, red, unpaired = [], [], [], 0
+    for k in sorted(acc):
+        if acc[k]["blue"] and acc[k]["red"]:
+            seeds.append(k)
+            blue.append(float(np.mean(acc[k]["blue"])))
+            red.append(float(np.mean(acc[k]["red"])))
+        else:
+            unpaired += 1
+    return PairedScores(a=a, b=b, seed_index=seeds, blue=blue, red=red,
+                        x=[(u + v) / 2.0 for u, v in zip(blue, red)], unpaired=unpaired)
+
+
+def bootstrap_interval(x: Sequence[float], master_seed: int, comparison_id: str,
+                       resamples: int = 10_000, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap of the mean over seeds, from eval/bootstrap/{comparison_id}."""
+    xs = np.asarray(x, dtype=np.float64)
+    if xs.size == 0:
+        raise ValueError(f"bootstrap_interval({comparison_id}): no paired seeds")
+    rng = derive_generator(master_seed, f"eval/bootstrap/{comparison_id}")
+    means = np.empty(resamples)
+    chunk = max(1, 2_000_000 // xs.size)     # bound memory to ~16 MB of indices at a time
+    for s in range(0, resamples, chunk):
+        k = min(chunk, resamples - s)
+        means[s:s + k] = xs[rng.integers(0, xs.size, size=(k, xs.size))].mean(axis=1)
+    alpha = (1.0 - level) / 2.0
+    lo, hi = np.quantile(means, [alpha, 1.0 - alpha])
+    return float(lo), float(hi)
+
+
+def paired_rho(ps: PairedScores) -> float | None:
+    """Correlation across seeds between a's score as blue and as red. None when undefined (every
+    seed decided one way on a side): 0.0 would read as 'uncorrelated' (spec 11.5)."""
+    if len(ps.x) < 2:
+        return None
+    u, v = np.asarray(ps.blue), np.asarray(ps.red)
+    if u.std() == 0.0 or v.std() == 0.0:
+        return None
+    return float(np.corrcoef(u, v)[0, 1])
+
+
+class EvalSeedSet(msgspec.Struct, frozen=True):
+    """The fixed evaluation seed set, drawn once at run start and reused forever (spec 11.5)."""
+    master_seed: int
+    path: str
+    seeds: list[int]
+    sha256: str
+
+
+def _seed_sha(seeds: Sequence[int]) -> str:
+    return hashlib.sha256(msgspec.json.encode(list(seeds))).hexdigest()
+
+
+def draw_eval_seeds(master_seed: int, count: int) -> EvalSeedSet:
+    rng = derive_generator(master_seed, "eval/seed_set")
+    seeds = [int(s) for s in rng.integers(0, 2 ** 63 - 1, size=count, dtype=np.int64)]
+    return EvalSeedSet(master_seed=master_seed, path="eval/seed_set", seeds=seeds, sha256=_seed_sha(seeds))
+
+
+def load_or_create_eval_seeds(run_dir: str | Path, master_seed: int, count: int) -> EvalSeedSet:
+    """ladder/eval_seeds.json: written on first call; later calls load it and verify its hash."""
+    path = ladder_dir(run_dir) / "eval_seeds.json"
+    if path.exists():
+        s = msgspec.json.decode(path.read_bytes(), type=EvalSeedSet)
+        if _seed_sha(s.seeds) != s.sha256:
+            raise ValueError(f"{path}: sha256 does not match its seeds; the frozen set was edited")
+        if s.master_seed != master_seed or len(s.seeds) != count:
+            raise ValueError(f"{path}: holds master_seed={s.master_seed}, count={len(s.seeds)}, the run "
+                             f"asks for master_seed={master_seed}, count={count}: the set is frozen per run")
+        return s
+    s = draw_eval_seeds(master_seed, count)
+    _write_atomic(path, _json_pretty(s))
+    return s
+
+
+def comparison_seed_indices(seeds: EvalSeedSet, n_battles: int) -> list[int]:
+    """The seeds a comparison of n_battles plays: the FIRST n_battles / 2 of the frozen set, each
+    from both sides, so every comparison of a size plays the same start states (spec 11.5, 11.9)."""
+    if n_battles % 2 or n_battles // 2 > len(seeds.seeds) or n_battles <= 0:
+        raise ValueError(f"a comparison of {n_battles} battles needs an even count of at most "
+                         f"2 x {len(seeds.seeds)} (ladder.eval_seed_count); got {n_battles}")
+    return list(range(n_battles // 2))
+
+
+def eval_match_path(comparison_id: str, seed_index: int, side: str) -> str:
+    """The name of one evaluation battle's acting stream (spec 5.2): eval/match/{cid}/{s}/{side}."""
+    return f"eval/match/{comparison_id}/{seed_index}/{side}"
+
+
+def probe_metrics(games: Sequence[GameResult], learner_id: str, rung: str, master_seed: int,
+                  resamples: int = 10_000) -> dict[str, float | int]:
+    """Spec 11.9's publication for one rung: ladder/score_vs/<rung>, its n in SEEDS (the two
+    battles of a seed are correlated) and the 95% bootstrap interval over seeds. The anchors are
+    also published under their older names. Nothing for a rung with no paired seeds."""
+    ps = paired_scores(games, learner_id, rung)
+    if not ps.x:
+        return {}
+    lo, hi = bootstrap_interval(ps.x, master_seed, f"probe/{learner_id}/vs/{rung}", resamples)
+    out: dict[str, float | int] = {
+        f"ladder/score_vs/{rung}": ps.mean, f"ladder/score_vs_n/{rung}": len(ps.x),
+        f"ladder/score_vs_ci95_lo/{rung}": lo, f"ladder/score_vs_ci95_hi/{rung}": hi}
+    if rung in ("scripted:noop", "scripted:random_legal"):
+        out[f"ladder/score_vs_{rung.removeprefix('scripted:')}"] = ps.mean
+    return out
+
+
+# --- 5. The gate (spec 11.4, 11.7) -------------------------------------------------------------------
+
+class GateConfig(msgspec.Struct, frozen=True):
+    champion_games: int = 1000        # 500 seeds x 2 sides
+    champion_lower_bound: float = 0.52
+    anchor_games: int = 200
+    anchor_tolerance_pp: float = 2.0
+    stratified_snapshots: int = 8
+    stratified_games: int = 100
+    bootstrap_resamples: int = 10_000
+    anchors: tuple[str, ...] = GATE_ANCHORS
+
+
+class ConditionResult(msgspec.Struct):
+    passed: bool
+    n: int                            # battles
+    observed: float | None            # None only on a SKIPPED condition (JSON has no NaN)
+    bound: float | None
+    reference: float | None
+    skipped: bool = False
+    reason: str = ""
+    ci95_lo: float | None = None      # bootstrap over seeds
+    ci95_hi: float | None = None
+    paired_rho: float | None = None
+    members: list[str] = []           # condition 3: the stratified sample
+
+
+class GateDecision(msgspec.Struct):
+    candidate: str
+    champion: str
+    outcome: str                      # "admit+promote" | "admit-as-cycle" | "discard"
+    admit: bool
+    promote: bool
+    cycle: bool
+    failed: list[str]                 # names of failed conditions, in order
+    conditions: dict[str, ConditionResult]
+    eval_seed_set_sha: str
+    wall_seconds: float
+    wall: str
+
+
+PlayFn = Callable[[str, str, int], list[GameResult]]
+"""play(a, b, n_battles): the evaluation runner, injected. It plays n_battles / 2 seeds of the
+frozen set from both sides, records nothing for training, and returns the games. EvalRunner is
+one, and it has already appended them to games.jsonl: do not append evaluate()'s `played` again."""
+
+
+class WilsonGate:
+    """Admits candidate C iff (1) the Wilson 95% lower bound of its score rate against the champion
+    is >= 0.52; (2) against each anchor it is not more than 2 pp below the champion's RECORD;
+    (3) its observed mean against a variance-weighted stratified sample of the pool is at least
+    the champion's fitted predicted mean against the same members, less one SE of C's mean.
+    (1),(2) pass and (3) fails: admit as a cycle, no promotion. Otherwise fail: discard."""
+
+    def __init__(self, cfg: GateConfig, master_seed: int, eval_seed_set_sha: str):
+        self.cfg, self.master_seed, self.seed_sha = cfg, master_seed, eval_seed_set_sha
+
+    def stratified_sample(self, candidate: str, champion: str, pool_members: Sequence[str],
+                          ratings: RatingTable | None) -> list[str]:
+        """Up to stratified_snapshots members: sorted by fitted rating, split into that many equal
+        strata, one drawn per stratum with weight p(1-p) (p the champion's predicted score): the
+        most even matchup carries the most information. Draw addressed eval/stratified/{candidate}."""
+        rest = sorted(m for m in pool_members
+                      if m not in (candidate, champion) and not m.startswith("scripted:"))
+        k = self.cfg.stratified_snapshots
+        if len(rest) <= k:
+            return rest
+        rated = ratings.rating if ratings is not None else {}
+        rest.sort(key=lambda m: (rated.get(m, 0.0), m))
+        rng = derive_generator(self.master_seed, f"eval/stratified/{candidate}")
+        out = []
+        for stratum in np.array_split(np.arange(len(rest)), k):
+            members = [rest[i] for i in stratum]
+            w = np.array([_variance_weight(ratings, champion, m) for m in members])
+            out.append(members[int(rng.choice(len(members), p=w / w.sum()))])
+        return sorted(out)
+
+    def evaluate(self, candidate: str, champion: str, pool_members: Sequence[str],
+                 ratings: RatingTable | None, play: PlayFn,
+                 history: Sequence[GameResult] = ()) -> tuple[GateDecision, list[GameResult]]:
+        """Play every condition's battles (all are rating evidence), decide, return the decision
+        and the games played. `history` is the run's eval games, read for the champion's anchor
+        record; a champion without one plays the anchor here, once."""
+        t0 = time.monotonic()
+        cfg, played, cond = self.cfg, [], {}
+        history = [g for g in history if g.kind == "eval"]
+
+        def paired(games: list[GameResult], a: str, b: str) -> PairedScores:
+            ps = paired_scores(games, a, b)
+            if not ps.x:   # a runner fault must not read as a failed condition
+                raise ValueError(f"gate {candidate}: play({a!r}, {b!r}) returned no seed played from "
+                                 f"both sides; the evaluation runner is broken")
+            return ps
+
+        # (1) The champion.
+        games = play(candidate, champion, cfg.champion_games)
+        played += games
+        ps = paired(games, candidate, champion)
+        lo, _ = wilson_interval(ps.mean, ps.n_battles)
+        ci = bootstrap_interval(ps.x, self.master_seed, f"gate/{candidate}/vs/{champion}",
+                                cfg.bootstrap_resamples)
+        cond["champion"] = ConditionResult(
+            passed=lo >= cfg.champion_lower_bound, n=ps.n_battles, observed=ps.mean, bound=lo,
+            reference=cfg.champion_lower_bound, ci95_lo=ci[0], ci95_hi=ci[1], paired_rho=paired_rho(ps))
+        # (2) No regression against the anchors, against the champion's RECORD.
+        for anchor in cfg.anchors:
+            games = play(candidate, anchor, cfg.anchor_games)
+            played += games
+            cs = paired(games, candidate, anchor)
+            rec = paired_scores(history, champion, anchor)
+            if not rec.x:   # a champion admitted free has no record: it plays the anchor once
+                rg = play(champion, anchor, cfg.anchor_games)
+                played += rg
+                rec = paired(rg, champion, anchor)
+            bound = rec.mean - cfg.anchor_tolerance_pp / 100.0
+            cond[f"anchor:{anchor}"] = ConditionResult(
+                passed=cs.mean >= bound - 1e-12, n=cs.n_battles, observed=cs.mean, bound=bound,
+                reference=rec.mean)
+        # (3) No pool-wide collapse.
+        members = self.stratified_sample(candidate, champion, pool_members, ratings)
+        if not members:
+            cond["pool"] = ConditionResult(
+                passed=True, n=0, observed=None, bound=None, reference=None,
+                skipped=True, reason="SKIPPED: no pool member besides the champion and the anchors")
+        else:
+            if ratings is None or champion not in ratings.rating:
+                raise ValueError(f"gate {candidate}: condition 3 needs the champion {champion} in the "
+                                 f"fitted table; refit before the gate")
+            xs, n_b = [], 0
+            for m in members:
+                games = play(candidate, m, cfg.stratified_games)
+                played += games
+                ps_m = paired(games, candidate, m)
+                xs += ps_m.x
+                n_b += ps_m.n_battles
+            observed = float(np.mean(xs))
+            se = float(np.std(xs, ddof=1) / math.sqrt(len(xs))) if len(xs) > 1 else 0.0
+            reference = float(np.mean([ratings.predict(champion, m) for m in members]))
+            cond["pool"] = ConditionResult(
+                passed=observed >= reference - se, n=n_b, observed=observed, bound=reference - se,
+                reference=reference, members=members)
+        failed = [k for k, c in cond.items() if not c.passed]
+        core_ok = all(c.passed for k, c in cond.items() if k != "pool")
+        admit = core_ok
+        promote = core_ok and cond["pool"].passed
+        cycle = core_ok and not cond["pool"].passed
+        outcome = "admit+promote" if promote else ("admit-as-cycle" if cycle else "discard")
+        decision = GateDecision(
+            candidate=candidate, champion=champion, outcome=outcome, admit=admit, promote=promote,
+            cycle=cycle, failed=failed, conditions=cond, eval_seed_set_sha=self.seed_sha,
+            wall_seconds=time.monotonic() - t0, wall=utc_now())
+        return decision, played
+
+
+def _variance_weight(ratings: RatingTable | None, champion: str, m: str) -> float:
+    if ratings is None or champion not in ratings.rating or m not in ratings.rating:
+        return 0.25
+    p = ratings.predict(champion, m)
+    return max(p * (1.0 - p), 1e-6)
+
+
+def _file_name(player_id: str) -> str:
+    return player_id.replace(":", "_").replace("/", "_")
+
+
+def write_gate_decision(run_dir: str | Path, decision: GateDecision) -> Path:
+    """ladder/gates/<candidate>.json (':' and '/' in the id become '_')."""
+    path = ladder_dir(run_dir) / "gates" / f"{_file_name(decision.candidate)}.json"
+    _write_atomic(path, _json_pretty(decision))
+    return path
+
+
+# --- 6. Snapshots: content-addressed, fp16, no pickle (spec 11.6) -----------------------------------
+
+DIGEST_FIELDS = ("arch_digest", "obs_digest", "codec_table_digest")
+"""A load whose value of one of these differs from the current run's is refused, by field."""
+
+
+class SnapshotSpec(msgspec.Struct, frozen=True):
+    arch_digest: str
+    obs_digest: str
+    action_digest: str
+    codec_version: int
+    codec_table_digest: str
+    frame_stack: int
+    num_cards: int
+    vector_size: int
+    step: int                          # the learner's cumulative env steps at the snapshot
+    context: str
+    run_id: str
+    arch: dict[str, Any] = {}          # the network builder's arguments
+    actor_sha256: str = ""             # sha256 of actor.safetensors; filled by save()
+
+
+class SnapshotMismatch(ValueError):
+    pass
+
+
+def snapshot_player_id(snapshot_id: str) -> str:
+    return f"snap:{snapshot_id}"
+
+
+class SnapshotStore:
+    """runs/<id>/ladder/snapshots/<sha16>/{actor.safetensors, spec.json}. The folder name is the
+    first 16 hex of sha256(spec.json), and spec.json carries the sha256 of the weights file, so
+    the name addresses both. Archive everything, never delete (a snapshot is about a megabyte)."""
+
+    def __init__(self, run_dir: str | Path):
+        self.root = ladder_dir(run_dir) / "snapshots"
+
+    def save(self, tensors: Mapping[str, np.ndarray], spec: SnapshotSpec) -> str:
+        import safetensors.numpy  # torch-free
+        arrays = {k: (np.ascontiguousarray(v, dtype=np.float16) if np.issubdtype(v.dtype, np.floating)
+                      else np.ascontiguousarray(v)) for k, v in sorted(tensors.items())}
+        blob = safetensors.numpy.save(arrays)
+        spec = msgspec.structs.replace(spec, actor_sha256=hashlib.sha256(blob).hexdigest())
+        spec_bytes = _json_pretty(spec)
+        sid = hashlib.sha256(spec_bytes).hexdigest()[:16]
+        final = self.root / sid
+        if final.exists():
+            return sid
+        tmp = self.root / f".partial-{sid}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        for name, data in (("actor.safetensors", blob), ("spec.json", spec_bytes)):
+            with open(tmp / name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, final)
+        return sid
+
+    def spec(self, snapshot_id: str) -> SnapshotSpec:
+        """spec.json alone, verified against the folder name (no weights read): what the
+        evaluation runner checks a pairing against before anything is built."""
+        path = self.root / snapshot_id / "spec.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"snapshot {snapshot_id}: no {path}; known snapshots: {self.ids()[:8]}")
+        data = path.read_bytes()
+        if hashlib.sha256(data).hexdigest()[:16] != snapshot_id:
+            raise SnapshotMismatch(f"snapshot {snapshot_id}: {path} does not hash to its folder name; "
+                                   f"the spec was edited after it was saved")
+        return msgspec.json.decode(data, type=SnapshotSpec)
+
+    def ids(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")) \
+            if self.root.exists() else []
+
+    def load(self, snapshot_id: str, expect: Mapping[str, str] | None = None
+             ) -> tuple[SnapshotSpec, dict[str, np.ndarray]]:
+        """Load and verify. `expect` maps DIGEST_FIELDS to the current run's values."""
+        import safetensors.numpy
+        folder = self.root / snapshot_id
+        if not folder.is_dir():
+            raise FileNotFoundError(f"snapshot {snapshot_id}: no folder {folder}")
+        spec_bytes = (folder / "spec.json").read_bytes()
+        if hashlib.sha256(spec_bytes).hexdigest()[:16] != snapshot_id:
+            raise SnapshotMismatch(f"snapshot {snapshot_id}: {folder / 'spec.json'} does not hash to its "
+                                   f"folder name; the spec was edited after it was saved")
+        spec = msgspec.json.decode(spec_bytes, type=SnapshotSpec)
+        for field, want in (expect or {}).items():
+            if field not in DIGEST_FIELDS:
+                raise ValueError(f"expect has {field!r}; only {DIGEST_FIELDS} are checked")
+            have = getattr(spec, field)
+            if have != want:
+                raise SnapshotMismatch(
+                    f"snapshot {snapshot_id}: {field} is {have} but this run's {field} is {want}; "
+                    f"a policy built for another {field.removesuffix('_digest')} cannot play here "
+                    f"(refused, not adapted)")
+        blob = (folder / "actor.safetensors").read_bytes()
+        if hashlib.sha256(blob).hexdigest() != spec.actor_sha256:
+            raise SnapshotMismatch(f"snapshot {snapshot_id}: actor_sha256 of {folder / 'actor.safetensors'} "
+                                   f"does not match spec.json; the weights file is damaged")
+        return spec, safetensors.numpy.load(blob)
+
+
+class LoadedPolicyCache:
+    """At most `capacity` (max_resident_opponents + 2) built policies resident, least recently used
+    evicted first. `build(spec, tensors)` is the caller's network builder (ppo_clash owns torch)."""
+
+    def __init__(self, store: SnapshotStore, build: Callable[[SnapshotSpec, dict[str, np.ndarray]], Any],
+                 capacity: int, expect: Mapping[str, str] | None = None):
+        self.store, self.build, self.capacity, self.expect = store, build, capacity, expect
+        self.resident: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+    def get(self, snapshot_id: str) -> Any:
+        if snapshot_id in self.resident:
+            self.resident.move_to_end(snapshot_id)
+            return self.resident[snapshot_id]
+        spec, tensors = self.store.load(snapshot_id, self.expect)
+        policy = self.build(spec, tensors)
+        self.resident[snapshot_id] = policy
+        while len(self.resident) > self.capacity:
+            self.resident.popitem(last=False)
+        return policy
+
+
+# --- 7. The pool and hall-of-fame eviction (spec 11.6) ------------------------------------------------
+
+class PoolMember(msgspec.Struct):
+    id: str                    # "snap:<sha16>" or "seed:<name>"
+    step: int                  # env steps at the snapshot
+    cycle: bool = False        # admitted as a cycle by the gate (a diverse opponent)
+    seed: bool = False         # a seed snapshot (never evicted, never v0, never the stand-in)
+
+
+class Pool(msgspec.Struct):
+    """Admitted snapshots. `sampler` is the subset the matchmaker may draw; eviction shrinks only
+    that. Members, the archive and the log are never touched by eviction."""
+    members: list[PoolMember] = []
+    sampler: list[str] = []
+    champion_chain: list[str] = []   # every champion in order; the last is the current one
+    v0: str | None = None            # the first non-seed snapshot admitted
+
+    def admit(self, member: PoolMember, promote: bool) -> None:
+        if any(m.id == member.id for m in self.members):
+            raise ValueError(f"pool: {member.id} is already a member")
+        self.members.append(member)
+        self.sampler.append(member.id)
+        if self.v0 is None and not member.seed:
+            self.v0 = member.id
+        if promote:
+            self.champion_chain.append(member.id)
+
+    @property
+    def champion(self) -> str | None:
+        return self.champion_chain[-1] if self.champion_chain else None
+
+    def member(self, pid: str) -> PoolMember:
+        for m in self.members:
+            if m.id == pid:
+                return m
+        raise KeyError(f"pool: no member {pid}")
+
+
+def write_pool(run_dir: str | Path, pool: Pool) -> Path:
+    """ladder/pool.json: the pool as the trainer last admitted it. The trainer writes it after
+    every admission; `ladder.py gate` reads it for the champion and the members (and never
+    writes it: a CLI gate records a decision, it does not admit into a live run)."""
+    path = ladder_dir(run_dir) / "pool.json"
+    _write_atomic(path, _json_pretty(pool))
+    return path
+
+
+def read_pool(run_dir: str | Path) -> Pool | None:
+    path = ladder_dir(run_dir) / "pool.json"
+    return msgspec.json.decode(path.read_bytes(), type=Pool) if path.exists() else None
+
+
+def protected_ids(pool: Pool) -> set[str]:
+    """Never evicted: scripted anchors, v0, every champion, seed snapshots."""
+    out = set(pool.champion_chain) | {m.id for m in pool.members if m.seed or m.id.startswith("scripted:")}
+    if pool.v0 is not None:
+        out.add(pool.v0)
+    return out
+
+
+def hall_of_fame_evict(pool: Pool, ratings: RatingTable | None, working_size: int) -> list[str]:
+    """Shrink pool.sampler to working_size (pool_working_size), returning who left. The protected
+    stay; among the rest keep one per stratum of the fitted rating range (equal-count strata),
+    preferring a cycle-flagged member, then the one nearest the stratum's median rating."""
+    prot = protected_ids(pool)
+    keep_prot = [m for m in pool.sampler if m in prot]
+    rest = [m for m in pool.sampler if m not in prot]
+    n_keep = max(working_size - len(keep_prot), 0)
+    if len(rest) <= n_keep:
+        return []
+    rated = ratings.rating if ratings is not None else {}
+    rest.sort(key=lambda m: (rated.get(m, 0.0), m))
+    kept: set[str] = set()
+    if n_keep:
+        for stratum in np.array_split(np.arange(len(rest)), n_keep):
+            members = [rest[i] for i in stratum]
+            med = float(np.median([rated.get(m, 0.0) for m in members]))
+            members.sort(key=lambda m: (not pool.member(m).cycle, abs(rated.get(m, 0.0) - med), m))
+            kept.add(members[0])
+    evicted = [m for m in rest if m not in kept]
+    pool.sampler = [m for m in pool.sampler if m not in set(evicted)]
+    return sorted(evicted)
+
+
+# --- 8. Matchmaking (spec 11.3) -----------------------------------------------------------------------
+
+class MatchConfig(msgspec.Struct, frozen=True):
+    mix: tuple[float, float, float] = (0.50, 0.35, 0.15)     # mirror / pool / scripted, in battles
+    max_resident_opponents: int = 2
+    pfsp_power: float = 2.0
+    pfsp_uniform_floor: float = 0.2
+    weight_floor_scale: float = 0.01
+    scripted_opponents: tuple[str, ...] = ("scripted:noop", "scripted:random_legal")
+
+
+def _round_half_up(x: float) -> int:
+    # Halves round UP (Python's round(0.5) is 0: a one-battle rectangle would hold no mirror).
+    # The 1e-9 absorbs float error such as 0.15 * 10 = 1.5000000000000002 vs 1.4999999999999998.
+    return int(math.floor(x + 0.5 + 1e-9))
+
+
+def role_counts(mix: Sequence[float], n_battles: int) -> tuple[int, int, int]:
+    """Spec 11.3: mirror = round(mix0 * n); the rest split pool : scripted as mix1 : mix2 with pool
+    rounded and scripted the remainder. Sums to n; each within one battle of its exact share."""
+    if len(mix) != 3 or min(mix) < 0 or abs(sum(mix) - 1.0) > 1e-6:
+        raise ValueError(f"ladder.mix={tuple(mix)}: three non-negative shares summing to 1")
+    mirror = min(_round_half_up(mix[0] * n_battles), n_battles)
+    rest = n_battles - mirror
+    pool = _round_half_up(rest * mix[1] / (mix[1] + mix[2])) if mix[1] + mix[2] > 0 else 0
+    return mirror, pool, rest - pool
+
+
+def role_layout(master_seed: int, n_battles: int, mix: Sequence[float]) -> np.ndarray:
+    """Per battle, its role for the whole run: the counts laid over a seeded permutation from
+    match/battle/-2/ordinal/{n_battles} (so every worker's block carries every role)."""
+    m, p, _ = role_counts(mix, n_battles)
+    perm = derive_generator(master_seed, f"match/battle/-2/ordinal/{n_battles}").permutation(n_battles)
+    roles = np.full(n_battles, ROLE_SCRIPTED, dtype=np.int8)
+    roles[perm[:m]] = ROLE_MIRROR
+    roles[perm[m:m + p]] = ROLE_POOL
+    return roles
+
+
+def pfsp_weights(p: Sequence[float], power: float = 2.0, uniform_mix: float = 0.2,
+                 floor_scale: float = 0.01) -> np.ndarray:
+    """Hard PFSP mixed with uniform and floored. p_k is the learner's predicted score against k;
+    hard = (1 - p)^power normalised; w = (1-u) hard + u uniform; then w' = f/M + (1-f) w, so
+    every weight is >= f/M exactly and they still sum to 1."""
+    p = np.asarray(p, dtype=np.float64)
+    M = p.size
+    if M == 0:
+        return p
+    uniform = np.full(M, 1.0 / M)
+    hard = (1.0 - p) ** power
+    hard = hard / hard.sum() if hard.sum() > 0 else uniform
+    w = (1.0 - uniform_mix) * hard + uniform_mix * uniform
+    return floor_scale / M + (1.0 - floor_scale) * w
+
+
+def learner_stand_in(pool: Pool, ratings: RatingTable | None) -> PoolMember | None:
+    """The newest admitted, rated, non-seed snapshot stands in for the learner (spec 11.3)."""
+    if ratings is None:
+        return None
+    cands = [m for m in pool.members if not m.seed and m.id in ratings.rating]
+    return max(cands, key=lambda m: (m.step, m.id)) if cands else None
+
+
+def assign(master_seed: int, roles: np.ndarray, scripted: Sequence[str], battle: int, ordinal: int,
+           residents: Sequence[str], weights: Sequence[float]) -> Assignment:
+    """What battle `battle`'s episode `ordinal` plays: a pure function of its arguments, drawing
+    from match/battle/{battle}/ordinal/{ordinal} (seat first, then the opponent, always both)."""
+    rng = derive_generator(master_seed, f"match/battle/{battle}/ordinal/{ordinal}")
+    u_seat, u_opp = rng.random(), rng.random()
+    role = int(roles[battle])
+    if role == ROLE_MIRROR:
+        return Assignment(battle=battle, ordinal=ordinal, role=ROLE_MIRROR, opponent_id=None,
+                          group=(GROUP_LEARNER, GROUP_LEARNER), learner_seat=-1)
+    seat = int(u_seat >= 0.5)
+    if role == ROLE_POOL and residents:
+        cdf = np.cumsum(np.asarray(weights, dtype=np.float64))
+        k = min(int(np.searchsorted(cdf, u_opp * cdf[-1], side="right")), len(residents) - 1)
+        opp, opp_group = residents[k], k
+    else:   # scripted, or a pool slot with nothing resident yet: plays scripted, role says so
+        if not scripted:
+            raise ValueError(f"battle {battle}: role {ROLE_NAMES[role]} needs ladder.scripted_opponents")
+        opp = scripted[min(int(u_opp * len(scripted)), len(scripted) - 1)]
+        opp_group, role = GROUP_SCRIPTED, ROLE_SCRIPTED
+    group = (GROUP_LEARNER, opp_group) if seat == 0 else (opp_group, GROUP_LEARNER)
+    return Assignment(battle=battle, ordinal=ordinal, role=role, opponent_id=opp, group=group,
+                      learner_seat=seat)
+
+
+class MatchmakerState(msgspec.Struct):
+    """What a checkpoint holds. The roles are recomputed from (master_seed, n_battles, mix) and
+    checked against the stored copy, so a resume under another geometry is refused by name."""
+    format_version: int
+    master_seed: int
+    n_battles: int
+    cfg: MatchConfig
+    roles: list[int]
+    residents: list[str]
+    weights: list[float]
+    pfsp_effective: int
+    pfsp_learner_step: int | None
+
+
+class Matchmaker:
+    """The run's matchmaker: the role layout fixed at construction, the resident set and its PFSP
+    weights fixed per iteration by plan(), and assign() for each battle's next episode."""
+
+    FORMAT_VERSION = 2   # spec 11.3: format 2 carries n_battles (format 1 is not produced here)
+
+    def __init__(self, master_seed: int, n_battles: int, cfg: MatchConfig = MatchConfig()):
+        self.master_seed, self.n_battles, self.cfg = master_seed, n_battles, cfg
+        self.roles = role_layout(master_seed, n_battles, cfg.mix)
+        self.residents: tuple[str, ...] = ()
+        self.weights: tuple[float, ...] = ()
+        self.pfsp_effective = 0
+        self.pfsp_learner_step: int | None = None
+
+    def plan(self, iteration: int, ordinals: Sequence[int], pool: Pool,
+             ratings: RatingTable | None) -> SlotPlan:
+        cands = list(pool.sampler)
+        stand = learner_stand_in(pool, ratings)
+        if stand is not None and cands:
+            # A candidate the fit has not rated yet (admitted since the last refit) reads 0.5:
+            # no information about it, and no reason to switch PFSP off for the whole pool.
+            p = [0.5 if c == stand.id or c not in ratings.rating else ratings.predict(stand.id, c)
+                 for c in cands]
+            self.pfsp_effective, self.pfsp_learner_step = 1, stand.step
+        else:   # no rated stand-in: the uniform weights the floor mixes in, and it says so
+            p = [0.5] * len(cands)   # a constant p makes hard exactly uniform
+            self.pfsp_effective, self.pfsp_learner_step = 0, None
+        w = pfsp_weights(p, self.cfg.pfsp_power, self.cfg.pfsp_uniform_floor, self.cfg.weight_floor_scale)
+        k = min(self.cfg.max_resident_opponents, len(cands))
+        if k:
+            rng = derive_generator(self.master_seed, f"match/battle/-1/ordinal/{iteration}")
+            pick = rng.choice(len(cands), size=k, replace=False, p=w / w.sum())
+            pick = sorted(int(i) for i in pick)
+            self.residents = tuple(cands[i] for i in pick)
+            self.weights = tuple(float(w[i]) for i in pick)
+        else:
+            self.residents, self.weights = (), ()
+        return SlotPlan(iteration=iteration, n_battles=self.n_battles, n_slots=2 * self.n_battles,
+                        assignment=tuple(self.assign(b, int(ordinals[b])) for b in range(self.n_battles)),
+                        resident_snapshots=self.residents)
+
+    def assign(self, battle: int, ordinal: int) -> Assignment:
+        return assign(self.master_seed, self.roles, self.cfg.scripted_opponents, battle, ordinal,
+                      self.residents, self.weights)
+
+    def state(self) -> MatchmakerState:
+        return MatchmakerState(
+            format_version=self.FORMAT_VERSION, master_seed=self.master_seed, n_battles=self.n_battles,
+            cfg=self.cfg, roles=[int(r) for r in self.roles], residents=list(self.residents),
+            weights=list(self.weights), pfsp_effective=self.pfsp_effective,
+            pfsp_learner_step=self.pfsp_learner_step)
+
+    @classmethod
+    def from_state(cls, st: MatchmakerState) -> "Matchmaker":
+        if st.format_version > cls.FORMAT_VERSION:
+            raise ValueError(f"matchmaker state format_version={st.format_version} is newer than this "
+                             f"code's {cls.FORMAT_VERSION}; update ladder.py to resume it")
+        mm = cls(st.master_seed, st.n_battles, st.cfg)
+        if [int(r) for r in mm.roles] != st.roles:
+            raise ValueError(f"matchmaker state: the stored roles of {st.n_battles} battles differ from "
+                             f"the layout master_seed={st.master_seed} and mix={st.cfg.mix} give; the "
+                             f"checkpoint belongs to another run or another role rule")
+        mm.residents, mm.weights = tuple(st.residents), tuple(st.weights)
+        mm.pfsp_effective, mm.pfsp_learner_step = st.pfsp_effective, st.pfsp_learner_step
+        return mm
+
+
+def learner_rows(plan: SlotPlan) -> int:
+    """Trainable seats in a plan: one per battle plus one more per mirror battle."""
+    return sum(sum(1 for g in a.group if g == GROUP_LEARNER) for a in plan.assignment)
+
+
+# --- 9. The ladder's metric keys (spec 13.2) ----------------------------------------------------------
+
+def ladder_metrics(table: RatingTable | None, pool: Pool, mm: "Matchmaker | None" = None,
+                   last_gate: GateDecision | None = None, gate_attempts: int = 0, gate_passes: int = 0,
+                   evictions: int = 0) -> dict[str, float | int | str]:
+    """The ladder/* keys of one metric row that this module can compute. A key whose value is
+    undefined (no fit yet, no gate yet, rho undefined, no stand-in) is ABSENT, never 0 or 0.5:
+    those read as measurements (spec 11.5, 11.9)."""
+    m: dict[str, float | int | str] = {
+        "ladder/pool_size": len(pool.members), "ladder/sampler_size": len(pool.sampler),
+        "ladder/gate_attempts": gate_attempts, "ladder/gate_passes": gate_passes,
+        "ladder/evictions": evictions}
+    if pool.champion is not None:
+        m["ladder/champion_id"] = pool.champion
+        m["ladder/champion_step"] = pool.member(pool.champion).step
+    if table is not None:
+        for p in sorted({x.id for x in pool.members} | {table.anchor}):
+            if p in table.rating:
+                r, se = table.rating[p], table.se[p]
+                m[f"ladder/rating/{p}"], m[f"ladder/rating_se/{p}"] = r, se
+                m[f"ladder/rating_ci95_lo/{p}"], m[f"ladder/rating_ci95_hi/{p}"] = r - Z95 * se, r + Z95 * se
+        m["ladder/draw_rate_eval"] = table.draw_rate
+        m["ladder/eval_games_total"] = table.n_total
+        if table.transitivity_residual is not None:
+            m["ladder/transitivity_residual"] = table.transitivity_residual
+    if last_gate is not None:
+        champ = last_gate.conditions["champion"]
+        m["ladder/gate_observed_rate"] = champ.observed
+        m["ladder/gate_lower_bound"] = champ.bound
+        m["ladder/gate_failed_condition"] = ",".join(last_gate.failed)
+        if champ.paired_rho is not None:
+            m["ladder/paired_rho"] = champ.paired_rho
+    if mm is not None:
+        m["ladder/pfsp_effective"] = mm.pfsp_effective
+        if mm.pfsp_learner_step is not None:
+            m["ladder/pfsp_learner_step"] = mm.pfsp_learner_step
+    return m
+
+
+def role_count_metrics(ended: Sequence[Assignment], roles: np.ndarray) -> dict[str, int]:
+    """ladder/role_counts/*: the training episodes that finished this iteration, one per battle
+    episode, by what they PLAYED; pool_fallback counts the scripted ones laid out as pool (a pool
+    slot plays scripted until the first snapshot is admitted)."""
+    out = {f"ladder/role_counts/{name}": 0 for name in ROLE_NAMES.values()}
+    out["ladder/role_counts/pool_fallback"] = 0
+    for a in ended:
+        out[f"ladder/role_counts/{ROLE_NAMES[a.role]}"] += 1
+        fell_back = a.role == ROLE_SCRIPTED and roles[a.battle] == ROLE_POOL
+        out["ladder/role_counts/pool_fallback"] += int(fell_back)
+    return out
+
+
+# --- 10. Evaluation: paired battles on their own env (spec 11.5, 11.9, D10) ----------------------
+# What plays the games the gate and the probe read. Four separations (spec 11.5), each kept here:
+#   1. No experience is recorded: the runner keeps no observation, reward or log-prob; it writes
+#      GameResult lines to games.jsonl (and the aggregate cache that mirrors them) and nothing else.
+#   2. Its own env: the training EnvFactorySpec with every truncation removed -- a full match under
+#      real rules, ended by GameOverCondition only. A cut match is scored on crowns mostly not yet
+#      taken, so it is nearly always a draw (spec 11.5) and would make the rating barely move.
+#   3. Its own seeds: battle (seed s, side) resets its env with the FROZEN set's seed s, the same
+#      seed for both sides, so the two games of a seed start from the same position (decks and
+#      engine seed come from that one number: ClashParallelEnv.reset draws both from it). The
+#      acting randomness -- each seat's uniforms, or a scripted seat's generator -- is addressed
+#      eval/match/{comparison_id}/{s}/{side}/seat/{blue|red}: one stream per seat of each battle,
+#      so an action never depends on which other battles were live in the same batch.
+#   4. Its own "farm": a set of envs built when the runner opens and closed when it closes
+#      (one gate = one runner). It is NOT farm.py's ProcessFarm: that farm cannot yet set a
+#      battle's episode seed (its autoreset_seed_fn is fixed to env/battle/{b}/ordinal/{k}), put
+#      two DIFFERENT scripted players on the two seats of one battle (an Assignment carries one
+#      opponent_id), address a scripted seat's generator per evaluation battle, or stop a battle
+#      after one episode. So this section steps royalegym ClashParallelEnvs built by farm's own
+#      env_factory, in this process, batching each policy's forward over the live battles.
+#
+# [M] 2026-11-29, this 2-core machine, default env, untruncated. One battle scripted:noop (blue)
+# vs scripted:random_legal (red) stepped by hand on three seeds: 125-200 decisions, 0.10-0.16 s
+# each, random_legal won all three. Building one env: about 0.35 s (8 in 2.77 s), the first about
+# 1 s with imports. Through EvalRunner at battles_at_once=8, 20 seeds x 2 sides: random_legal vs
+# noop 40 battles in 10.6 s including building 7 more envs, score 1.000; push vs random_legal
+# 5.3 s (0.13 s a battle), score 0.675 [0.550, 0.800], paired_rho -0.20; a numpy stand-in
+# policy (a legal card with probability 0.1 from its uniform) vs random_legal 12.5 s (0.31 s a
+# battle: two full observations a decision instead of one mask), score 0.450 [0.325, 0.575].
+
+ActFn = Callable[[dict[str, np.ndarray], np.ndarray], np.ndarray]
+"""A policy: act(obs_batch, uniforms) -> actions. obs_batch holds the env's observation keys
+stacked over the B seats it must answer (raw env floats; a network that acts on the codec's
+unpack(pack(obs)) does that round trip itself); uniforms is float64 (B,), one draw per seat from
+that seat's own stream; the answer is B integer actions, each legal under obs_batch["action_mask"]."""
+
+PolicyBuilder = Callable[[str], ActFn]
+"""policy_builder(snapshot_id) -> ActFn, supplied by the caller (ppo_clash owns torch)."""
+
+PAIR_DIGEST_FIELDS = ("obs_digest", "action_digest", "codec_version", "codec_table_digest")
+"""Two snapshots that differ in one of these saw different observations or actions: a game
+between them measures the information, not the policy, and is refused by field (spec 11.6).
+arch_digest may differ: two architectures can play each other."""
+
+PROBE_RUNGS = ("scripted:noop", "scripted:random_legal")
+"""ladder.probe_opponents' default (spec 11.9): the two anchors, the scale that never drifts."""
+
+DECK_PROTOCOL = "default-state-mutator"
+"""The v1 deck protocol named in every context (spec 11.3): whatever decks the env's state
+mutator deals from the battle's seed (DefaultStateMutator: random decks per seed)."""
+
+EVAL_KINDS = ("eval", "probe")
+WINNER_SCORE = {1: 1.0, 0: 0.5, -1: 0.0}      # info["outcome"] from a's seat -> score_a
+
+
+def eval_env_spec(train: EnvFactorySpec) -> EnvFactorySpec:
+    """The evaluation env: the training env with every truncation removed (spec 11.5). Built from
+    the spec as data, never by mutating a live env."""
+    return msgspec.structs.replace(train, truncation=[])
+
+
+def eval_context(env_value: str, obs_digest: str, engine_build_digest: str,
+                 deck_protocol: str = DECK_PROTOCOL) -> str:
+    """Spec 11.6: sha256(env digest + obs builder digest + deck protocol + engine build)[:16].
+    env_value is the EVALUATION env's value digest (farm.env_value_digest); obs_digest is read at
+    frame_stack 1, because frame stacking is a property of a network, not of the game."""
+    return hashlib.sha256((env_value + obs_digest + deck_protocol + engine_build_digest)
+                          .encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass
+class _Seat:
+    player: str
+    rng: np.random.Generator
+    scripted: Any = None                  # a royalegym Opponent for "scripted:<name>", else None
+
+
+@dataclasses.dataclass
+class _Battle:
+    k: int                                # index of the battle in the comparison's order
+    seed_index: int
+    side_a: str
+    env: Any
+    obs: dict[str, dict[str, np.ndarray]]
+    seats: dict[str, _Seat]               # "blue" / "red"
+    steps: int = 0
+
+
+class EvalRunner:
+    """Plays paired evaluation battles and appends their results to the run's games.jsonl.
+
+        with EvalRunner(train_env, seeds, run_dir=run, run_id=rid, policy_builder=build) as r:
+            games = r.play("snap:ab12...", "scripted:noop", 40)       # 20 seeds x 2 sides
+            decision, _ = WilsonGate(...).evaluate(..., play=r, ...)  # r is the gate's `play`
+
+    Player ids: "scripted:<name>" (farm.SCRIPTED_NAMES, run here with their own generators),
+    "snap:<id>" (ladder/snapshots/<id>, acted by policy_builder(id)), or an id given to
+    register() (the probe's learner@{step}). Everything in a GameResult except `wall` is a pure
+    function of the seed set, the ids, the comparison id and the policies."""
+
+    def __init__(self, env: EnvFactorySpec, seeds: EvalSeedSet, *, run_dir: str | Path | None = None,
+                 run_id: str = "", policy_builder: PolicyBuilder | None = None,
+                 battles_at_once: int = 8, iteration: int = -1,
+                 clock: Callable[[], str] = utc_now) -> None:
+        if battles_at_once < 1:
+            raise ValueError(f"battles_at_once={battles_at_once}: at least one battle")
+        self.env_factory_spec = eval_env_spec(env)
+        self.seeds, self.run_dir, self.run_id = seeds, run_dir, run_id
+        self.policy_builder, self.battles_at_once = policy_builder, battles_at_once
+        self.iteration, self.clock = iteration, clock
+        self.log = ResultLog(run_dir) if run_dir is not None else None
+        self.store = SnapshotStore(run_dir) if run_dir is not None else None
+        self.policies: dict[str, ActFn] = {}
+        self.envs: list[Any] = []
+        self.obs_digest = self.context = ""
+        self.closed = False
+        self.battles_played = 0
+        self.comparison_prefix = ""        # prepended to default comparison ids: "gate/<candidate>/"
+        self.seconds = 0.0
+        self._open()
+
+    # -- the env set: built at evaluation time, closed after (D10) --
+    def _open(self) -> None:
+        self._make_env = farm.env_factory(self.env_factory_spec)
+        env = self._make_env()
+        env.reset(seed=self.seeds.seeds[0])
+        es = farm.read_env_spec(self.env_factory_spec, env, frame_stack=1)
+        self.obs_digest = es.obs_digest
+        self.context = eval_context(es.env_value_digest, es.obs_digest, es.engine_build_digest)
+        cal, tick_ms = env.calibration, int(env.battle_state.tick_ms)
+        match_ms = 1000 * (cal.int("match.REGULAR_TIME_S") + cal.int("match.OVERTIME_S"))
+        # A full match must end: twice its longest length in decisions is a fault, not a game [A].
+        self.max_decisions = 2 * -(-match_ms // (tick_ms * int(env.decision_ticks)))
+        self.envs.append(env)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            for env in self.envs:
+                env.close()
+            self.envs = []
+
+    def __enter__(self) -> "EvalRunner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- players --
+    def register(self, player_id: str, act: ActFn) -> None:
+        """An ad-hoc player (the probe's learner@{step}); never a scripted: or snap: id."""
+        if player_id.startswith(("scripted:", "snap:")):
+            raise ValueError(f"register({player_id!r}): scripted: and snap: ids are resolved, not registered")
+        self.policies[player_id] = act
+
+    def unregister(self, player_id: str) -> None:
+        self.policies.pop(player_id, None)
+
+    def _snapshot_spec(self, sid: str) -> SnapshotSpec:
+        if self.store is None:
+            raise ValueError(f"snap:{sid}: the runner has no run_dir, so no snapshot store to read it from")
+        return self.store.spec(sid)
+
+    def check_pair(self, a: str, b: str) -> None:
+        """Refuse a pairing the ladder could not interpret, naming the field and both values."""
+        specs = {p: self._snapshot_spec(p.removeprefix("snap:")) for p in (a, b) if p.startswith("snap:")}
+        for p, sp in specs.items():
+            if sp.frame_stack != 1:
+                raise SnapshotMismatch(
+                    f"{p}: frame_stack is {sp.frame_stack}; the evaluation runner hands a policy one "
+                    f"frame per decision, so a stacked network cannot be evaluated yet (frame_stack 1 only)")
+            if sp.obs_digest != self.obs_digest:
+                raise SnapshotMismatch(
+                    f"{p}: obs_digest is {sp.obs_digest} but the evaluation env's obs_digest is "
+                    f"{self.obs_digest}: the snapshot was trained on another observation; refused")
+        if len(specs) == 2:
+            sa, sb = specs[a], specs[b]
+            for field in PAIR_DIGEST_FIELDS:
+                va, vb = getattr(sa, field), getattr(sb, field)
+                if va != vb:
+                    raise SnapshotMismatch(
+                        f"pairing {a} vs {b} refused: {field} differs ({a} has {va}, {b} has {vb}); "
+                        f"a game between them would measure the {field.removesuffix('_digest')}, "
+                        f"not the policy")
+
+    def _policy(self, player: str) -> ActFn | None:
+        """The batched act of a non-scripted player (built once per runner), None for scripted."""
+        if player.startswith("scripted:"):
+            name = player.removeprefix("scripted:")
+            if name not in farm.SCRIPTED_NAMES:
+                raise ValueError(f"{player}: unknown scripted player; farm.SCRIPTED_NAMES = {farm.SCRIPTED_NAMES}")
+            return None
+        if player in self.policies:
+            return self.policies[player]
+        if player.startswith("snap:"):
+            if self.policy_builder is None:
+                raise ValueError(f"{player}: a snapshot needs a policy_builder (ppo_clash builds networks); "
+                                 f"the runner was given none")
+            self.policies[player] = self.policy_builder(player.removeprefix("snap:"))
+            return self.policies[player]
+        raise ValueError(f"player {player!r}: not scripted:<name>, snap:<id>, or a registered id "
+                         f"{sorted(self.policies)}")
+
+    # -- playing --
+    def play(self, a: str, b: str, n_battles: int, *, comparison_id: str | None = None,
+             kind: str = "eval") -> list[GameResult]:
+        """n_battles / 2 seeds of the frozen set (the FIRST ones), each from both sides; results
+        in (seed, blue, red) order; appended to games.jsonl as one fsynced batch."""
+        if self.closed:
+            raise ValueError("EvalRunner.play after close(): an evaluation farm is built per gate")
+        if kind not in EVAL_KINDS:
+            raise ValueError(f"EvalRunner.play(kind={kind!r}): evaluation writes {EVAL_KINDS} only")
+        if a == b:
+            raise ValueError(f"EvalRunner.play({a!r}, {b!r}): a player cannot be rated against itself")
+        t0 = time.monotonic()
+        cid = comparison_id or f"{self.comparison_prefix}{a}/vs/{b}/n{n_battles}"
+        indices = comparison_seed_indices(self.seeds, n_battles)
+        self.check_pair(a, b)
+        acts = {p: self._policy(p) for p in (a, b)}
+        order = [(s, side) for s in indices for side in SIDES]
+        scores = self._run(order, a, b, acts, cid)
+        wall = self.clock()
+        games = [GameResult(a=a, b=b, score_a=scores[k], seed_index=s, side_a=side, context=self.context,
+                            kind=kind, run_id=self.run_id, iteration=self.iteration, wall=wall)
+                 for k, (s, side) in enumerate(order)]
+        if self.log is not None:
+            self.log.append(games)
+        self.battles_played += len(games)
+        self.seconds += time.monotonic() - t0
+        return games
+
+    __call__ = play   # the WilsonGate's `play(a, b, n_battles)`
+
+    def _start(self, k: int, s: int, side_a: str, a: str, b: str, acts: dict[str, ActFn | None],
+               cid: str, env: Any) -> _Battle:
+        players = {"blue": a, "red": b} if side_a == "blue" else {"blue": b, "red": a}
+        base = eval_match_path(cid, s, side_a)
+        seats = {}
+        for agent, p in players.items():
+            rng = derive_generator(self.seeds.master_seed, f"{base}/seat/{agent}")
+            bot = farm._make_scripted(p.removeprefix("scripted:")) if acts[p] is None else None
+            seats[agent] = _Seat(player=p, rng=rng, scripted=bot)
+        # A scripted seat reads only legality, so its observation is built mask-only (royalegym
+        # ClashParallelEnv reset option); the other seat's observation is unchanged. [M] push vs
+        # patient on seeds 3 and 4: the same action trace and outcome with and without it.
+        mask_only = [agent for agent, st in seats.items() if st.scripted is not None]
+        obs, _ = env.reset(seed=self.seeds.seeds[s], options={"mask_only": mask_only} if mask_only else None)
+        return _Battle(k=k, seed_index=s, side_a=side_a, env=env, obs=obs, seats=seats)
+
+    def _actions(self, live: list[_Battle], acts: dict[str, ActFn | None]) -> list[dict[str, int]]:
+        out: list[dict[str, int]] = [{} for _ in live]
+        batched: dict[str, list[tuple[int, str]]] = {}
+        for i, bt in enumerate(live):
+            for agent, st in bt.seats.items():
+                if st.scripted is not None:
+                    o = bt.obs[agent]
+                    out[i][agent] = int(st.scripted.act(o, o["action_mask"], st.rng))
+                else:
+                    batched.setdefault(st.player, []).append((i, agent))
+        for player in sorted(batched):
+            entries = batched[player]
+            obs = {key: np.stack([live[i].obs[agent][key] for i, agent in entries])
+                   for key in live[entries[0][0]].obs[entries[0][1]]}
+            u = np.array([live[i].seats[agent].rng.random() for i, agent in entries], dtype=np.float64)
+            actions = np.asarray(acts[player](obs, u)).reshape(-1)
+            if actions.shape != (len(entries),):
+                raise ValueError(f"{player}: act returned {actions.shape} actions for {len(entries)} seats")
+            legal = obs["action_mask"][np.arange(len(entries)), actions] != 0
+            if not legal.all():
+                j = int(np.flatnonzero(~legal)[0])
+                bt = live[entries[j][0]]
+                raise ValueError(f"{player}: illegal action {int(actions[j])} at seed {bt.seed_index} side_a "
+                                 f"{bt.side_a} seat {entries[j][1]} decision {bt.steps}; a policy must "
+                                 f"mask before sampling")
+            for (i, agent), act in zip(entries, actions):
+                out[i][agent] = int(act)
+        return out
+
+    def _run(self, order: list[tuple[int, str]], a: str, b: str, acts: dict[str, ActFn | None],
+             cid: str) -> list[float]:
+        scores: list[float | None] = [None] * len(order)
+        queue = list(enumerate(order))[::-1]          # popped from the end: ascending order
+        free = list(self.envs)
+        live: list[_Battle] = []
+        while queue or live:
+            while queue and (free or len(self.envs) < self.battles_at_once):
+                if not free:
+                    env = self._make_env()
+                    self.envs.append(env)
+                    free.append(env)
+                k, (s, side) = queue.pop()
+                live.append(self._start(k, s, side, a, b, acts, cid, free.pop(0)))
+            actions = self._actions(live, acts)
+            still: list[_Battle] = []
+            for bt, act in zip(live, actions):
+                obs, _, term, trunc, info = bt.env.step(act)
+                bt.obs, bt.steps = obs, bt.steps + 1
+                if term["blue"] or trunc["blue"]:
+                    agent_a = "blue" if bt.side_a == "blue" else "red"
+                    out = info[agent_a].get("outcome")
+                    if trunc["blue"] or out not in WINNER_SCORE:
+                        raise RuntimeError(f"comparison {cid}: seed {bt.seed_index} side_a {bt.side_a} ended "
+                                           f"without a result (truncated={trunc['blue']}, outcome={out}); "
+                                           f"the evaluation env must end only by GameOverCondition")
+                    scores[bt.k] = WINNER_SCORE[int(out)]
+                    free.append(bt.env)
+                elif bt.steps >= self.max_decisions:
+                    raise RuntimeError(f"comparison {cid}: seed {bt.seed_index} side_a {bt.side_a} ran "
+                                       f"{bt.steps} decisions, twice a full match; the engine did not end it")
+                else:
+                    still.append(bt)
+            live = still
+        return [float(x) for x in scores]
+
+
+def run_probe(runner: EvalRunner, learner_act: ActFn, env_steps: int, *,
+              rungs: Sequence[str] = PROBE_RUNGS, probe_games: int = 40,
+              resamples: int = 10_000) -> tuple[list[GameResult], dict[str, float | int]]:
+    """Spec 11.9: the live policy, named learner@{env_steps}, against each rung: probe_games
+    battles per rung on the first probe_games / 2 frozen seeds, written kind="probe" (the fit
+    never reads them), published through probe_metrics. The comparison id carries the step, so
+    each probe draws its own action noise over the same start states. Returns the games and the
+    metric keys (plus time/probe, the seconds it took)."""
+    t0 = time.monotonic()
+    lid = f"learner@{int(env_steps)}"
+    runner.register(lid, learner_act)
+    games: list[GameResult] = []
+    metrics: dict[str, float | int] = {}
+    try:
+        for rung in rungs:
+            g = runner.play(lid, rung, probe_games, comparison_id=f"probe/{lid}/vs/{rung}", kind="probe")
+            games += g
+            metrics.update(probe_metrics(g, lid, rung, runner.seeds.master_seed, resamples))
+    finally:
+        runner.unregister(lid)
+    metrics["time/probe"] = time.monotonic() - t0
+    return games, metrics
+
+
+# --- 11. CLI --------------------------------------------------------------------------------------
+
+def _format_table(run_dir: str, t: RatingTable, torn: bool) -> str:
+    lines = [f"run {run_dir}  context {t.context}  eval games {t.n_total}  "
+             f"anchor {t.anchor} (pinned at 0)"]
+    if torn:
+        lines.append("note: games.jsonl ends in a torn line (a crash mid-write); it is ignored")
+    lines.append(f"{'id':<32} {'rating':>8} {'se':>7} {'ci95_lo':>8} {'ci95_hi':>8} {'games':>7}")
+    for p in sorted(t.ids, key=lambda q: (-t.rating[q], q)):
+        r, s = t.rating[p], t.se[p]
+        lines.append(f"{p:<32} {r:8.1f} {s:7.1f} {r - Z95 * s:8.1f} {r + Z95 * s:8.1f} {t.n_games[p]:7d}")
+    if t.draws == "davidson":
+        lines.append(f"draws: davidson nu={t.draw_nu:.4f} (draw rate {100 * t.draw_rate:.1f}%)")
+    else:
+        why = (f"fallback: draw rate {100 * t.draw_rate:.1f}% < {100 * MIN_DRAW_RATE:.0f}%"
+               if t.draw_fallback else "configured")
+        lines.append(f"draws: half_win ({why})")
+    res = "n/a" if t.transitivity_residual is None else f"{t.transitivity_residual:.3f}"
+    lines.append(f"transitivity residual: {res} over {t.residual_pairs} pairs with >= "
+                 f"{RESIDUAL_MIN_GAMES} games   (converged={t.converged} in {t.iterations} Newton steps)")
+    return "\n".join(lines)
+
+
+def _first_due(run: Path) -> str:
+    """When the first rated games are due, read off the run's config.json where it says."""
+    try:
+        lad = msgspec.json.decode((run / "config.json").read_bytes()).get("ladder", {})
+        due = f"the first gate is due at env step {int(lad['candidate_every_env_steps']):,}"
+        if lad.get("probe_every_iterations"):
+            due += f", the first probe at iteration {int(lad['probe_every_iterations'])}"
+        return due
+    except (OSError, msgspec.DecodeError, KeyError, AttributeError, TypeError, ValueError):
+        return "ratings appear after the first gate (ladder.candidate_every_env_steps)"
+
+
+def cmd_rate(args: argparse.Namespace) -> int:
+    log = ResultLog(args.run)
+    read = log.read()
+    evals = [g for g in read.games if g.kind == "eval"]
+    ctxs = [args.context] if args.context else contexts_of(evals)
+    if not evals or not any(g.context in ctxs for g in evals):
+        print(f"{args.run}: no evaluation games yet in {log.path} ({len(read.games)} other games); "
+              f"{_first_due(Path(args.run))}")
+        return 1
+    out = []
+    for ctx in ctxs:
+        _, view = eval_view(evals, ctx)
+        out.append(_format_table(args.run, fit_ratings(view), read.torn_tail is not None))
+    print("\n\n".join(out))
+    return 0
+
+
+class CliError(ValueError):
+    """A command that cannot run on this run directory; main() prints it and exits 2."""
+
+
+def _run_config(run: Path) -> dict[str, Any]:
+    path = run / "config.json"
+    if not path.exists():
+        return {}
+    doc = msgspec.json.decode(path.read_bytes())
+    return doc if isinstance(doc, dict) else {}
+
+
+def write_eval_env(run_dir: str | Path, train: EnvFactorySpec) -> Path:
+    """ladder/eval_env.json: the evaluation env of the run (the training env without truncation),
+    written once at run start so `ladder.py eval|gate` play exactly what the run's gates play."""
+    path = ladder_dir(run_dir) / "eval_env.json"
+    _write_atomic(path, _json_pretty(eval_env_spec(train)))
+    return path
+
+
+def read_run_env(run: Path) -> tuple[EnvFactorySpec, str]:
+    """The run's evaluation env and where it came from: ladder/eval_env.json, else rebuilt from
+    config.json's obs section (reveal flags, decision_ms), else farm.default_env_spec()."""
+    path = ladder_dir(run) / "eval_env.json"
+    if path.exists():
+        return msgspec.json.decode(path.read_bytes(), type=EnvFactorySpec), str(path)
+    obs = _run_config(run).get("obs")
+    spec = farm.default_env_spec()
+    if not isinstance(obs, dict):
+        return spec, "farm.default_env_spec() (the run has no ladder/eval_env.json or config.json obs)"
+    reveal = [str(f) for f in obs.get("reveal") or ()]
+    if reveal:
+        kw = {"reveal": {"cls": "royalegym.obs.Reveal", "kwargs": {f: True for f in reveal}}}
+        spec = msgspec.structs.replace(spec, obs_builder=farm.ComponentSpec("royalegym.obs.SpatialObsBuilder", kw))
+    spec = msgspec.structs.replace(spec, decision_ms=int(obs.get("decision_ms", spec.decision_ms)))
+    return spec, f"{run / 'config.json'} (obs.reveal={reveal}, obs.decision_ms={spec.decision_ms})"
+
+
+def read_run_seeds(run: Path) -> EvalSeedSet:
+    """The run's frozen seed set: ladder/eval_seeds.json (verified), else drawn exactly as the run
+    draws it, from config.json's master_seed and ladder.eval_seed_count, and written there."""
+    path = ladder_dir(run) / "eval_seeds.json"
+    if path.exists():
+        s = msgspec.json.decode(path.read_bytes(), type=EvalSeedSet)
+        if _seed_sha(s.seeds) != s.sha256:
+            raise CliError(f"{path}: sha256 does not match its seeds; the frozen set was edited")
+        return s
+    cfg = _run_config(run)
+    if "master_seed" not in cfg:
+        raise CliError(f"{run}: neither {path} nor a config.json with master_seed: no frozen eval seed set "
+                       f"to play; is this a run directory?")
+    count = int((cfg.get("ladder") or {}).get("eval_seed_count", 500))
+    return load_or_create_eval_seeds(run, int(cfg["master_seed"]), count)
+
+
+def _run_id(run: Path) -> str:
+    for name in ("identity.json", "config.json"):
+        path = run / name
+        if path.exists():
+            doc = msgspec.json.decode(path.read_bytes())
+            if isinstance(doc, dict) and isinstance(doc.get("run_id"), str):
+                return doc["run_id"]
+    return run.resolve().name
+
+
+def _snapshot_builder(run: Path, device: str) -> PolicyBuilder:
+    """The network builder, imported lazily: only a command that plays a snapshot needs torch."""
+    try:
+        import ppo_clash
+    except ImportError as exc:
+        raise CliError(f"playing a snap: player needs ppo_clash.py and torch ({exc}); scripted players "
+                       f"need neither") from None
+    fn = getattr(ppo_clash, "snapshot_policy_builder", None)
+    if fn is None:
+        raise CliError("ppo_clash.py has no snapshot_policy_builder(run_dir, device='cpu') -> "
+                       "(snapshot_id -> act(obs_batch, uniforms) -> actions); snap: players cannot be "
+                       "played until it exists (scripted players can)")
+    return fn(run, device=device)
+
+
+def _open_runner(args: argparse.Namespace, players: Sequence[str]) -> EvalRunner:
+    run = Path(args.run)
+    if not run.is_dir():
+        raise CliError(f"--run {run}: no such directory")
+    env, where = read_run_env(run)
+    print(f"evaluation env from {where}", file=sys.stderr)
+    seeds = read_run_seeds(run)
+    builder = _snapshot_builder(run, args.device) if any(p.startswith("snap:") for p in players) else None
+    return EvalRunner(env, seeds, run_dir=run, run_id=_run_id(run), policy_builder=builder,
+                      battles_at_once=args.battles_at_once)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Play --a against --b on the first --seeds frozen seeds, both sides, append the games."""
+    run = Path(args.run)
+    n_prior = sum(1 for g in ResultLog(run).read().games if {g.a, g.b} == {args.a, args.b}) \
+        if (ladder_dir(run) / "games.jsonl").exists() else 0
+    with _open_runner(args, (args.a, args.b)) as r:
+        n_seeds = args.seeds if args.seeds is not None else len(r.seeds.seeds)
+        # The acting streams are addressed by how many games the pair already has, so a second
+        # `eval` of the same pair adds new games rather than replaying the first byte for byte.
+        cid = f"cli/{args.a}/vs/{args.b}/after/{n_prior}"
+        games = r.play(args.a, args.b, 2 * n_seeds, comparison_id=cid)
+        secs = r.seconds
+    ps = paired_scores(games, args.a, args.b)
+    lo, hi = bootstrap_interval(ps.x, r.seeds.master_seed, f"{cid}/summary", 10_000)
+    rho = paired_rho(ps)
+    print(f"{args.a} vs {args.b}: score {ps.mean:.3f} over {len(ps.x)} seeds ({ps.n_battles} battles), "
+          f"95% bootstrap interval [{lo:.3f}, {hi:.3f}], paired_rho "
+          f"{'n/a' if rho is None else f'{rho:.3f}'}, context {r.context}")
+    print(f"appended {len(games)} kind=eval games to {ResultLog(run).path} in {secs:.1f} s")
+    return 0
+
+
+def _gate_config(run: Path) -> GateConfig:
+    gate = ((_run_config(run).get("ladder") or {}).get("gate") or {})
+    names = {f for f in GateConfig.__struct_fields__ if f != "anchors"}
+    return GateConfig(**{k: v for k, v in gate.items() if k in names})
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    """The WilsonGate on --candidate against the run's champion (ladder/pool.json or --champion).
+    Writes ladder/gates/<candidate>.json and appends every battle; admits nothing into the pool."""
+    run = Path(args.run)
+    pool = read_pool(run)
+    champion = args.champion or (pool.champion if pool is not None else None)
+    if champion is None:
+        raise CliError(f"{run}: no champion to gate against ({ladder_dir(run) / 'pool.json'} is absent or "
+                       f"has no champion yet); pass --champion ID")
+    decision_path = ladder_dir(run) / "gates" / f"{_file_name(args.candidate)}.json"
+    if decision_path.exists():
+        raise CliError(f"{args.candidate} was already gated ({decision_path}); a candidate is evaluated "
+                       f"once and a failed one is discarded, not retried (spec 11.4)")
+    members = list(pool.sampler) if pool is not None else []
+    cfg = _gate_config(run)
+    with _open_runner(args, (args.candidate, champion, *members)) as r:
+        r.comparison_prefix = f"gate/{args.candidate}/"
+        _, history = eval_view(ResultLog(run).read().games, r.context)
+        ratings = fit_ratings(history) if history else None
+        gate = WilsonGate(cfg, r.seeds.master_seed, r.seeds.sha256)
+        decision, played = gate.evaluate(args.candidate, champion, members, ratings, r, history)
+    path = write_gate_decision(run, decision)
+    print(f"gate {args.candidate} vs champion {champion}: {decision.outcome}"
+          + (f" (failed: {', '.join(decision.failed)})" if decision.failed else ""))
+    for name, c in decision.conditions.items():
+        if c.skipped:
+            print(f"  {name:<32} {c.reason}")
+        else:
+            print(f"  {name:<32} n={c.n:<5} observed={c.observed:.3f} bound={c.bound:.3f} "
+                  f"{'pass' if c.passed else 'FAIL'}")
+    print(f"{len(played)} battles appended to {ResultLog(run).path}; decision in {path}; the pool is "
+          f"not changed (a CLI gate admits nothing into a live run)")
+    return 0
+
+
+def _add_runner_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, help="the run directory, runs/<id>")
+    p.add_argument("--battles-at-once", type=int, default=8, help="battles stepped together")
+    p.add_argument("--device", default="cpu", help="where snapshot networks run (needs torch)")
+
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ladder.py", description="The ladder of a clash-ppo run.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("rate", help="fit and print the rating table of a run (torch-free)")
+    r.add_argument("run", help="the run directory, runs/<id>")
+    r.add_argument("--context", default=None, help="rate one context only (contexts are never pooled)")
+    r.set_defaults(fn=cmd_rate)
+    e = sub.add_parser("eval", help="play a paired comparison between two players on the run's frozen seeds")
+    _add_runner_args(e)
+    e.add_argument("--a", required=True, help="scripted:<name> or snap:<id>")
+    e.add_argument("--b", required=True, help="scripted:<name> or snap:<id>")
+    e.add_argument("--seeds", type=int, default=None, help="seeds to play, each from both sides "
+                   "(default: the whole frozen set)")
+    e.set_defaults(fn=cmd_eval)
+    g = sub.add_parser("gate", help="run the promotion gate on a candidate snapshot")
+    _add_runner_args(g)
+    g.add_argument("--candidate", required=True, help="snap:<id>")
+    g.add_argument("--champion", default=None, help="default: ladder/pool.json's champion")
+    g.set_defaults(fn=cmd_gate)
+    args = ap.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError) as exc:   # CliError, SnapshotMismatch: named messages
+        print(f"ladder.py {args.cmd}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,602 @@
+"""Tests for farm.py: seeding, the env description, the potential reward, the byte layout, the
+round protocol on real RustEngine battles, the transition alignment, and (slow) ProcessFarm
+against InlineFarm byte for byte plus worker hygiene. Geometry is kept tiny: few battles and a
+StepLimit truncation, so episodes end inside an iteration."""
+from __future__ import annotations
+
+import os
+import struct
+import time
+from types import SimpleNamespace
+
+import msgspec
+import numpy as np
+import pytest
+
+import farm
+
+MASTER = 7
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def short_env():
+    """The default env with a 20-decision truncation (the first ~8 decisions are a deploy
+    lockout on RustEngine, so 20 leaves room for plays)."""
+    spec = farm.default_env_spec(max_steps=20)
+    env_spec, table = farm.preflight(spec, frame_stack=2, master_seed=MASTER)
+    return spec, env_spec, table
+
+
+def mixed_assign(b: int, k: int) -> farm.Assignment:
+    """Odd battles scripted (random_legal / push alternating by ordinal, learner seat
+    alternating), even battles mirror."""
+    if b % 2 == 0:
+        return farm.mirror_assignment(b, k)
+    name = ("random_legal", "push")[k % 2]
+    return farm.scripted_assignment(b, k, name, learner_seat=(b // 2 + k) % 2)
+
+
+def opening_plan(cfg: farm.FarmConfig, assign=mixed_assign, iteration: int = 0) -> farm.SlotPlan:
+    return farm.SlotPlan(iteration, cfg.n_battles, cfg.n_slots,
+                         tuple(assign(b, 0) for b in range(cfg.n_battles)), ())
+
+
+def legal_actions(f, rnd, table, rng, noop_prob=0.6):
+    """Random legal actions read from the packed mask in the rectangle, as a learner would."""
+    a0, a1 = table.offsets["mask"]
+    rows = f.rect[rnd.cycle + f.k - 1, rnd.slots]
+    masks = np.unpackbits(rows[:, a0:a1], axis=1, bitorder="little")[:, : table.n_actions]
+    out = np.zeros(len(rnd.slots), np.int64)
+    for i, m in enumerate(masks):
+        legal = np.flatnonzero(m[1:]) + 1
+        if legal.size and rng.random() >= noop_prob:
+            out[i] = legal[rng.integers(legal.size)]
+    return out
+
+
+def drive(f, cfg, table, iterations, gamma=0.99, assign=mixed_assign, log=None):
+    """Run whole iterations; returns per-iteration copies of rect, scalars, finals, episodes."""
+    out = []
+    for it in range(iterations):
+        plan = opening_plan(cfg, assign) if it == 0 else farm.SlotPlan(
+            it, cfg.n_battles, cfg.n_slots, tuple(f.assignment), ())
+        f.begin_iteration(plan)
+        g = gamma(it) if callable(gamma) else gamma
+        for c in range(cfg.cycles + 1):
+            for j in range(cfg.n_shards):
+                rnd = f.next_round(60)
+                assert rnd.cycle == c and rnd.shard == j
+                if log is not None:
+                    log.append(rnd)
+                if c < cfg.cycles:
+                    rng = farm.derive_generator(MASTER, f"test/act/{it}/{c}/{j}")
+                    acts = legal_actions(f, rnd, table, rng)
+                    acts[rnd.group == farm.GROUP_SCRIPTED] = 0   # the worker fills these
+                    f.submit(acts, g)
+        out.append(dict(rect=f.rect.copy(), scalars=f.scalars.copy(), finals=dict(f.finals),
+                        episodes=list(f.episodes), ordinals=f.ordinals.copy(),
+                        first_obs=f.first_obs.copy()))
+    return out
+
+
+# --- 1. seeding (spec 5.2) --------------------------------------------------------------------
+
+def test_seeding_values_are_pinned():
+    # pinned on 2026-11-29; a change here changes every stream of every run: deliberate only
+    assert farm.derive_int(0, "env/battle/0/ordinal/0") == 596280080632173225
+    assert farm.derive_int(12345, "act/iteration/3/cycle/7") == 779483573715172525
+    g = farm.derive_generator(7, "ppo/minibatch/iteration/1/epoch/2")
+    assert g.integers(0, 2**31, 3).tolist() == [467091564, 1961974959, 461906828]
+    assert farm.derive_seedseq(1, "x").generate_state(2).tolist() == [860593039, 1304462745]
+
+
+def test_seeding_is_addressed_by_name_not_order():
+    a = farm.derive_int(3, "env/battle/5/ordinal/2")
+    farm.derive_int(3, "a/new/consumer")        # a new stream cannot perturb an existing one
+    assert farm.derive_int(3, "env/battle/5/ordinal/2") == a
+    assert farm.derive_int(3, "env/battle/5/ordinal/3") != a
+    assert farm.derive_int(4, "env/battle/5/ordinal/2") != a
+    assert 0 <= a < 2**63
+
+
+def test_assignment_and_plan_are_spec_structs():
+    a = farm.Assignment(battle=1, ordinal=2, role=2, opponent_id="scripted:push",
+                        group=(-1, -2), learner_seat=0)
+    plan = farm.SlotPlan(iteration=0, n_battles=1, n_slots=2, assignment=(a,),
+                         resident_snapshots=())
+    back = msgspec.json.decode(msgspec.json.encode(plan), type=farm.SlotPlan)
+    assert back == plan and back.assignment[0].group == (-1, -2)
+    assert farm.Assignment.__struct_fields__ == (
+        "battle", "ordinal", "role", "opponent_id", "group", "learner_seat")
+
+
+# --- 2. the env description -------------------------------------------------------------------
+
+def test_env_value_digest_hashes_by_value():
+    base = farm.default_env_spec(max_steps=20)
+    spelled = msgspec.structs.replace(
+        base, truncation=[farm.ComponentSpec("royalegym.done_condition.StepLimitCondition",
+                                             {"max_steps": 20.0})],
+        state_mutator=farm.ComponentSpec("royalegym.state_mutator.DefaultStateMutator",
+                                         {"decks": None}))
+    assert farm.env_value_digest(base) == farm.env_value_digest(spelled)
+    assert base.digest() != spelled.digest()          # the spelling digest sees the difference
+    other = farm.default_env_spec(max_steps=21)
+    assert farm.env_value_digest(other) != farm.env_value_digest(base)
+    weights = msgspec.structs.replace(
+        base, reward_fn=farm.ComponentSpec("farm.default_potential_reward", {"elixir": 0.06}))
+    assert farm.env_value_digest(weights) != farm.env_value_digest(base)
+    revealed = farm.default_env_spec(max_steps=20, reveal_spell_aim=True)
+    assert farm.env_value_digest(revealed) != farm.env_value_digest(base)
+
+
+def test_component_allow_list_refuses_other_modules():
+    with pytest.raises(ValueError, match="'os.system' is not on the allow-list"):
+        farm.resolve_class("os.system")
+    assert farm.resolve_class("collections.OrderedDict", ["collections"]) is not None
+    bad = msgspec.structs.replace(farm.default_env_spec(),
+                                  reward_fn=farm.ComponentSpec("subprocess.Popen"))
+    with pytest.raises(ValueError, match="subprocess.Popen"):
+        farm.env_factory(bad)
+
+
+@pytest.mark.parametrize("spell_aim", [False, True])
+def test_env_spec_is_read_off_the_env(spell_aim):
+    spec = farm.default_env_spec(max_steps=20, reveal_spell_aim=spell_aim)
+    env = farm.env_factory(spec)()
+    env.reset(seed=0)
+    es = farm.read_env_spec(spec, env, frame_stack=2)
+    space = env.observation_space("blue")
+    assert es.spatial_shape == space["spatial"].shape
+    assert es.vector_size == space["vector"].shape[0]
+    assert es.n_actions == env.action_space("blue").n
+    assert es.obs_space["action_mask"].shape == space["action_mask"].shape
+    assert len(es.obs_space["spatial"].low) == space["spatial"].shape[0]      # per channel
+    assert [n for n, _, _ in es.vector_layout] == [f.key for f in env.obs_builder.vector_layout()]
+    assert sum(s for _, _, s in es.vector_layout) == es.vector_size
+    assert es.spatial_layout == tuple(env.obs_builder.spatial_layout())
+    assert es.decision_ticks == -(-es.decision_ms // es.tick_ms)
+    assert es.engine_binary == env.config()["engine"]["params"]["engine_binary_sha256"]
+    assert es.engine_build_digest == env.config()["build_digest"]
+    assert es.tiles == (space["mask_planes"].shape[1], space["mask_planes"].shape[2])
+    assert es.env_value_digest == farm.env_value_digest(spec)
+    assert msgspec.json.decode(msgspec.json.encode(es), type=farm.EnvSpec) == es
+    # the reveal moves the plane count and the obs digest
+    if spell_aim:
+        plain_env = farm.env_factory(farm.default_env_spec(max_steps=20))()
+        plain_env.reset(seed=0)
+        plain = farm.read_env_spec(farm.default_env_spec(max_steps=20), plain_env, 2)
+        assert es.spatial_shape[0] == plain.spatial_shape[0] + 1
+        assert es.obs_digest != plain.obs_digest
+
+
+# --- 3. the potential reward (spec 10) --------------------------------------------------------
+
+def _play(env, steps, seed):
+    from royalegym.selfplay import RandomLegalOpponent
+    opp, rng = RandomLegalOpponent(0.5), farm.derive_generator(seed, "test/reward")
+    obs, _ = env.reset(seed=seed)
+    for _ in range(steps):
+        prev = env.battle_state
+        acts = {a: opp.act({}, obs[a]["action_mask"], rng) for a in ("blue", "red")}
+        obs, rew, term, trunc, _ = env.step(acts)
+        yield prev, env.battle_state, rew
+        if term["blue"] or trunc["blue"]:
+            return
+
+
+def test_each_potential_term_is_gamma_phi_next_minus_phi_on_real_transitions():
+    spec = farm.default_env_spec(max_steps=60)
+    env = farm.env_factory(spec)()
+    rf = env.reward_fn
+    assert isinstance(rf, farm.PotentialCombinedReward)
+    rf.set_gamma(0.9)
+    assert all(t.gamma == 0.9 for t, _ in rf.terms if isinstance(t, farm.PotentialReward))
+    moved = 0
+    for prev, state, rew in _play(env, 60, seed=3):
+        for team in (0, 1):
+            got = rf.terms_for(team)
+            for term, w in rf.terms[1:]:
+                want = w * (0.9 * term.phi(state, team) - term.phi(prev, team))
+                assert got[type(term).__name__] == pytest.approx(float(want), abs=1e-12)
+                moved += got[type(term).__name__] != 0
+        # exactly antisymmetric between the seats, term by term
+        for name, v in rf.terms_for(0).items():
+            assert v == -rf.terms_for(1)[name], name
+        assert rew["blue"] == -rew["red"]
+    assert moved > 0, "no shaping term moved in 60 decisions; the check saw nothing"
+    assert set(rf.terms_for(0)) == {"terminal", "PotentialCrownReward", "PotentialTowerHPReward",
+                                    "CommittedElixirPotential"}
+
+
+def test_a_potential_is_zero_once_the_battle_is_over():
+    p = SimpleNamespace(crowns=1, tower_hp=[100, 50, 0], tower_max_hp=[100, 100, 100],
+                        elixir_milli=3000)
+    q = SimpleNamespace(crowns=0, tower_hp=[100, 100, 100], tower_max_hp=[100, 100, 100],
+                        elixir_milli=7000)
+    live = SimpleNamespace(game_over=False, players=[p, q], entities=[])
+    over = SimpleNamespace(game_over=True, players=[p, q], entities=[])
+    for term in (farm.PotentialCrownReward(), farm.PotentialTowerHPReward(),
+                 farm.CommittedElixirPotential()):
+        term._value, term._row = {}, {}
+        term.set_gamma(0.97)
+        assert term.phi(over, 0) == 0 and term.phi(live, 0) != 0
+        # into game over the term pays -Phi(s) only; on a live state gamma*Phi(s') - Phi(s)
+        assert term.get_reward(0, live, over, []) == pytest.approx(-float(term.phi(live, 0)))
+        assert term.get_reward(0, live, live, []) == pytest.approx(-0.03 * float(term.phi(live, 0)))
+    assert farm.CommittedElixirPotential().potential(live, 0) == pytest.approx((3 - 7) / 10)
+
+
+@pytest.mark.parametrize("kind", ["inline", pytest.param("process", marks=pytest.mark.slow)])
+def test_the_schedule_s_gamma_reaches_the_reward_during_collection(kind):
+    spec = farm.default_env_spec(max_steps=20, reward=farm.ComponentSpec("farm.probe_reward"))
+    _, table = farm.preflight(spec, master_seed=MASTER, sample_steps=2)
+    cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, games_per_worker=1, cycles=6,
+                          viewer=False)
+    F = farm.InlineFarm if kind == "inline" else farm.ProcessFarm
+    f = F(cfg, table, farm.mirror_assignment)
+    try:
+        res = drive(f, cfg, table, 2, gamma=lambda it: (0.9, 0.95)[it],
+                    assign=farm.mirror_assignment)
+    finally:
+        f.close()
+    for it, g in enumerate((0.9, 0.95)):
+        assert np.all(res[it]["scalars"]["reward"] == np.float32(g - 1.0)), it
+
+
+# --- 4. the byte layout (spec 7.3) ------------------------------------------------------------
+
+def test_layout_golden_record():
+    # The contract a Rust worker implements: any change here is a LAYOUT_VERSION bump.
+    assert farm.LAYOUT_VERSION == 1
+    assert (farm.HEADER_BYTES, farm.CONTROL_BYTES, farm.ERROR_BYTES, farm.SCALAR_BYTES,
+            farm.ACTION_BYTES, farm.ASSIGN_BYTES) == (128, 64, 512, 32, 2, 4)
+    assert {n: farm.SCALAR_DTYPE.fields[n][1] for n in farm.SCALAR_DTYPE.names} == {
+        "reward": 0, "group": 4, "flags": 5, "deploy_status": 6, "episode_end": 7, "tick": 8,
+        "episode_steps": 12, "cards_played": 16, "elixir_leak": 18, "pad": 20}
+    assert {n: farm.CONTROL_DTYPE.fields[n][1] for n in farm.CONTROL_DTYPE.names} == {
+        "state": 0, "n_slots": 4, "cycle": 8, "err_code": 16, "err_len": 20, "t_env_ns": 24,
+        "cmd_seq": 32, "pub_seq": 40, "cmd_kind": 48, "cmd_flags": 50, "cmd_row": 52, "gamma": 56}
+    assert farm.shard_layout(4, 100) == {
+        "control": (0, 64), "error": (64, 512), "scalars": (576, 128), "finals": (704, 400),
+        "actions": (1104, 8), "assign": (1112, 16), "episodes": (1128, 65536),
+        "total": (0, 66664)}
+    assert farm.segment_b_bytes(4, 2, 100) == 4096 + 2 * 66664
+    assert farm.segment_a_bytes(16, 2, 8, 100) == 128 + 18 * 8 * 100
+    buf = bytearray(farm.segment_a_bytes(3, 2, 4, 10))
+    farm.write_header(buf, 3, 2, 4, 10)
+    import codec
+    assert bytes(buf[:40]) == b"CLASHRLB" + struct.pack(
+        "<IIIIIIQ", 1, codec.CODEC_VERSION, 3, 2, 4, 10, 128)
+    assert bytes(buf[40:128]) == bytes(88)
+    rect = farm.rect_view(buf, 3, 2, 4, 10)
+    rect[1, 2, 3] = 9                                  # index(t, r) = t * R + r
+    assert buf[128 + (1 * 4 + 2) * 10 + 3] == 9
+
+
+# --- 5. the round protocol and the alignment on real battles ----------------------------------
+
+@pytest.fixture(scope="module")
+def inline_run(short_env):
+    spec, _, table = short_env
+    cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, shards_per_worker=2,
+                          games_per_worker=4, cycles=24, frame_stack=2, viewer=False)
+    f = farm.InlineFarm(cfg, table, mixed_assign)
+    log = []
+    try:
+        res = drive(f, cfg, table, 2, log=log)
+    finally:
+        f.close()
+    return cfg, table, res, log
+
+
+def test_semantics_on_real_battles(inline_run):
+    cfg, table, res, log = inline_run
+    for it in res:
+        sc = it["scalars"]
+        done = (sc["flags"] & (farm.F_TERMINATED | farm.F_TRUNCATED)) != 0
+        # episodes end in pairs: both seats of a battle on the same row
+        assert np.array_equal(done[:, 0::2], done[:, 1::2])
+        # deploy_status is never a rejection under legal actions (1..11 = a mask bug)
+        ds = sc["deploy_status"]
+        assert not np.any((ds >= 1) & (ds <= 11))
+        assert np.any(ds == 0), "no card was played; the check saw nothing"
+        assert np.all(sc["flags"] & farm.F_VALID)
+        # rewards antisymmetric on mirror battles (even battles are mirror)
+        mirror = [s for s in range(cfg.n_slots) if (s // 2) % 2 == 0]
+        r = sc["reward"][:, mirror]
+        assert np.array_equal(r[:, 0::2], -r[:, 1::2])
+        assert np.any(r != 0)
+        # the terminal scalars match what the worker counted, on the row of the ending action
+        for e in it["episodes"]:
+            rows = np.flatnonzero(done[:, e.slot])
+            row = [t for t in rows if sc["episode_steps"][t, e.slot] == e.episode_steps]
+            assert row, e
+            assert sc["cards_played"][row[0], e.slot] == e.cards_played
+            assert sc["elixir_leak"][row[0], e.slot] == e.elixir_leak_steps
+            assert e.illegal_commands == 0
+            assert e.episode_seed == farm.derive_int(MASTER, e.episode_seed_path)
+            assert e.episode_seed_path == f"env/battle/{e.battle}/ordinal/{e.ordinal}"
+        # every truncated cell has its final observation, keyed by the action's row
+        tr = np.argwhere(sc["flags"] & farm.F_TRUNCATED)
+        assert {(int(t), int(s)) for t, s in tr} == set(it["finals"])
+    scripted = [e for it in res for e in it["episodes"]
+                if e.bucket == "scripted" and e.policy_id.startswith("scripted:")]
+    assert scripted and any(seat == e.seat for e in scripted for _, seat, _ in e.played), \
+        "no scripted seat ever played a card: the worker did not fill the scripted actions"
+    played = [e for it in res for e in it["episodes"] if e.played]
+    assert played and all(seat in (0, 1) and a > 0 for e in played for _, seat, a in e.played)
+    pairs = {}
+    for it in res:
+        for e in it["episodes"]:
+            pairs.setdefault((e.battle, e.ordinal), []).append(e.seat)
+    assert all(sorted(v) == [0, 1] for v in pairs.values())
+
+
+def test_a_battle_played_to_game_over_reports_its_result():
+    """Push (scripted, red) against a learner that never plays: the battle ends by game over,
+    and the codes, the terminal term and the records agree on who won."""
+    spec = farm.default_env_spec(max_steps=900)
+    _, table = farm.preflight(spec, master_seed=1, sample_steps=2)
+    cfg = farm.FarmConfig(env=spec, master_seed=1, workers=1, games_per_worker=1, cycles=400,
+                          viewer=False)
+    A = lambda b, k: farm.scripted_assignment(b, k, "push", learner_seat=0)  # noqa: E731
+    f = farm.InlineFarm(cfg, table, A)
+    try:
+        f.begin_iteration(farm.SlotPlan(0, 1, 2, (A(0, 0),), ()))
+        for c in range(cfg.cycles):
+            rnd = f.next_round(30)
+            if rnd.episodes:
+                break
+            f.submit(np.zeros(2, np.int64), 0.99)
+    finally:
+        f.close()
+    assert rnd.episodes, "push did not win within 400 decisions"
+    row = rnd.row
+    assert rnd.terminated.all() and not rnd.truncated.any()
+    assert rnd.episode_end.tolist() == [farm.END_LOSS, farm.END_WIN]
+    blue, red = sorted(rnd.episodes, key=lambda e: e.seat)
+    assert (blue.winner, blue.outcome, red.outcome) == (1, -1, 1)
+    assert red.enemy_crowns == 0 and red.own_crowns > 0
+    assert (blue.policy_id, blue.opponent_id, red.policy_id) == ("learner", "scripted:push",
+                                                                  "scripted:push")
+    assert blue.reward_terms["terminal"] == -1.0 and red.reward_terms["terminal"] == 1.0
+    assert blue.undiscounted_return == -red.undiscounted_return
+    assert blue.episode_steps == row + 1 and blue.cards_played == 0 and red.cards_played > 0
+    assert (row, 1) not in f.finals            # a terminated transition needs no bootstrap
+
+
+def test_a_battle_s_assignment_changes_only_after_its_episode_ended(inline_run):
+    cfg, _, _, log = inline_run
+    last_group, ended_since = {}, {}
+    for rnd in log:
+        for i, s in enumerate(rnd.slots):
+            s = int(s)
+            if rnd.row >= 0 and (rnd.terminated[i] or rnd.truncated[i]):
+                ended_since[s] = True
+            g = int(rnd.group[i])
+            if s in last_group and last_group[s] != g:
+                assert ended_since.get(s), f"slot {s} changed group mid-episode at cycle {rnd.cycle}"
+                ended_since[s] = False
+            last_group[s] = g
+    # the mixture really did reassign: scripted seats moved with learner_seat
+    assert any(int(g) == farm.GROUP_SCRIPTED for rnd in log for g in rnd.group)
+    changes = sum(1 for a, b in zip(log, log[cfg.n_shards:]) if not np.array_equal(a.group, b.group))
+    assert changes > 0
+
+
+def test_alignment_the_return_sums_exactly_the_episode_s_own_rows(inline_run):
+    """The 18.1 fix: a transition's reward and flags sit on the row of the action that caused
+    it. With a 20-decision truncation and every battle starting at cycle 0, episode k of every
+    battle occupies rows [20k, 20k+20) of the run; its end flag is on row 20k+19."""
+    cfg, _, res, _ = inline_run
+    T = cfg.cycles
+    rew = np.concatenate([it["scalars"]["reward"] for it in res])       # run rows
+    flags = np.concatenate([it["scalars"]["flags"] for it in res])
+    ends = np.flatnonzero(flags[:, 0] & farm.F_TRUNCATED)
+    assert ends.tolist() == [19, 39], ends
+    episodes = [e for it in res for e in it["episodes"]]
+    for e in episodes:
+        start = 20 * e.ordinal
+        rows = rew[start: start + 20, e.slot]
+        total = 0.0
+        for x in rows:                   # the worker's order: a running float64 sum
+            total += float(x)
+        assert e.undiscounted_return == total, (e.slot, e.ordinal)
+        assert e.episode_steps == 20
+    assert len(episodes) == 2 * cfg.n_slots
+    assert any(e.undiscounted_return != 0 for e in episodes)
+    # the old convention put the end flag on the row of the arriving observation (20, 40) and
+    # lost the transition arriving at row T; here row T-1 of every iteration is filled
+    for it in res:
+        assert np.all(it["scalars"]["flags"][T - 1] & farm.F_VALID)
+        assert np.all(it["scalars"]["tick"][T - 1] > 0)
+
+
+def test_an_episode_re_simulates_from_its_record(short_env, inline_run):
+    """episode_seed + played (both seats, non-no-op) are enough to replay an episode exactly:
+    the same return, the same final statistics."""
+    spec, _, _ = short_env
+    cfg, _, res, _ = inline_run
+    recs = [e for it in res for e in it["episodes"] if e.seat == 0 and e.played]
+    assert recs
+    e = max(recs, key=lambda r: len(r.played))
+    env = farm.env_factory(spec)()
+    env.reset(seed=e.episode_seed)
+    env.reward_fn.set_gamma(0.99)                      # drive()'s gamma
+    by_step: dict[int, dict[str, int]] = {}
+    for step, seat, action in e.played:
+        by_step.setdefault(step, {})[("blue", "red")[seat]] = action
+    total = 0.0
+    for step in range(e.episode_steps):
+        acts = {"blue": 0, "red": 0, **by_step.get(step, {})}
+        _, rew, term, trunc, info = env.step(acts)
+        total += float(np.float32(rew["blue"]))
+    assert term["blue"] or trunc["blue"]
+    assert total == e.undiscounted_return
+    assert info["blue"]["episode_ticks"] == e.episode_ticks
+    assert info["blue"]["own_tower_hp_frac"] == e.own_tower_hp_frac
+
+
+def test_frame_liveness_is_read_at_the_observation_s_own_row(inline_run):
+    cfg, _, res, log = inline_run
+    # every battle's episode 1 starts at run cycle 20 (iteration 0, cycle 20): with k = 2 the
+    # older frame of that observation is the previous episode's and must be dead
+    k = cfg.frame_stack
+    first = np.zeros((cfg.cycles + k, cfg.n_slots), bool)
+    for rnd in log[: (cfg.cycles + 1) * cfg.n_shards]:
+        first[rnd.cycle + k - 1, rnd.slots] = rnd.new_episode
+    assert np.array_equal(first, res[0]["first_obs"])
+    sv = farm.stack_valid(first, k)
+    assert sv.shape == (cfg.cycles + 1, cfg.n_slots, k)
+    assert not sv[20, :, 0].any() and sv[20, :, 1].all()
+    assert sv[21].all() and sv[19].all()
+    assert not sv[0, :, 0].any()                      # the reset: no history
+
+
+def test_ordinals_restore_the_episode_stream(short_env, inline_run):
+    """A farm started at the ordinals another reached plays the same episodes: its cycle-0
+    observations equal the original's first observations of those episodes."""
+    spec, _, table = short_env
+    cfg0, _, res, _ = inline_run
+    assert res[1]["ordinals"].tolist() == [2] * cfg0.n_battles
+    cfg = msgspec.structs.replace(cfg0, start_ordinals=[1] * cfg0.n_battles)
+    f = farm.InlineFarm(cfg, table, mixed_assign)
+    try:
+        # the original's episode 1 began at run cycle 20 = iteration 0, cycle 20
+        want = res[0]["rect"][20 + cfg.frame_stack - 1]
+        assert np.array_equal(f.rect[cfg.frame_stack - 1], want)
+        assert f.ordinals.tolist() == [1] * cfg.n_battles
+    finally:
+        f.close()
+
+
+# --- 6. ProcessFarm (slow) --------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_process_farm_matches_inline_byte_for_byte(short_env):
+    """2 workers x 2 shards, mirror + scripted, 30 cycles over two iterations (so the frame
+    history copy and the iteration boundary are covered)."""
+    spec, env_spec, table = short_env
+    cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=2, shards_per_worker=2,
+                          games_per_worker=2, cycles=15, frame_stack=2, viewer=False)
+    inline = farm.InlineFarm(cfg, table, mixed_assign)
+    try:
+        a = drive(inline, cfg, table, 2)
+    finally:
+        inline.close()
+    proc = farm.ProcessFarm(cfg, table, mixed_assign, env_spec=env_spec)
+    try:
+        b = drive(proc, cfg, table, 2)
+        assert proc.drain_failures() == []
+    finally:
+        proc.close()
+        proc.close()                                   # idempotent
+    for x, y in zip(a, b):
+        assert x["rect"].tobytes() == y["rect"].tobytes()
+        assert x["scalars"].tobytes() == y["scalars"].tobytes()
+        assert x["finals"].keys() == y["finals"].keys()
+        assert all(x["finals"][k].tobytes() == y["finals"][k].tobytes() for k in x["finals"])
+        assert msgspec.json.encode(x["episodes"]) == msgspec.json.encode(y["episodes"])
+    assert sum(len(x["episodes"]) for x in a) > 0
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        parts = fh.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.slow
+def test_worker_hygiene_failure_restart_and_idle(short_env):
+    spec, env_spec, table = short_env
+    cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, games_per_worker=1,
+                          cycles=4, viewer=False, debug_fault="raise:0:3",
+                          max_restarts_per_worker=1)
+    f = farm.ProcessFarm(cfg, table, farm.mirror_assignment, env_spec=env_spec)
+    try:
+        hs = f.handshakes[0]
+        assert hs["torch_loaded"] is False
+        assert all(hs["threads"][v] == "1" for v in farm.THREAD_VARS)
+        # an idle worker (waiting for actions) uses under 10% of a core
+        f.begin_iteration(opening_plan(cfg, lambda b, k: farm.mirror_assignment(b, k)))
+        rnd = f.next_round(30)
+        pid = hs["pid"]
+        c0, t0 = _cpu_seconds(pid), time.monotonic()
+        time.sleep(1.5)
+        assert (_cpu_seconds(pid) - c0) / (time.monotonic() - t0) < 0.10
+        # the planted exception (third step) arrives as a WorkerFailure with the traceback
+        for c in range(cfg.cycles):
+            f.submit(np.zeros(len(rnd.slots), np.int64), 0.99)
+            rnd = f.next_round(30)
+        fails = f.drain_failures()
+        assert len(fails) == 1 and fails[0].kind == "exception" and fails[0].worker == 0
+        assert "planted fault in worker 0" in fails[0].message and "Traceback" in fails[0].message
+        assert not rnd.valid.any() and (rnd.group == farm.GROUP_DEAD).all()
+        assert f.scalars["flags"][1, 0] & farm.F_TRUNCATED    # bootstrapped where it stopped
+        # restart with the next generation; collection continues at the next iteration
+        f.restart(0)
+        f.begin_iteration(farm.SlotPlan(1, 1, 2, tuple(f.assignment), ()))
+        assert f.generation[0] == 1 and f.ordinals.tolist() == [1]
+        rnd = f.next_round(30)
+        f.submit(np.zeros(2, np.int64), 0.99)
+        rnd = f.next_round(30)
+        assert rnd.valid.all() and rnd.row == 0
+        with pytest.raises(farm.FarmError, match="max_restarts_per_worker=1"):
+            f.restart(0)
+    finally:
+        f.close()
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_reported_as_a_crash(short_env):
+    import signal
+    spec, env_spec, table = short_env
+    cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, games_per_worker=1,
+                          cycles=4, viewer=False)
+    f = farm.ProcessFarm(cfg, table, farm.mirror_assignment, env_spec=env_spec)
+    try:
+        f.begin_iteration(opening_plan(cfg, lambda b, k: farm.mirror_assignment(b, k)))
+        f.next_round(30)
+        os.kill(f.handshakes[0]["pid"], signal.SIGKILL)    # the worker this test started
+        f.submit(np.zeros(2, np.int64), 0.99)
+        rnd = f.next_round(30)
+        fails = f.drain_failures()
+        assert [(x.worker, x.kind) for x in fails] == [(0, "crash")]
+        assert "exit code -9" in fails[0].message
+        assert not rnd.valid.any()
+    finally:
+        f.close()
+
+
+@pytest.mark.slow
+def test_a_worker_on_another_engine_binary_is_refused(short_env):
+    spec, env_spec, table = short_env
+    other = msgspec.structs.replace(env_spec, engine_binary="0000000000000000")
+    cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, games_per_worker=1,
+                          cycles=2, viewer=False)
+    with pytest.raises(farm.FarmError, match=r"worker 0 \(generation 0\) refused: engine binary "
+                       + env_spec.engine_binary):
+        farm.ProcessFarm(cfg, table, farm.mirror_assignment, env_spec=other)
+
+
+@pytest.mark.slow
+def test_a_hung_worker_raises_worker_timeout(short_env):
+    spec, env_spec, table = short_env
+    cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, games_per_worker=1,
+                          cycles=4, viewer=False, debug_fault="hang:0:1", join_timeout_s=2)
+    f = farm.ProcessFarm(cfg, table, farm.mirror_assignment, env_spec=env_spec)
+    try:
+        f.begin_iteration(opening_plan(cfg, lambda b, k: farm.mirror_assignment(b, k)))
+        f.next_round(30)
+        f.submit(np.zeros(2, np.int64), 0.99)
+        t0 = time.monotonic()
+        with pytest.raises(farm.WorkerTimeout, match=r"worker 0 shard 0 .* cycle 1 within 1.5 s"):
+            f.next_round(1.5)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        t0 = time.monotonic()
+        f.close()
+        assert time.monotonic() - t0 < 10
