@@ -58,6 +58,23 @@ same; ProcessFarm additionally takes env_spec= to refuse a worker on other space
     farm.drain_failures() -> [WorkerFailure]   # a dead worker's slots arrive valid=False,
     farm.restart(w)                            # group -3; restart rejoins at begin_iteration
     farm.close()                               # idempotent, registered atexit
+    farm.stats (or farm.stats())               # this iteration's env_ms, wait_ms, codec_ms,
+                                               # parent_wait_frac, bytes_out,
+                                               # rows_dropped_dead_worker; run totals
+                                               # worker_restarts, obs_codec_clipped/_rounded
+
+THE EVALUATION MODE (spec 11.5, D10; ladder.EvalRunner drives it). FarmConfig(eval_plan=[EvalEpisode
+(seed, seed_path, players=(blue, red), streams=(blue, red)), ...]) and assign_fn=None: episode i
+plays on battle i % B as its ordinal i // B, reset with its own seed; "scripted:<name>" seats are
+played in the worker from derive_generator(master_seed, streams[seat]) (two different scripted
+players on one battle are fine), every other seat has group -1 and is acted by the parent; a
+battle whose episodes are done stops (GROUP_IDLE, no records) and farm.eval_done turns True.
+    farm.begin_iteration(farm.eval_slot_plan(i)); farm.eval_index -> plan index per battle (-1 idle)
+    unpack_numpy(table, rows, statics, seats, env_spec.obs_space) -> the env's observation keys
+    make_scripted(name) -> a royalegym opponent (SCRIPTED_NAMES)
+FarmConfig(scripted_mask_only=True), the default, builds a training scripted seat's observations mask-only
+(royalegym set_mask_only) from the one after its assignment arrives: the learner's rows, the
+scalars and the records are unchanged (tested); bench_mask_only() measures what it saves.
 
 The assignment protocol (spec 7.5): assign_fn(battle, ordinal) -> Assignment is called by the
 parent inside next_round for every battle whose episode ended on that round (ascending battle
@@ -65,11 +82,13 @@ order), its groups are folded into rnd.group, and the worker is told on that rou
 Without an assign_fn the caller passes submit(actions, gamma, assignments=[...]) with exactly one
 Assignment (ordinal = farm.ordinals[b]) per battle in rnd.ended_battles. The worker never draws.
 
-bench_farm(...) -> dict measures the farm against the direct loop (issue 3 "Show").
+bench_farm(...) -> dict measures the farm against the direct loop (issue 3 "Show");
+`python farm.py mask-only` runs bench_mask_only().
 """
 from __future__ import annotations
 
 import atexit
+import collections
 import hashlib
 import importlib
 import inspect
@@ -427,10 +446,12 @@ def read_env_spec(spec: EnvFactorySpec, env: Any, frame_stack: int) -> EnvSpec:
 
 
 def preflight(spec: EnvFactorySpec, *, frame_stack: int = 1, master_seed: int = 0,
-              sample_steps: int = 32) -> tuple[EnvSpec, "codec.CodecTable"]:
+              sample_steps: int = 32, out: dict[str, Any] | None = None,
+              ) -> tuple[EnvSpec, "codec.CodecTable"]:
     """Build one 2-battle vec env, reset it, read the EnvSpec and decide the codec table from a
     sample of random-legal play (stream "preflight/sample"). The table is decided ONCE here and
-    handed to every worker, so all of them pack with the same table."""
+    handed to every worker, so all of them pack with the same table. With `out`, also
+    out["statics"] = codec.static_planes(table, first observation) (what unpack_numpy needs)."""
     from royalegym.selfplay import RandomLegalOpponent
     vec = build_vec(spec, 2, autoreset_seed_fn=lambda g, k: derive_int(master_seed, f"preflight/battle/{g}/ordinal/{k}"))
     obs, _ = vec.reset()
@@ -443,8 +464,47 @@ def preflight(spec: EnvFactorySpec, *, frame_stack: int = 1, master_seed: int = 
         obs, *_ = vec.step(acts)
         sample.append(obs)
     table = codec.decide_table(vec.single_observation_space, env_spec.spatial_layout, sample)
+    if out is not None:
+        out["statics"] = codec.static_planes(table, sample[0])
     vec.close()
     return env_spec, table
+
+
+def unpack_numpy(table: Any, rows: np.ndarray, statics: np.ndarray, seats: np.ndarray,
+                 obs_space: dict[str, ObsKeySpec]) -> dict[str, np.ndarray]:
+    """Packed rows back to the env's observation keys, in numpy, for a parent that acts without
+    torch (the evaluation runner hands these to its policies). The inverse of codec.Packer.pack:
+    uint8 planes exactly (raw values, no divisor: this is the env's own observation, not the
+    network's input), float16 planes and the vector as their fp16 values, the statics per seat,
+    the mask bit-unpacked and mask_planes = mask[1:] reshaped (spec 7.2). pack(unpack_numpy(x))
+    equals x byte for byte, so a network that packs and unpacks itself sees what the learner sees."""
+    rows = np.ascontiguousarray(rows)
+    B = rows.shape[0]
+    S, H, W = table.spatial_shape
+    off = table.offsets
+    sp = np.zeros((B, S, H, W), np.dtype(obs_space["spatial"].dtype))
+    u8, f16, st = list(table.uint8_index), list(table.f16_index), list(table.static_index)
+    if u8:
+        a, b = off["uint8"]
+        sp[:, u8] = rows[:, a:b].reshape(B, len(u8), H, W)
+    if f16:
+        a, b = off["float16"]
+        sp[:, f16] = np.ascontiguousarray(rows[:, a:b]).view("<f2").reshape(B, len(f16), H, W)
+    if st:
+        sp[:, st] = statics[np.asarray(seats, np.intp)]
+    a, b = off["vector"]
+    out = {"spatial": sp,
+           "vector": np.ascontiguousarray(rows[:, a:b]).view("<f2").astype(obs_space["vector"].dtype)}
+    a, b = off["mask"]
+    mask = np.unpackbits(rows[:, a:b], axis=1, bitorder="little")[:, : table.n_actions]
+    out["action_mask"] = mask.astype(obs_space["action_mask"].dtype)
+    if table.mask_planes_shape is not None:
+        out["mask_planes"] = mask[:, 1:].reshape(B, *table.mask_planes_shape).astype(
+            obs_space["mask_planes"].dtype)
+    if table.ids_shape is not None:
+        a, b = off["card_ids"]
+        out["card_ids"] = rows[:, a:b].reshape(B, *table.ids_shape).astype(obs_space["card_ids"].dtype)
+    return out
 
 
 # --- 5. The potential-based reward (spec 10) -----------------------------------------------------
@@ -592,7 +652,11 @@ def probe_reward() -> PotentialCombinedReward:
 # opponent_ix in an assignment indexes this table; each scripted slot draws from its own
 # generator, scripted/worker/{w}/slot/{r}/gen/{g}.
 
-def _make_scripted(name: str) -> Any:
+def make_scripted(name: str) -> Any:
+    """A fresh royalegym opponent for a SCRIPTED_NAMES entry (it keeps per-episode state, so one
+    per seat per episode). Its act(obs, mask, rng) reads only legality (mask_planes / the mask)."""
+    if name not in SCRIPTED_NAMES:
+        raise ValueError(f"unknown scripted player {name!r}; farm.SCRIPTED_NAMES = {SCRIPTED_NAMES}")
     from royalegym import opponents as o
     from royalegym.selfplay import NoopOpponent, RandomLegalOpponent
     table = {
@@ -602,6 +666,9 @@ def _make_scripted(name: str) -> Any:
         "patient": lambda: o.PatientOpponent(ready=3),
     }
     return table[name]()
+
+
+_make_scripted = make_scripted          # the old private name; kept for callers that used it
 
 
 SCRIPTED_NAMES = ("noop", "random_legal", "random", "first-affordable", "defend", "push", "patient")
@@ -619,6 +686,51 @@ def mirror_assignment(battle: int, ordinal: int) -> Assignment:
     return Assignment(battle, ordinal, ROLE_MIRROR, None, (GROUP_LEARNER, GROUP_LEARNER), -1)
 
 
+# The evaluation mode (spec 11.5, D10): a farm built for one comparison and closed after. What it
+# plays is fixed in advance, as data (it crosses to spawned workers inside FarmConfig): a list of
+# EvalEpisodes. Shard j (of J) owns the episodes i with i % J == j, as a queue in plan order: at
+# the reset its battles take the first ones in ascending battle order, and whenever battles end
+# an episode, they take the next ones, again in ascending battle order. Each episode's seed, seats
+# and scripted streams come from its EvalEpisode alone, so its result does not depend on which
+# battle hosted it, on B, on the number of workers or on what else was live. A battle that finds
+# its shard's queue empty STOPS: its seats become GROUP_IDLE, the worker plays no-ops there
+# (mask-only observations, no records), and farm.eval_done turns True when every battle stopped.
+# With one battle per episode every battle plays exactly one episode and then stops.
+#   The seed of a new episode is consumed INSIDE vec.step (the autoreset), before the parent has
+# seen the old episode end. So the worker pops its queue itself (autoreset_seed_fn), and the
+# parent replays the same rule on the ends it reads (same shard, same ascending order) to know
+# which episode each battle now plays; every EpisodeRecord carries its eval_index, which checks
+# it. A static "episode i on battle i % B" needs no mirror, but a battle that drew short episodes
+# then idles while the slowest battle finishes its share, stepping no-op matches; with the queues
+# only the last episode of each shard leaves an idle tail. [M] 2026-11-29, this 2-core machine
+# (load ~1.7 from other work), ladder.EvalRunner, 40 battles scripted:push vs random_legal on 8
+# battles, inline: 7.5-7.6 s with the queues, 7.3-7.7 s static, against 5.1-5.6 s for the
+# previous in-process ClashParallelEnv loop in the same runs (identical results): the farm adds
+# codec.pack (0.4 s), the vec env's batching and the idle tail.
+
+GROUP_IDLE = -4                          # a stopped evaluation battle: nobody acts, nothing counts
+
+
+class EvalEpisode(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One evaluation episode. players[seat]: "scripted:<name>" (played in the worker, from the
+    generator derive_generator(master_seed, streams[seat])) or any other id (acted by the parent,
+    which addresses that seat's uniforms by the same streams[seat]). The episode resets with
+    `seed`; seed_path is recorded on its EpisodeRecords."""
+    seed: int
+    seed_path: str
+    players: tuple[str, str]                # (blue, red)
+    streams: tuple[str, str]                # per seat: the name of its acting stream
+
+
+def eval_queue(n_plan: int, n_shards: int, shard: int) -> list[int]:
+    """The plan indices shard j plays, in order (see above)."""
+    return list(range(shard, n_plan, n_shards))
+
+
+def _eval_idle_seed(master_seed: int, battle: int, ordinal: int) -> int:
+    return derive_int(master_seed, f"eval/idle/battle/{battle}/ordinal/{ordinal}")
+
+
 # --- 7. The byte layout (spec 7.3): the cross-language contract ---------------------------------
 # Segment A "rlb-<tag>-<pid>-<n>": a 128-byte header, then the rectangle, (T + frame_stack) rows
 # of R slots of codec row_bytes; cycle t's observation of slot r is at row t + frame_stack - 1.
@@ -630,9 +742,11 @@ def mirror_assignment(battle: int, ordinal: int) -> Assignment:
 # opening table reaches the worker as assign entries on the first Step, which is the one path
 # an assignment takes, so there is one way to do it); finals are indexed by the slot within the
 # shard (n_trunc_max = n: every slot can truncate on one round); the episode area is added (an
-# EpisodeRecord crosses the boundary once per finished episode, spec 7.4).
+# EpisodeRecord crosses the boundary once per finished episode, spec 7.4); a 64-byte stats block
+# ends each shard's block (layout version 2): what the round cost the worker (codec ns, bytes
+# written) and the packer's cumulative clip/round counters (health/obs_codec_clipped, spec 7.2).
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 MAGIC = b"CLASHRLB"
 HEADER_BYTES = 128
 HANDSHAKE_BYTES = 4096
@@ -642,6 +756,7 @@ SCALAR_BYTES = 32
 ACTION_BYTES = 2
 ASSIGN_BYTES = 4
 EPISODE_BYTES_PER_SLOT = 16384
+STATS_BYTES = 64
 
 HEADER_DTYPE = np.dtype({
     "names": ["magic", "layout_version", "codec_version", "cycles", "frame_stack", "n_slots",
@@ -663,6 +778,13 @@ SCALAR_DTYPE = np.dtype({
     "formats": ["<f4", "i1", "u1", "i1", "i1", "<i4", "<i4", "<i2", "<i2", "V12"],
     "offsets": [0, 4, 5, 6, 7, 8, 12, 16, 18, 20], "itemsize": SCALAR_BYTES})
 
+STATS_DTYPE = np.dtype({
+    # child -> parent, rewritten every round. codec_ns, bytes_out: this round's; clipped, rounded:
+    # the shard's Packer counters since the worker (this generation) started.
+    "names": ["codec_ns", "bytes_out", "clipped", "rounded", "pad"],
+    "formats": ["<u8", "<u8", "<u8", "<u8", "V32"],
+    "offsets": [0, 8, 16, 24, 32], "itemsize": STATS_BYTES})
+
 ASSIGN_DTYPE = np.dtype({
     "names": ["group", "opponent_ix", "learner_seat", "present"],
     "formats": ["i1", "i1", "i1", "u1"], "offsets": [0, 1, 2, 3], "itemsize": ASSIGN_BYTES})
@@ -681,6 +803,7 @@ ERR_NONE, ERR_EXCEPTION, ERR_CRASH = 0, 1, 2
 
 assert HEADER_DTYPE.itemsize == HEADER_BYTES and CONTROL_DTYPE.itemsize == CONTROL_BYTES
 assert SCALAR_DTYPE.itemsize == SCALAR_BYTES and ASSIGN_DTYPE.itemsize == ASSIGN_BYTES
+assert STATS_DTYPE.itemsize == STATS_BYTES
 
 
 def _pad8(n: int) -> int:
@@ -691,7 +814,8 @@ def shard_layout(n: int, row_bytes: int) -> dict[str, tuple[int, int]]:
     """(offset, size) of each region of one shard's block in segment B, relative to the block."""
     sizes = [("control", CONTROL_BYTES), ("error", ERROR_BYTES), ("scalars", n * SCALAR_BYTES),
              ("finals", _pad8(n * row_bytes)), ("actions", _pad8(n * ACTION_BYTES)),
-             ("assign", _pad8(n * ASSIGN_BYTES)), ("episodes", n * EPISODE_BYTES_PER_SLOT)]
+             ("assign", _pad8(n * ASSIGN_BYTES)), ("episodes", n * EPISODE_BYTES_PER_SLOT),
+             ("stats", STATS_BYTES)]
     out, off = {}, 0
     for name, size in sizes:
         out[name] = (off, size)
@@ -724,6 +848,7 @@ class ShardIO:
         self.actions = view("actions", "<i2", n)
         self.assign = view("assign", ASSIGN_DTYPE, n)
         self.episodes = view("episodes", np.uint8, n * EPISODE_BYTES_PER_SLOT)
+        self.stats = view("stats", STATS_DTYPE, 1)
 
     def write_text(self, text: str) -> None:
         raw = text.encode("utf-8")[-(ERROR_BYTES):]
@@ -779,6 +904,7 @@ class EpisodeRecord(msgspec.Struct, frozen=True):
     undiscounted_return: float
     reward_terms: dict[str, float]
     played: tuple[tuple[int, int, int], ...]
+    eval_index: int = -1                    # the evaluation mode: the EvalEpisode played; else -1
 
 
 class WorkerFailure(msgspec.Struct, frozen=True):
@@ -814,6 +940,10 @@ class FarmConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     viewer: bool = True                     # worker 0's first shard gets viser="env"
     start_ordinals: list[int] | None = None  # per battle; a resume restores them
     debug_fault: str = ""                   # tests only: "raise:<w>:<steps>", "hang:<w>:<steps>"
+    eval_plan: list[EvalEpisode] | None = None  # the evaluation mode (section 6); None: training
+    scripted_mask_only: bool = True         # training: a scripted seat's observations mask-only
+                                            # (section 9; [M] 1.13x game-steps/s on all-scripted
+                                            # battles, bench_mask_only); eval mode always does it
 
     @property
     def games_per_shard(self) -> int:
@@ -838,6 +968,15 @@ class FarmConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.start_ordinals is not None and len(self.start_ordinals) != self.n_battles:
             raise ValueError(f"start_ordinals has {len(self.start_ordinals)} entries; the farm "
                              f"has {self.n_battles} battles")
+        if self.eval_plan is not None:
+            if self.start_ordinals is not None:
+                raise ValueError("eval_plan with start_ordinals: an evaluation farm starts every "
+                                 "battle at ordinal 0 (its shards' queues decide the hosting)")
+            for i, e in enumerate(self.eval_plan):
+                for seat, p in enumerate(e.players):
+                    if p.startswith("scripted:") and p.split(":", 1)[1] not in SCRIPTED_NAMES:
+                        raise ValueError(f"eval_plan[{i}].players[{seat}] = {p!r}: unknown scripted "
+                                         f"player; farm.SCRIPTED_NAMES = {SCRIPTED_NAMES}")
 
 
 SLEEP_S = 0.05   # the longest a waiting side sleeps on a semaphore before looking again (spec 7.3)
@@ -878,7 +1017,11 @@ class ShardRunner:
         self.n = 2 * M
         self.battle0 = (w * cfg.shards_per_worker + s) * M
         self.slot0 = 2 * self.battle0
-        fn = functools.partial(_battle_seed, cfg.master_seed, self.battle0)
+        self.plan = cfg.eval_plan                           # None: training
+        fn = (self._eval_seed if self.plan is not None
+              else functools.partial(_battle_seed, cfg.master_seed, self.battle0))
+        # spec 7.7 step 11: exactly one vec env in the run carries the viewer's publisher (it
+        # binds a UDP port per process): worker 0's first shard; every other shard gets None.
         viser = "env" if (cfg.viewer and w == 0 and s == 0) else None
         self.vec = build_vec(cfg.env, M, viser=viser, autoreset_seed_fn=fn)
         self.vec.set_episode_ordinals(ordinals)
@@ -899,6 +1042,11 @@ class ShardRunner:
         self.played: list[list[tuple[int, int, int]]] = [[] for _ in range(M)]
         self.obs: dict[str, np.ndarray] | None = None
         self.steps_taken = 0
+        self.eval_ix = np.full(M, -1, np.int64)             # evaluation: plan index now playing
+        if self.plan is not None:
+            j = w * cfg.shards_per_worker + s
+            self.queue = collections.deque(eval_queue(len(self.plan), cfg.n_shards, j))
+        self.idle = np.zeros(self.n, bool)                  # evaluation: a stopped battle's seats
         fault = cfg.debug_fault.split(":") if cfg.debug_fault else []
         self.fault = (fault[0], int(fault[2])) if fault and int(fault[1]) == w and s == 0 else None
 
@@ -910,18 +1058,79 @@ class ShardRunner:
         generation reaches the scripted opponents' streams."""
         obs, _ = self.vec.reset()
         self.obs = obs
+        if self.plan is not None:
+            for g in range(self.n // 2):
+                self._begin_eval_episode(g)
+        t0 = time.perf_counter_ns()
         self.packer.pack(obs, rect_row, self.slot0)
         io.scalars[:] = np.zeros(self.n, SCALAR_DTYPE)
-        io.scalars["flags"] = F_VALID
+        io.scalars["flags"] = np.where(self.idle, 0, F_VALID).astype(np.uint8)
         io.scalars["group"] = self.group
         io.episodes[:4] = 0
+        io.control["t_env_ns"] = 0
+        self._write_stats(io, time.perf_counter_ns() - t0, self.n * self.row_bytes)
+
+    def _write_stats(self, io: ShardIO, codec_ns: int, bytes_out: int) -> None:
+        io.stats["codec_ns"] = codec_ns
+        io.stats["bytes_out"] = bytes_out
+        io.stats["clipped"] = self.packer.clipped
+        io.stats["rounded"] = getattr(self.packer, "rounded", 0)
+
+    # -- the evaluation mode (section 6): what each battle plays is read off cfg.eval_plan --
+    def _eval_seed(self, game: int, ordinal: int) -> int:
+        """autoreset_seed_fn in the evaluation mode: the vec env calls it for each game that starts
+        an episode, in ascending game order, so popping the shard's queue here is the rule the
+        parent replays. Returns the episode's own seed (an idle battle's: a named filler)."""
+        i = self.queue.popleft() if self.queue else -1
+        self.eval_ix[game] = i
+        if i >= 0:
+            return int(self.plan[i].seed)
+        return _eval_idle_seed(self.cfg.master_seed, self.battle0 + game, ordinal)
+
+    def _begin_eval_episode(self, g: int) -> None:
+        """Battle g just reset into ordinal self.ordinal[g]: seat its planned players (or stop
+        it). Scripted seats and stopped battles skip their observations from the next one on
+        (royalegym set_mask_only): a scripted player reads only legality (see section 9)."""
+        i = int(self.eval_ix[g])
+        env = self.vec.envs[g]
+        if i < 0:
+            for seat in (0, 1):
+                r = 2 * g + seat
+                self.group[r], self.scripted[r], self.idle[r] = GROUP_IDLE, None, True
+            env.set_mask_only(("blue", "red"))
+            return
+        ep = self.plan[i]
+        skip = []
+        for seat, (player, stream) in enumerate(zip(ep.players, ep.streams)):
+            r = 2 * g + seat
+            self.idle[r] = False
+            if player.startswith("scripted:"):
+                self.group[r] = GROUP_SCRIPTED
+                self.scripted[r] = make_scripted(player.split(":", 1)[1])
+                self.rngs[r] = derive_generator(self.cfg.master_seed, stream)
+                skip.append(("blue", "red")[seat])
+            else:
+                self.group[r], self.scripted[r] = GROUP_LEARNER, None
+        if skip:
+            env.set_mask_only(skip)
 
     def _apply_assignments(self, assign: np.ndarray) -> None:
-        for i in np.flatnonzero(assign["present"]):
+        if self.plan is not None:
+            return                              # the evaluation mode seats from its plan
+        present = np.flatnonzero(assign["present"])
+        for i in present:
             self.group[i] = assign["group"][i]
             self.opp_ix[i] = assign["opponent_ix"][i]
-            self.scripted[i] = (_make_scripted(SCRIPTED_NAMES[self.opp_ix[i]])
+            self.scripted[i] = (make_scripted(SCRIPTED_NAMES[self.opp_ix[i]])
                                 if self.group[i] == GROUP_SCRIPTED else None)
+        if self.cfg.scripted_mask_only:
+            # An assignment arrives with its episode's first action, after the episode's first
+            # observation was built; from the next one on a scripted seat is built mask-only
+            # (it reads only legality). The env's set lasts until its next reset, which clears it.
+            for g in sorted({int(i) // 2 for i in present}):
+                skip = [("blue", "red")[seat] for seat in (0, 1) if self.scripted[2 * g + seat] is not None]
+                if skip:
+                    self.vec.envs[g].set_mask_only(skip)
 
     def step(self, io: ShardIO, rect_row: np.ndarray, gamma: float) -> None:
         from royalegym.action import NOOP
@@ -933,6 +1142,7 @@ class ShardRunner:
                 time.sleep(3600)
         self._apply_assignments(io.assign)
         acts = io.actions.astype(np.int64)
+        acts[self.idle] = NOOP                  # a stopped evaluation battle waits
         for i in np.flatnonzero(self.group == GROUP_SCRIPTED):
             one = {k: v[i] for k, v in self.obs.items()}
             acts[i] = self.scripted[i].act(one, self.obs["action_mask"][i], self.rngs[i])
@@ -945,6 +1155,7 @@ class ShardRunner:
         acted_group = self.group.copy()
         for i in np.flatnonzero(acts != NOOP):
             self.played[i // 2].append((int(self.ep_step[i // 2]), int(i % 2), int(acts[i])))
+        self.eval_ix_ended = self.eval_ix.copy()   # the autoreset below pops the next episodes
         t0 = time.perf_counter_ns()
         obs, rew, term, trunc, info = self.vec.step(acts)
         io.control["t_env_ns"] = time.perf_counter_ns() - t0
@@ -965,14 +1176,17 @@ class ShardRunner:
         sc = np.zeros(self.n, SCALAR_DTYPE)
         sc["reward"] = rew
         sc["group"] = acted_group
-        sc["flags"] = (F_TERMINATED * term + F_TRUNCATED * trunc + F_VALID).astype(np.uint8)
+        sc["flags"] = (F_TERMINATED * term + F_TRUNCATED * trunc + F_VALID * ~self.idle).astype(np.uint8)
         sc["deploy_status"] = deploy
         sc["tick"] = tick
         episodes: list[dict[str, Any]] = []
+        pack_finals_ns = 0
         if done.any():
             fo = info["final_obs"]
             for i in map(int, np.flatnonzero(done)):
                 g = i // 2
+                if self.idle[i]:
+                    continue                    # a stopped evaluation battle reports nothing
                 w_ = int(fin["winner"][i]) if "winner" in fin and fin["_winner"][i] else -1
                 out = int(fin["outcome"][i]) if "outcome" in fin and fin["_outcome"][i] else 0
                 sc["episode_end"][i] = (END_NO_RESULT if w_ == -1 else
@@ -982,16 +1196,25 @@ class ShardRunner:
                 sc["elixir_leak"][i] = fin["elixir_leak_steps"][i]
                 if trunc[i]:
                     one = {k: np.asarray(v)[None] for k, v in fo[i].items()}
+                    t1 = time.perf_counter_ns()
                     self.packer.pack(one, io.finals, int(i))
+                    pack_finals_ns += time.perf_counter_ns() - t1
                     sc["flags"][i] |= F_FINAL
                 k = int(self.ordinal[g])
+                ev = -1
+                if self.plan is not None:
+                    ev = int(self.eval_ix_ended[g])
+                    ep = self.plan[ev]
+                    seed_path, seed = ep.seed_path, int(ep.seed)
+                else:
+                    seed_path = f"env/battle/{self.battle0 + g}/ordinal/{k}"
+                    seed = _battle_seed(self.cfg.master_seed, self.battle0, g, k)
                 terms = {key.split("/", 1)[1]: float(fin[key][i]) for key in fin
                          if key.startswith("reward_sum/") and fin["_" + key][i]}
                 episodes.append({
                     "slot": self.slot0 + int(i), "worker": self.w, "shard": self.s,
                     "battle": self.battle0 + g, "seat": int(i % 2), "ordinal": k,
-                    "episode_seed_path": f"env/battle/{self.battle0 + g}/ordinal/{k}",
-                    "episode_seed": _battle_seed(self.cfg.master_seed, self.battle0, g, k),
+                    "episode_seed_path": seed_path, "episode_seed": seed,
                     "episode_steps": int(fin["episode_steps"][i]),
                     "episode_ticks": int(fin["episode_ticks"][i]),
                     "own_crowns": int(fin["own_crowns"][i]),
@@ -1003,7 +1226,7 @@ class ShardRunner:
                     "winner": w_, "outcome": out, "cards_played": int(self.cards[i]),
                     "illegal_commands": int(self.illegal[i]),
                     "undiscounted_return": float(self.ret[i]), "reward_terms": terms,
-                    "played": self.played[g],
+                    "played": self.played[g], "eval_index": ev,
                 })
                 self.cards[i] = self.illegal[i] = 0
                 self.ret[i] = 0.0
@@ -1011,6 +1234,8 @@ class ShardRunner:
                 self.ordinal[g] += 1
                 self.ep_step[g] = 0
                 self.played[g] = []
+                if self.plan is not None:
+                    self._begin_eval_episode(int(g))
         io.scalars[:] = sc
         raw = msgspec.json.encode(episodes) if episodes else b""
         if len(raw) + 4 > io.episodes.size:
@@ -1019,8 +1244,13 @@ class ShardRunner:
         io.episodes[:4] = np.frombuffer(struct.pack("<I", len(raw)), np.uint8)
         if raw:
             io.episodes[4:4 + len(raw)] = np.frombuffer(raw, np.uint8)
+        t1 = time.perf_counter_ns()
         self.packer.pack(obs, rect_row, self.slot0)
+        codec_ns = time.perf_counter_ns() - t1 + pack_finals_ns
         self.obs = obs
+        n_final = int(((sc["flags"] & F_FINAL) != 0).sum())
+        self._write_stats(io, codec_ns, (self.n + n_final) * self.row_bytes
+                          + self.n * SCALAR_BYTES + len(raw) + 4)
 
 
 def read_episodes(io: ShardIO) -> list[dict[str, Any]]:
@@ -1059,6 +1289,11 @@ class _FarmCore:
                  assign_fn: Callable[[int, int], Assignment] | None = None) -> None:
         cfg.check()
         self.cfg, self.table = cfg, table
+        if cfg.eval_plan is not None:
+            if assign_fn is not None:
+                raise ValueError("an evaluation farm (FarmConfig.eval_plan) seats its battles from "
+                                 "the plan; pass assign_fn=None")
+            assign_fn = self._eval_assign
         self.assign_fn = assign_fn
         self.T, self.k, self.R = cfg.cycles, cfg.frame_stack, cfg.n_slots
         self.row_bytes = table.row_bytes
@@ -1091,6 +1326,58 @@ class _FarmCore:
         self._fresh = [True] * self.J                       # shard has an unread reset publication
         self._closed = False
         self.rect = np.zeros((0,), np.uint8)                # set by the subclass
+        # health and timing (spec 7.6, 13.2): per iteration, reset by begin_iteration
+        self.rows_dropped_dead_worker_total = 0
+        self.eval_map: dict[tuple[int, int], int] = {}      # (battle, ordinal) -> plan index
+        if cfg.eval_plan is not None:
+            for b in range(cfg.n_battles):                  # the opening, as the workers' resets
+                self._eval_assign(b, 0)
+        self._clip_last = np.zeros((self.J, 2), np.int64)   # per shard: clipped, rounded (cumulative)
+        self._clip_base = np.zeros(2, np.int64)             # counters of workers since restarted
+        self._reset_iteration_stats()
+
+    def _reset_iteration_stats(self) -> None:
+        self._it = {"env_ms": 0.0, "wait_ms": 0.0, "codec_ms": 0.0, "bytes_out": 0,
+                    "rows_dropped_dead_worker": 0}
+        self._it_t0 = time.perf_counter()
+        self._it_t1: float | None = None
+
+    # the evaluation mode (section 6)
+    def _eval_assign(self, b: int, k: int) -> Assignment:
+        """The parent's replay of the worker's queue rule: called once per (battle, ordinal), at
+        the opening in ascending battle order and then for the battles that ended on a round in
+        ascending order -- the order in which the worker's vec env popped the same queue."""
+        if (b, k) not in self.eval_map:
+            if not hasattr(self, "_eval_queues"):
+                n = len(self.cfg.eval_plan)
+                self._eval_queues = [collections.deque(eval_queue(n, self.J, j)) for j in range(self.J)]
+            q = self._eval_queues[b // self.cfg.games_per_shard]
+            self.eval_map[(b, k)] = q.popleft() if q else -1
+        i = self.eval_map[(b, k)]
+        if i < 0:
+            return Assignment(b, k, ROLE_POOL, None, (GROUP_IDLE, GROUP_IDLE), -1)
+        ep = self.cfg.eval_plan[i]
+        g = tuple(GROUP_SCRIPTED if p.startswith("scripted:") else GROUP_LEARNER for p in ep.players)
+        return Assignment(b, k, ROLE_POOL, f"eval:{i}", (g[0], g[1]), -1)
+
+    def eval_slot_plan(self, iteration: int) -> SlotPlan:
+        """The SlotPlan for begin_iteration in the evaluation mode: the opening table at
+        iteration 0, the current assignments after (spec 7.5's rule holds here too)."""
+        n = self.cfg.n_battles
+        table = (tuple(self._eval_assign(b, int(self.ordinals[b])) for b in range(n))
+                 if self.iteration < 0 else tuple(self.assignment))
+        return SlotPlan(iteration, n, self.cfg.n_slots, table, ())
+
+    @property
+    def eval_index(self) -> np.ndarray:
+        """int64 (n_battles,): the eval_plan index each battle is playing now, -1 once stopped."""
+        return np.array([self.eval_map.get((b, int(k)), -1) for b, k in enumerate(self.ordinals)],
+                        np.int64)
+
+    @property
+    def eval_done(self) -> bool:
+        """Every battle of the evaluation mode has played its planned episodes."""
+        return bool((self.eval_index < 0).all())
 
     # geometry
     def shard_of(self, j: int) -> tuple[int, int]:
@@ -1125,6 +1412,7 @@ class _FarmCore:
                     f"SlotPlan for iteration {plan.iteration} gives battle {b} {a}, but it is "
                     f"mid-episode under {cur}; assignments change only at a battle's own episode "
                     "boundary (spec 7.5): build the plan from the current assignments")
+        self._reset_iteration_stats()
         if self.iteration >= 0:
             # the last k rows (cycles T-k+1..T) become rows 0..k-1: cycle T is cycle 0 now
             self.rect[: self.k] = self.rect[self.T: self.T + self.k]
@@ -1145,10 +1433,15 @@ class _FarmCore:
             r = 2 * a.battle + seat
             self.group[r] = a.group[seat]
             self.opp_ix[r] = (SCRIPTED_NAMES.index(a.opponent_id.split(":", 1)[1])
-                              if a.group[seat] == GROUP_SCRIPTED else -1)
+                              if a.group[seat] == GROUP_SCRIPTED and self.cfg.eval_plan is None
+                              else -1)
             self._new_assign[r] = True
 
     def _policy_ids(self, a: Assignment, seat: int) -> tuple[str, str]:
+        if self.cfg.eval_plan is not None:
+            p = self.cfg.eval_plan[int(a.opponent_id.split(":", 1)[1])].players
+            return p[seat], p[1 - seat]
+
         def name(g: int) -> str:
             if g == GROUP_LEARNER:
                 return "learner"
@@ -1174,7 +1467,9 @@ class _FarmCore:
         timeout = self.cfg.round_timeout_s if timeout_s is None else timeout_s
         arrived = (c > 0 or self._fresh[j]) and not self.dead[w]
         if arrived:
+            t_wait = time.perf_counter()
             ok = self._wait(j, c, timeout)
+            self._it["wait_ms"] += (time.perf_counter() - t_wait) * 1e3
             arrived = ok
         self._fresh[j] = False
         row = c - 1
@@ -1188,8 +1483,11 @@ class _FarmCore:
             sc = np.zeros(self.n_shard, SCALAR_DTYPE)
             sc["group"] = GROUP_DEAD
             self.scalars[row, sl] = sc
+            self._it["rows_dropped_dead_worker"] += self.n_shard      # spec 7.6: the lost cells
+            self.rows_dropped_dead_worker_total += self.n_shard
         elif arrived and c > 0:
             io = self._io(j)
+            self._count_round(j, io)
             sc = io.scalars.copy()
             self.scalars[row, sl] = sc
             for i in np.flatnonzero(sc["flags"] & F_FINAL):
@@ -1198,6 +1496,13 @@ class _FarmCore:
             self.new_episode[sl] = done
             self.first_obs[c + self.k - 1, sl] = done
             for raw in read_episodes(io):
+                if self.cfg.eval_plan is not None and \
+                        raw["eval_index"] != self.eval_map.get((raw["battle"], raw["ordinal"])):
+                    raise FarmError(
+                        f"evaluation farm out of step: worker {w} shard {j} reports battle "
+                        f"{raw['battle']} ordinal {raw['ordinal']} played plan episode "
+                        f"{raw['eval_index']}, the parent's replay of its queue says "
+                        f"{self.eval_map.get((raw['battle'], raw['ordinal']))}")
                 a = self.assignment[raw["battle"]]
                 pol, opp = self._policy_ids(a, raw["seat"])
                 raw.update(policy_id=pol, opponent_id=opp, bucket=_bucket(a.role))
@@ -1213,6 +1518,7 @@ class _FarmCore:
                     self._set_assignment(a)
             self.episodes.extend(episodes)
         elif arrived:
+            self._count_round(j, self._io(j))        # a reset publication: pack cost, bytes
             self.new_episode[sl] = True          # the reset's first observations
             self.first_obs[c + self.k - 1, sl] = True
         sc_row = self.scalars[row, sl] if row >= 0 else np.zeros(self.n_shard, SCALAR_DTYPE)
@@ -1233,7 +1539,16 @@ class _FarmCore:
             self._await_submit = True
         else:
             self._advance()
+            if self._cycle > self.T:
+                self._it_t1 = time.perf_counter()    # the iteration's last round was read
         return rnd
+
+    def _count_round(self, j: int, io: ShardIO) -> None:
+        st = io.stats[0]
+        self._it["env_ms"] += float(io.control["t_env_ns"][0]) / 1e6
+        self._it["codec_ms"] += float(st["codec_ns"]) / 1e6
+        self._it["bytes_out"] += int(st["bytes_out"])
+        self._clip_last[j] = (int(st["clipped"]), int(st["rounded"]))
 
     def _advance(self) -> None:
         self._await_submit = False
@@ -1292,7 +1607,11 @@ class _FarmCore:
     def restart(self, w: int) -> None:
         """Restart worker w with the next generation's seed paths; it rejoins at the next
         begin_iteration. Its battles' running episodes are abandoned: each moves to the next
-        ordinal, so no episode is played twice."""
+        ordinal, so no episode is played twice. An evaluation farm is not restarted: its caller
+        rebuilds it (a lost episode would silently leave a comparison short)."""
+        if self.cfg.eval_plan is not None:
+            raise FarmError(f"restart({w}) on an evaluation farm: close it and play the comparison "
+                            "again on a new one")
         self.restarts[w] += 1
         if self.restarts[w] > self.cfg.max_restarts_per_worker:
             raise FarmError(f"worker {w} has been restarted {self.restarts[w] - 1} times; "
@@ -1307,6 +1626,9 @@ class _FarmCore:
     def _do_restart(self, w: int) -> None:
         b0 = w * self.cfg.games_per_worker
         self.ordinals[b0: b0 + self.cfg.games_per_worker] += 1   # abandon the running episodes
+        for j in range(w * self.cfg.shards_per_worker, (w + 1) * self.cfg.shards_per_worker):
+            self._clip_base += self._clip_last[j]              # the dead generation's counts stay
+            self._clip_last[j] = 0
         self.generation[w] += 1
         self._stop_worker(w)
         self.dead[w] = False
@@ -1336,8 +1658,26 @@ class _FarmCore:
                 self.scalars[c - 2, sl] = prev
 
     @property
-    def stats(self) -> dict[str, float]:
-        return {"worker_restarts": float(sum(self.restarts))}
+    def stats(self) -> "_Stats":
+        """The current (or last finished) iteration's farm metrics, spec 7.6 / 13.2:
+        env_ms       the workers' vec.step time, summed over every shard-round (worker side)
+        codec_ms     the workers' codec.pack time (observations and finals), summed likewise
+        wait_ms      the parent's time blocked in next_round waiting for a shard
+        parent_wait_frac  wait_ms over the iteration's wall time (begin_iteration to its last
+                     round; so far, while it runs): near 1 means the learner starves on the envs
+        bytes_out    bytes the workers wrote across the boundary (rows, finals, scalars, records)
+        rows_dropped_dead_worker  (cycle, slot) cells lost to a dead worker (spec 7.6)
+        worker_restarts, obs_codec_clipped, obs_codec_rounded  run totals (health/, spec 7.2)
+        Usable as farm.stats[...] and, equally, farm.stats()[...]."""
+        end = self._it_t1 if self._it_t1 is not None else time.perf_counter()
+        wall_ms = max((end - self._it_t0) * 1e3, 1e-9)
+        clip = self._clip_base + self._clip_last.sum(axis=0)
+        return _Stats(
+            env_ms=self._it["env_ms"], wait_ms=self._it["wait_ms"], codec_ms=self._it["codec_ms"],
+            parent_wait_frac=self._it["wait_ms"] / wall_ms, bytes_out=float(self._it["bytes_out"]),
+            rows_dropped_dead_worker=float(self._it["rows_dropped_dead_worker"]),
+            worker_restarts=float(sum(self.restarts)), obs_codec_clipped=float(clip[0]),
+            obs_codec_rounded=float(clip[1]))
 
     # subclass hooks
     def _io(self, j: int) -> ShardIO: ...
@@ -1345,6 +1685,14 @@ class _FarmCore:
     def _wait(self, j: int, cycle: int, timeout_s: float) -> bool: ...
     def _start_worker(self, w: int) -> None: ...
     def _stop_worker(self, w: int) -> None: ...
+
+
+class _Stats(dict):
+    """A dict that also answers a call with itself: `stats` began as a property and callers may
+    write farm.stats() -- both spellings keep working."""
+
+    def __call__(self) -> "_Stats":
+        return self
 
 
 def stack_valid(first_obs: np.ndarray, k: int) -> np.ndarray:
@@ -1784,17 +2132,19 @@ def _bench_direct(env: EnvFactorySpec, battles: int, cycles: int, iterations: in
 
 
 def _bench_farm_arm(env: EnvFactorySpec, table: Any, K: int, S: int, battles: int, cycles: int,
-                    iterations: int, master_seed: int) -> tuple[float, float, str]:
+                    iterations: int, master_seed: int, assign_fn: Callable[[int, int], Assignment] = mirror_assignment,
+                    scripted_mask_only: bool = False) -> tuple[float, float, str]:
     a0, a1 = table.offsets["mask"]
     R = 2 * battles
     cfg = FarmConfig(env=env, master_seed=master_seed, workers=K, shards_per_worker=S,
-                     games_per_worker=battles // K, cycles=cycles, viewer=False)
-    f = ProcessFarm(cfg, table, mirror_assignment)
+                     games_per_worker=battles // K, cycles=cycles, viewer=False,
+                     scripted_mask_only=scripted_mask_only)
+    f = ProcessFarm(cfg, table, assign_fn)
     h = hashlib.sha256()
     try:
         for it in range(iterations + 1):
             opening = (tuple(f.assignment) if it else
-                       tuple(mirror_assignment(b, 0) for b in range(cfg.n_battles)))
+                       tuple(assign_fn(b, 0) for b in range(cfg.n_battles)))
             f.begin_iteration(SlotPlan(it, cfg.n_battles, cfg.n_slots, opening, ()))
             if it == 1:                                    # after the warm-up iteration
                 t0, wait = time.perf_counter(), 0.0
@@ -1860,5 +2210,39 @@ def bench_farm(env: EnvFactorySpec | None = None, *, battles: int = 16, cycles: 
     return out
 
 
+def _bench_scripted_assign(b: int, k: int) -> Assignment:
+    return scripted_assignment(b, k, "random_legal", learner_seat=b % 2)
+
+
+def bench_mask_only(env: EnvFactorySpec | None = None, *, battles: int = 16, cycles: int = 64,
+                    iterations: int = 2, repeats: int = 3, master_seed: int = 0) -> dict[str, Any]:
+    """Game-steps per second of one worker whose every battle is learner vs random_legal, with the
+    scripted seats' observations built in full and mask-only (FarmConfig.scripted_mask_only),
+    interleaved `repeats` times; equal actions digests show both arms saw the same masks (the
+    learner-side bytes are identical: tests/test_farm.py proves it)."""
+    env = env or default_env_spec()
+    _, table = preflight(env, master_seed=master_seed)
+    steps = battles * cycles * iterations
+    runs: dict[str, list[float]] = {"full": [], "mask_only": []}
+    digests: dict[str, str] = {}
+    for _ in range(repeats):
+        for name, flag in (("full", False), ("mask_only", True)):
+            dt, _, digest = _bench_farm_arm(env, table, 1, 1, battles, cycles, iterations,
+                                            master_seed, _bench_scripted_assign, flag)
+            runs[name].append(steps / dt)
+            digests[name] = digest
+    med = {k: float(np.median(v)) for k, v in runs.items()}
+    return {"battles": battles, "cycles": cycles, "iterations": iterations, "cpus": os.cpu_count(),
+            **{k: {"game_steps_per_s_median": med[k], "runs": [round(x, 1) for x in runs[k]],
+                   "actions_digest": digests[k]} for k in runs},
+            "speedup": med["mask_only"] / med["full"]}
+
+
 if __name__ == "__main__":
-    print(json.dumps(bench_farm(), indent=1))
+    # Through the importable module, not __main__: a spawned worker's target must be found by
+    # module name, and _SpawnEnv hides the parent's __main__ from the child.
+    import farm as _farm
+    if sys.argv[1:] == ["mask-only"]:
+        print(json.dumps(_farm.bench_mask_only(), indent=1))
+    else:
+        print(json.dumps(_farm.bench_farm(), indent=1))

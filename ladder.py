@@ -25,10 +25,10 @@ snapshot store, eviction), 11.7 (Wilson interval), 11.8 (transitivity residual),
 probe of the live policy: run_probe + probe_metrics).
 
 Evaluation (section 10) plays real RustEngine battles: EvalRunner(train_env_spec, seeds, ...)
-strips the training env's truncation, builds its own envs, plays each frozen seed from both
-sides and appends kind="eval" (or "probe") GameResults; it is the gate's
-`play(a, b, n_battles) -> list[GameResult]`. It drives royalegym's ClashParallelEnv directly
-rather than farm.py's farms (section 10 says which farm feature each workaround stands in for).
+strips the training env's truncation, builds its own farm per comparison (farm.py's evaluation
+mode: InlineFarm, or a ProcessFarm of `workers` processes) and closes it after, plays each frozen
+seed from both sides and appends kind="eval" (or "probe") GameResults; it is the gate's
+`play(a, b, n_battles) -> list[GameResult]`.
 Not here yet (issue 5 item 8): the wiring into the training loop.
 
 Import rule: codec <- farm <- ladder. This module never imports torch, so
@@ -48,8 +48,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import datetime
+import functools
 import hashlib
 import math
 import os
@@ -1337,22 +1337,30 @@ def role_count_metrics(ended: Sequence[Assignment], roles: np.ndarray) -> dict[s
 #      acting randomness -- each seat's uniforms, or a scripted seat's generator -- is addressed
 #      eval/match/{comparison_id}/{s}/{side}/seat/{blue|red}: one stream per seat of each battle,
 #      so an action never depends on which other battles were live in the same batch.
-#   4. Its own "farm": a set of envs built when the runner opens and closed when it closes
-#      (one gate = one runner). It is NOT farm.py's ProcessFarm: that farm cannot yet set a
-#      battle's episode seed (its autoreset_seed_fn is fixed to env/battle/{b}/ordinal/{k}), put
-#      two DIFFERENT scripted players on the two seats of one battle (an Assignment carries one
-#      opponent_id), address a scripted seat's generator per evaluation battle, or stop a battle
-#      after one episode. So this section steps royalegym ClashParallelEnvs built by farm's own
-#      env_factory, in this process, batching each policy's forward over the live battles.
+#   4. Its own farm (D10): each comparison builds a farm.py farm in its evaluation mode
+#      (FarmConfig.eval_plan) and closes it when the comparison ends, also on error: InlineFarm in
+#      this process for workers <= 1 (the tests, the CLI by default), a ProcessFarm of
+#      rollout.eval_workers processes otherwise. The plan is data: episode k of the comparison is
+#      (frozen seed, blue player, red player, the two seats' stream names), hosted by whichever
+#      farm battle its shard's queue hands it to (farm.py section 6; the hosting never changes
+#      what an episode plays); scripted seats are played inside the workers (mask-only
+#      observations, their own named generators), the other seats here, from the packed rows
+#      decoded by farm.unpack_numpy, batched per player over the live battles of a round.
 #
 # [M] 2026-11-29, this 2-core machine, default env, untruncated. One battle scripted:noop (blue)
 # vs scripted:random_legal (red) stepped by hand on three seeds: 125-200 decisions, 0.10-0.16 s
 # each, random_legal won all three. Building one env: about 0.35 s (8 in 2.77 s), the first about
-# 1 s with imports. Through EvalRunner at battles_at_once=8, 20 seeds x 2 sides: random_legal vs
+# 1 s with imports. Through the PREVIOUS EvalRunner (its own ClashParallelEnvs, no farm) at
+# battles_at_once=8, 20 seeds x 2 sides: random_legal vs
 # noop 40 battles in 10.6 s including building 7 more envs, score 1.000; push vs random_legal
 # 5.3 s (0.13 s a battle), score 0.675 [0.550, 0.800], paired_rho -0.20; a numpy stand-in
 # policy (a legal card with probability 0.1 from its uniform) vs random_legal 12.5 s (0.31 s a
 # battle: two full observations a decision instead of one mask), score 0.450 [0.325, 0.575].
+# [M] same machine, later, on the farm (load average 1.4-2.7 from other work), seeds
+# draw_eval_seeds(11, 20), push vs random_legal, 40 battles, battles_at_once=8, two runs each,
+# interleaved: previous loop 5.1-5.6 s, InlineFarm 7.5-7.7 s, ProcessFarm of 2 workers
+# 10.2-11.4 s (parent_wait_frac 0.89-0.91: two workers and this process on 2 shared cores);
+# all three gave identical results (score 0.575).
 
 ActFn = Callable[[dict[str, np.ndarray], np.ndarray], np.ndarray]
 """A policy: act(obs_batch, uniforms) -> actions. obs_batch holds the env's observation keys
@@ -1376,6 +1384,11 @@ DECK_PROTOCOL = "default-state-mutator"
 mutator deals from the battle's seed (DefaultStateMutator: random decks per seed)."""
 
 EVAL_KINDS = ("eval", "probe")
+EVAL_SUMMED_STATS = ("env_ms", "wait_ms", "codec_ms", "bytes_out", "rows_dropped_dead_worker")
+"""farm.stats keys that are per iteration; EvalRunner.farm_stats sums them over a comparison."""
+EVAL_CYCLES = 64
+"""Rounds per iteration of the evaluation farm: only the size of its rectangle (nothing is
+trained): (64 + 1) x 2 x battles rows of row_bytes [A]."""
 WINNER_SCORE = {1: 1.0, 0: 0.5, -1: 0.0}      # info["outcome"] from a's seat -> score_a
 
 
@@ -1394,22 +1407,17 @@ def eval_context(env_value: str, obs_digest: str, engine_build_digest: str,
                           .encode()).hexdigest()[:16]
 
 
-@dataclasses.dataclass
-class _Seat:
-    player: str
-    rng: np.random.Generator
-    scripted: Any = None                  # a royalegym Opponent for "scripted:<name>", else None
-
-
-@dataclasses.dataclass
-class _Battle:
-    k: int                                # index of the battle in the comparison's order
-    seed_index: int
-    side_a: str
-    env: Any
-    obs: dict[str, dict[str, np.ndarray]]
-    seats: dict[str, _Seat]               # "blue" / "red"
-    steps: int = 0
+@functools.lru_cache(maxsize=4)
+def _eval_preflight(env_json: bytes, master_seed: int) -> tuple[Any, Any, np.ndarray]:
+    """farm.preflight of the evaluation env (EnvSpec, codec table, statics): a pure function of
+    the spec and the seed, so runners opened one after another in a process (a gate, a probe,
+    the next gate) share one instead of building envs to read it again ([M] an EvalRunner open
+    took 0.4-0.9 s here, 2026-11-29, timed around the constructor)."""
+    side: dict[str, Any] = {}
+    es, table = farm.preflight(msgspec.json.decode(env_json, type=EnvFactorySpec), frame_stack=1,
+                               master_seed=master_seed, out=side)
+    side["statics"].setflags(write=False)
+    return es, table, side["statics"]
 
 
 class EvalRunner:
@@ -1419,51 +1427,58 @@ class EvalRunner:
             games = r.play("snap:ab12...", "scripted:noop", 40)       # 20 seeds x 2 sides
             decision, _ = WilsonGate(...).evaluate(..., play=r, ...)  # r is the gate's `play`
 
-    Player ids: "scripted:<name>" (farm.SCRIPTED_NAMES, run here with their own generators),
-    "snap:<id>" (ladder/snapshots/<id>, acted by policy_builder(id)), or an id given to
-    register() (the probe's learner@{step}). Everything in a GameResult except `wall` is a pure
-    function of the seed set, the ids, the comparison id and the policies."""
+    Player ids: "scripted:<name>" (farm.SCRIPTED_NAMES, played inside the farm's workers with their
+    own generators), "snap:<id>" (ladder/snapshots/<id>, acted here by policy_builder(id)), or an
+    id given to register() (the probe's learner@{step}). Everything in a GameResult except `wall`
+    is a pure function of the seed set, the ids, the comparison id and the policies: not of
+    battles_at_once, nor of `workers` (tests/test_ladder.py replays a comparison both ways).
+
+    battles_at_once: battles the evaluation farm plays at once. workers: its worker processes
+    (rollout.eval_workers); <= 1 plays in this process (farm.InlineFarm), more spawns a
+    farm.ProcessFarm. table: the codec table to pack with (the training run's, when the caller
+    has it); None decides one on the evaluation env at open."""
 
     def __init__(self, env: EnvFactorySpec, seeds: EvalSeedSet, *, run_dir: str | Path | None = None,
                  run_id: str = "", policy_builder: PolicyBuilder | None = None,
                  battles_at_once: int = 8, iteration: int = -1,
-                 clock: Callable[[], str] = utc_now) -> None:
+                 clock: Callable[[], str] = utc_now, workers: int = 1, table: Any = None) -> None:
         if battles_at_once < 1:
             raise ValueError(f"battles_at_once={battles_at_once}: at least one battle")
         self.env_factory_spec = eval_env_spec(env)
         self.seeds, self.run_dir, self.run_id = seeds, run_dir, run_id
         self.policy_builder, self.battles_at_once = policy_builder, battles_at_once
+        self.workers = max(1, int(workers))
         self.iteration, self.clock = iteration, clock
         self.log = ResultLog(run_dir) if run_dir is not None else None
         self.store = SnapshotStore(run_dir) if run_dir is not None else None
         self.policies: dict[str, ActFn] = {}
-        self.envs: list[Any] = []
+        self.envs: list[Any] = []          # the farm of the comparison being played; [] between
         self.obs_digest = self.context = ""
         self.closed = False
         self.battles_played = 0
         self.comparison_prefix = ""        # prepended to default comparison ids: "gate/<candidate>/"
         self.seconds = 0.0
+        self.farm_stats: dict[str, float] = {}     # the last comparison's farm.stats
+        self.last_farm = ""                        # its class: "InlineFarm" | "ProcessFarm"
+        self._table = table
         self._open()
 
-    # -- the env set: built at evaluation time, closed after (D10) --
+    # -- what the evaluation env is: read once, at open --
     def _open(self) -> None:
-        self._make_env = farm.env_factory(self.env_factory_spec)
-        env = self._make_env()
-        env.reset(seed=self.seeds.seeds[0])
-        es = farm.read_env_spec(self.env_factory_spec, env, frame_stack=1)
+        es, table, statics = _eval_preflight(msgspec.json.encode(self.env_factory_spec),
+                                             self.seeds.master_seed)
+        self.env_spec, self.statics = es, statics
+        self.table = self._table if self._table is not None else table
         self.obs_digest = es.obs_digest
         self.context = eval_context(es.env_value_digest, es.obs_digest, es.engine_build_digest)
-        cal, tick_ms = env.calibration, int(env.battle_state.tick_ms)
-        match_ms = 1000 * (cal.int("match.REGULAR_TIME_S") + cal.int("match.OVERTIME_S"))
         # A full match must end: twice its longest length in decisions is a fault, not a game [A].
-        self.max_decisions = 2 * -(-match_ms // (tick_ms * int(env.decision_ticks)))
-        self.envs.append(env)
+        self.max_decisions = 2 * -(-(es.regular_ticks + es.overtime_ticks) // es.decision_ticks)
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            for env in self.envs:
-                env.close()
+            for f in self.envs:
+                f.close()
             self.envs = []
 
     def __enter__(self) -> "EvalRunner":
@@ -1557,85 +1572,126 @@ class EvalRunner:
 
     __call__ = play   # the WilsonGate's `play(a, b, n_battles)`
 
-    def _start(self, k: int, s: int, side_a: str, a: str, b: str, acts: dict[str, ActFn | None],
-               cid: str, env: Any) -> _Battle:
-        players = {"blue": a, "red": b} if side_a == "blue" else {"blue": b, "red": a}
-        base = eval_match_path(cid, s, side_a)
-        seats = {}
-        for agent, p in players.items():
-            rng = derive_generator(self.seeds.master_seed, f"{base}/seat/{agent}")
-            bot = farm._make_scripted(p.removeprefix("scripted:")) if acts[p] is None else None
-            seats[agent] = _Seat(player=p, rng=rng, scripted=bot)
-        # A scripted seat reads only legality, so its observation is built mask-only (royalegym
-        # ClashParallelEnv reset option); the other seat's observation is unchanged. [M] push vs
-        # patient on seeds 3 and 4: the same action trace and outcome with and without it.
-        mask_only = [agent for agent, st in seats.items() if st.scripted is not None]
-        obs, _ = env.reset(seed=self.seeds.seeds[s], options={"mask_only": mask_only} if mask_only else None)
-        return _Battle(k=k, seed_index=s, side_a=side_a, env=env, obs=obs, seats=seats)
+    def _plan(self, order: list[tuple[int, str]], a: str, b: str, cid: str) -> list[farm.EvalEpisode]:
+        """Episode k of the comparison as data the farm's workers can read: the frozen seed s (the
+        same for both sides, so the pair starts from one position), who sits where, and each
+        seat's acting stream eval/match/{cid}/{s}/{side_a}/seat/{blue|red}."""
+        plan = []
+        for s, side_a in order:
+            players = (a, b) if side_a == "blue" else (b, a)
+            base = eval_match_path(cid, s, side_a)
+            plan.append(farm.EvalEpisode(
+                seed=int(self.seeds.seeds[s]), seed_path=f"eval/seed_set/{s}", players=players,
+                streams=(f"{base}/seat/blue", f"{base}/seat/red")))
+        return plan
 
-    def _actions(self, live: list[_Battle], acts: dict[str, ActFn | None]) -> list[dict[str, int]]:
-        out: list[dict[str, int]] = [{} for _ in live]
-        batched: dict[str, list[tuple[int, str]]] = {}
-        for i, bt in enumerate(live):
-            for agent, st in bt.seats.items():
-                if st.scripted is not None:
-                    o = bt.obs[agent]
-                    out[i][agent] = int(st.scripted.act(o, o["action_mask"], st.rng))
-                else:
-                    batched.setdefault(st.player, []).append((i, agent))
+    def _build_farm(self, plan: list[farm.EvalEpisode]) -> Any:
+        """The comparison's own farm (D10): InlineFarm for workers <= 1, else a ProcessFarm of
+        min(workers, battles) processes. Its geometry decides only which battle hosts which
+        episode (farm section 6: per-shard queues), never what an episode plays."""
+        n = min(self.battles_at_once, len(plan))
+        K = min(self.workers, n)
+        per = -(-n // K)
+        cfg = farm.FarmConfig(env=self.env_factory_spec, master_seed=self.seeds.master_seed,
+                              workers=K, shards_per_worker=1, games_per_worker=per,
+                              cycles=EVAL_CYCLES, frame_stack=1, viewer=False, eval_plan=plan)
+        if K <= 1:
+            return farm.InlineFarm(cfg, self.table)
+        return farm.ProcessFarm(cfg, self.table, None, env_spec=self.env_spec)
+
+    def _actions(self, f: Any, rnd: Any, plan: list[farm.EvalEpisode], acts: dict[str, ActFn | None],
+                 rngs: dict[tuple[int, int], np.random.Generator], steps: dict[int, int],
+                 cid: str) -> np.ndarray:
+        """This round's actions: every parent-acted seat (group -1) answered by its player, one
+        batched call per player (sorted ids, ascending slots), each seat drawing one uniform from
+        its own stream. Scripted and stopped seats are the worker's: 0 here."""
+        out = np.zeros(len(rnd.slots), np.int64)
+        eval_ix = f.eval_index
+        batched: dict[str, list[tuple[int, int, int]]] = {}     # player -> [(row in round, i, seat)]
+        for n_, r in enumerate(rnd.slots.tolist()):
+            i = int(eval_ix[r // 2])
+            if i < 0:
+                continue
+            if r % 2 == 0:
+                steps[i] = steps.get(i, 0) + 1
+                if steps[i] > self.max_decisions:
+                    raise RuntimeError(f"comparison {cid}: seed {plan[i].seed_path} battle {i} ran "
+                                       f"{steps[i] - 1} decisions, twice a full match; the engine "
+                                       f"did not end it")
+            if rnd.group[n_] == farm.GROUP_LEARNER:
+                batched.setdefault(plan[i].players[r % 2], []).append((n_, i, r % 2))
         for player in sorted(batched):
             entries = batched[player]
-            obs = {key: np.stack([live[i].obs[agent][key] for i, agent in entries])
-                   for key in live[entries[0][0]].obs[entries[0][1]]}
-            u = np.array([live[i].seats[agent].rng.random() for i, agent in entries], dtype=np.float64)
+            rows = np.array([n_ for n_, _, _ in entries])
+            obs = farm.unpack_numpy(self.table, f.rect[rnd.cycle + f.k - 1, rnd.slots[rows]],
+                                    self.statics, rnd.slots[rows] % 2, self.env_spec.obs_space)
+            u = np.empty(len(entries), np.float64)
+            for e, (_, i, seat) in enumerate(entries):
+                if (i, seat) not in rngs:
+                    rngs[(i, seat)] = derive_generator(self.seeds.master_seed, plan[i].streams[seat])
+                u[e] = rngs[(i, seat)].random()
             actions = np.asarray(acts[player](obs, u)).reshape(-1)
             if actions.shape != (len(entries),):
                 raise ValueError(f"{player}: act returned {actions.shape} actions for {len(entries)} seats")
             legal = obs["action_mask"][np.arange(len(entries)), actions] != 0
             if not legal.all():
-                j = int(np.flatnonzero(~legal)[0])
-                bt = live[entries[j][0]]
-                raise ValueError(f"{player}: illegal action {int(actions[j])} at seed {bt.seed_index} side_a "
-                                 f"{bt.side_a} seat {entries[j][1]} decision {bt.steps}; a policy must "
-                                 f"mask before sampling")
-            for (i, agent), act in zip(entries, actions):
-                out[i][agent] = int(act)
+                e = int(np.flatnonzero(~legal)[0])
+                _, i, seat = entries[e]
+                raise ValueError(f"{player}: illegal action {int(actions[e])} at {plan[i].seed_path} "
+                                 f"seat {SIDES[seat]} (comparison battle {i}) decision "
+                                 f"{steps.get(i, 0) - 1}; a policy must mask before sampling")
+            out[rows] = actions
         return out
 
     def _run(self, order: list[tuple[int, str]], a: str, b: str, acts: dict[str, ActFn | None],
              cid: str) -> list[float]:
+        plan = self._plan(order, a, b, cid)
         scores: list[float | None] = [None] * len(order)
-        queue = list(enumerate(order))[::-1]          # popped from the end: ascending order
-        free = list(self.envs)
-        live: list[_Battle] = []
-        while queue or live:
-            while queue and (free or len(self.envs) < self.battles_at_once):
-                if not free:
-                    env = self._make_env()
-                    self.envs.append(env)
-                    free.append(env)
-                k, (s, side) = queue.pop()
-                live.append(self._start(k, s, side, a, b, acts, cid, free.pop(0)))
-            actions = self._actions(live, acts)
-            still: list[_Battle] = []
-            for bt, act in zip(live, actions):
-                obs, _, term, trunc, info = bt.env.step(act)
-                bt.obs, bt.steps = obs, bt.steps + 1
-                if term["blue"] or trunc["blue"]:
-                    agent_a = "blue" if bt.side_a == "blue" else "red"
-                    out = info[agent_a].get("outcome")
-                    if trunc["blue"] or out not in WINNER_SCORE:
-                        raise RuntimeError(f"comparison {cid}: seed {bt.seed_index} side_a {bt.side_a} ended "
-                                           f"without a result (truncated={trunc['blue']}, outcome={out}); "
-                                           f"the evaluation env must end only by GameOverCondition")
-                    scores[bt.k] = WINNER_SCORE[int(out)]
-                    free.append(bt.env)
-                elif bt.steps >= self.max_decisions:
-                    raise RuntimeError(f"comparison {cid}: seed {bt.seed_index} side_a {bt.side_a} ran "
-                                       f"{bt.steps} decisions, twice a full match; the engine did not end it")
-                else:
-                    still.append(bt)
-            live = still
+        rngs: dict[tuple[int, int], np.random.Generator] = {}
+        steps: dict[int, int] = {}
+        f = self._build_farm(plan)
+        self.envs = [f]
+        t0, summed = time.perf_counter(), collections.Counter()
+        try:
+            it, left = 0, len(order)
+            while left:
+                if it:
+                    summed.update({k: f.stats[k] for k in EVAL_SUMMED_STATS})
+                f.begin_iteration(f.eval_slot_plan(it))
+                for c in range(f.T + 1):
+                    for _ in range(f.J):
+                        rnd = f.next_round()
+                        fails = f.drain_failures()
+                        if fails:
+                            x = fails[0]
+                            raise RuntimeError(f"comparison {cid}: evaluation worker {x.worker} failed "
+                                               f"({x.kind}) at cycle {x.cycle}:\n{x.message}")
+                        for rec in rnd.episodes:
+                            i = rec.eval_index
+                            if plan[i].players[rec.seat] != a:
+                                continue
+                            if rec.winner < 0 or rec.outcome not in WINNER_SCORE:
+                                raise RuntimeError(
+                                    f"comparison {cid}: seed {order[i][0]} side_a {order[i][1]} ended "
+                                    f"without a result (winner={rec.winner}, outcome={rec.outcome}); "
+                                    f"the evaluation env must end only by GameOverCondition")
+                            scores[i] = WINNER_SCORE[rec.outcome]
+                            left -= 1
+                        if not left:
+                            break
+                        if c < f.T:
+                            f.submit(self._actions(f, rnd, plan, acts, rngs, steps, cid), 1.0)
+                    if not left:
+                        break
+                it += 1
+            st = f.stats
+            summed.update({k: st[k] for k in EVAL_SUMMED_STATS})
+            self.farm_stats = {**st, **summed, "parent_wait_frac":
+                               summed["wait_ms"] / max((time.perf_counter() - t0) * 1e3, 1e-9)}
+            self.last_farm = type(f).__name__
+        finally:
+            f.close()
+            self.envs = []
         return [float(x) for x in scores]
 
 
@@ -1803,8 +1859,12 @@ def _open_runner(args: argparse.Namespace, players: Sequence[str]) -> EvalRunner
     print(f"evaluation env from {where}", file=sys.stderr)
     seeds = read_run_seeds(run)
     builder = _snapshot_builder(run, args.device) if any(p.startswith("snap:") for p in players) else None
+    workers = args.eval_workers
+    if workers is None:
+        rollout = _run_config(run).get("rollout", {})
+        workers = int(rollout.get("eval_workers", 1)) if isinstance(rollout, dict) else 1
     return EvalRunner(env, seeds, run_dir=run, run_id=_run_id(run), policy_builder=builder,
-                      battles_at_once=args.battles_at_once)
+                      battles_at_once=args.battles_at_once, workers=workers)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -1873,6 +1933,9 @@ def cmd_gate(args: argparse.Namespace) -> int:
 def _add_runner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="the run directory, runs/<id>")
     p.add_argument("--battles-at-once", type=int, default=8, help="battles stepped together")
+    p.add_argument("--eval-workers", type=int, default=None,
+                   help="evaluation farm processes (default: the run's rollout.eval_workers, else 1; "
+                        "<= 1 plays in this process)")
     p.add_argument("--device", default="cpu", help="where snapshot networks run (needs torch)")
 
 

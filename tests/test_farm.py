@@ -250,9 +250,11 @@ def test_the_schedule_s_gamma_reaches_the_reward_during_collection(kind):
 
 def test_layout_golden_record():
     # The contract a Rust worker implements: any change here is a LAYOUT_VERSION bump.
-    assert farm.LAYOUT_VERSION == 1
+    assert farm.LAYOUT_VERSION == 2
     assert (farm.HEADER_BYTES, farm.CONTROL_BYTES, farm.ERROR_BYTES, farm.SCALAR_BYTES,
-            farm.ACTION_BYTES, farm.ASSIGN_BYTES) == (128, 64, 512, 32, 2, 4)
+            farm.ACTION_BYTES, farm.ASSIGN_BYTES, farm.STATS_BYTES) == (128, 64, 512, 32, 2, 4, 64)
+    assert {n: farm.STATS_DTYPE.fields[n][1] for n in farm.STATS_DTYPE.names} == {
+        "codec_ns": 0, "bytes_out": 8, "clipped": 16, "rounded": 24, "pad": 32}
     assert {n: farm.SCALAR_DTYPE.fields[n][1] for n in farm.SCALAR_DTYPE.names} == {
         "reward": 0, "group": 4, "flags": 5, "deploy_status": 6, "episode_end": 7, "tick": 8,
         "episode_steps": 12, "cards_played": 16, "elixir_leak": 18, "pad": 20}
@@ -262,14 +264,14 @@ def test_layout_golden_record():
     assert farm.shard_layout(4, 100) == {
         "control": (0, 64), "error": (64, 512), "scalars": (576, 128), "finals": (704, 400),
         "actions": (1104, 8), "assign": (1112, 16), "episodes": (1128, 65536),
-        "total": (0, 66664)}
-    assert farm.segment_b_bytes(4, 2, 100) == 4096 + 2 * 66664
+        "stats": (66664, 64), "total": (0, 66728)}
+    assert farm.segment_b_bytes(4, 2, 100) == 4096 + 2 * 66728
     assert farm.segment_a_bytes(16, 2, 8, 100) == 128 + 18 * 8 * 100
     buf = bytearray(farm.segment_a_bytes(3, 2, 4, 10))
     farm.write_header(buf, 3, 2, 4, 10)
     import codec
     assert bytes(buf[:40]) == b"CLASHRLB" + struct.pack(
-        "<IIIIIIQ", 1, codec.CODEC_VERSION, 3, 2, 4, 10, 128)
+        "<IIIIIIQ", 2, codec.CODEC_VERSION, 3, 2, 4, 10, 128)
     assert bytes(buf[40:128]) == bytes(88)
     rect = farm.rect_view(buf, 3, 2, 4, 10)
     rect[1, 2, 3] = 9                                  # index(t, r) = t * R + r
@@ -282,7 +284,8 @@ def test_layout_golden_record():
 def inline_run(short_env):
     spec, _, table = short_env
     cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, shards_per_worker=2,
-                          games_per_worker=4, cycles=24, frame_stack=2, viewer=False)
+                          games_per_worker=4, cycles=24, frame_stack=2, viewer=False,
+                          scripted_mask_only=False)     # full builds: the reference for mask-only
     f = farm.InlineFarm(cfg, table, mixed_assign)
     log = []
     try:
@@ -485,12 +488,17 @@ def test_process_farm_matches_inline_byte_for_byte(short_env):
     inline = farm.InlineFarm(cfg, table, mixed_assign)
     try:
         a = drive(inline, cfg, table, 2)
+        st_inline = inline.stats
     finally:
         inline.close()
     proc = farm.ProcessFarm(cfg, table, mixed_assign, env_spec=env_spec)
     try:
         b = drive(proc, cfg, table, 2)
         assert proc.drain_failures() == []
+        st = proc.stats
+        # the same bytes crossed the boundary; the parent really waited on the workers
+        assert st["bytes_out"] == st_inline["bytes_out"] > 0
+        assert st["wait_ms"] > 0 and 0 < st["parent_wait_frac"] <= 1 and st["env_ms"] > 0
     finally:
         proc.close()
         proc.close()                                   # idempotent
@@ -600,3 +608,185 @@ def test_a_hung_worker_raises_worker_timeout(short_env):
         t0 = time.monotonic()
         f.close()
         assert time.monotonic() - t0 < 10
+
+
+# --- 7. the evaluation mode, the farm's stats, the viewer rule, mask-only scripted seats -------
+
+def run_eval(spec, table, plan, battles, master=MASTER, act=None):
+    """Drive an evaluation farm until every battle stopped; returns (records by plan index and
+    seat, the farm's stats, the groups seen per round)."""
+    cfg = farm.FarmConfig(env=spec, master_seed=master, workers=1, games_per_worker=battles,
+                          cycles=48, viewer=False, eval_plan=plan)
+    f = farm.InlineFarm(cfg, table)
+    recs, groups = {}, []
+    try:
+        it = 0
+        while not f.eval_done:
+            f.begin_iteration(f.eval_slot_plan(it))
+            for c in range(cfg.cycles + 1):
+                rnd = f.next_round(30)
+                groups.append(rnd.group.copy())
+                for e in rnd.episodes:
+                    recs[(e.eval_index, e.seat)] = e
+                if c < cfg.cycles:
+                    acts = np.zeros(len(rnd.slots), np.int64) if act is None else act(f, rnd)
+                    f.submit(acts, 1.0)
+            it += 1
+            assert it < 30, "the evaluation farm did not stop"
+        stats = f.stats
+    finally:
+        f.close()
+    return recs, stats, groups
+
+
+def eval_plan(n, players=(("scripted:random_legal", "scripted:push"),), stream_tag="s"):
+    return [farm.EvalEpisode(seed=1000 + i, seed_path=f"test/seed/{i}", players=players[i % len(players)],
+                             streams=(f"{stream_tag}/{i}/blue", f"{stream_tag}/{i}/red")) for i in range(n)]
+
+
+def test_eval_mode_plays_each_planned_episode_once_whatever_the_number_of_battles(short_env):
+    """Two DIFFERENT scripted players on the two seats, the episode's seed and seat streams from
+    the plan: an episode's record (seed, actions, result) is the same on 3 battles (one episode
+    each, then they stop) as on 2 (battle 0 plays episodes 0 and 2); then the farm stops."""
+    _, _, table = short_env
+    spec = farm.default_env_spec(max_steps=40)          # short episodes: the mode, not the match
+    plan = eval_plan(3, players=(("scripted:random_legal", "scripted:push"),
+                                 ("scripted:push", "scripted:random_legal")))
+    a, _, groups = run_eval(spec, table, plan, battles=3)
+    b, _, _ = run_eval(spec, table, plan, battles=2)
+    assert set(a) == set(b) == {(i, s) for i in range(3) for s in (0, 1)}
+    for key in a:
+        x, y = a[key], b[key]
+        assert (x.episode_seed, x.episode_seed_path) == (plan[key[0]].seed, plan[key[0]].seed_path)
+        assert (x.policy_id, x.opponent_id) == (plan[key[0]].players[key[1]], plan[key[0]].players[1 - key[1]])
+        assert (x.played, x.winner, x.episode_steps, x.undiscounted_return) == \
+               (y.played, y.winner, y.episode_steps, y.undiscounted_return), key
+    assert any(seat == 0 for _, seat, _ in a[(0, 0)].played) and \
+           any(seat == 1 for _, seat, _ in a[(0, 0)].played), "both scripted seats played"
+    assert b[(2, 0)].ordinal == 1                       # on 2 battles, episode 2 is a second one
+    assert {a[(i, 0)].battle for i in range(3)} == {0, 1, 2}
+    # a stopped battle's seats are GROUP_IDLE until the last episode ends
+    assert any((g == farm.GROUP_IDLE).any() for g in groups)
+    # the scripted seats draw from their plan's streams: another stream name, another game
+    c, _, _ = run_eval(spec, table, eval_plan(1, stream_tag="other"), battles=1)
+    assert c[(0, 0)].played != a[(0, 0)].played
+    with pytest.raises(ValueError, match="unknown scripted player"):
+        farm.FarmConfig(env=spec, master_seed=1, eval_plan=eval_plan(1, (("scripted:nobody", "x"),))).check()
+    with pytest.raises(ValueError, match="unknown scripted player"):
+        farm.make_scripted("nobody")
+
+
+@pytest.mark.parametrize("spell_aim", [False, True])
+def test_unpack_numpy_inverts_pack_on_real_observations(spell_aim):
+    spec = farm.default_env_spec(reveal_spell_aim=spell_aim)
+    side = {}
+    es, table = farm.preflight(spec, master_seed=2, sample_steps=4, out=side)
+    vec = farm.build_vec(spec, 2, autoreset_seed_fn=lambda g, k: 50 + g)
+    try:
+        obs, _ = vec.reset()
+        for _ in range(12):
+            obs, *_ = vec.step(np.zeros(4, np.int64))
+    finally:
+        vec.close()
+    rows = np.zeros((4, table.row_bytes), np.uint8)
+    codec_packer = __import__("codec").Packer(table)
+    codec_packer.pack(obs, rows, 0)
+    back = farm.unpack_numpy(table, rows, side["statics"], np.arange(4) % 2, es.obs_space)
+    assert set(back) == set(obs)
+    for key in obs:
+        assert back[key].dtype == obs[key].dtype and back[key].shape == obs[key].shape, key
+    again = np.zeros_like(rows)
+    codec_packer.pack(back, again, 0)
+    assert again.tobytes() == rows.tobytes()                  # pack(unpack(x)) == x, byte for byte
+    assert np.array_equal(back["action_mask"], obs["action_mask"])
+    u8 = list(table.uint8_index)
+    assert np.array_equal(back["spatial"][:, u8], obs["spatial"][:, u8])    # exact, raw values
+    assert np.array_equal(back["vector"], obs["vector"].astype(np.float16).astype(np.float32))
+
+
+def test_stats_count_time_bytes_clips_and_the_dead_worker_s_rows(short_env):
+    """stats: env/codec/wait time, bytes written, the packers' clip counter summed over shards
+    and kept across a restart, and health/rows_dropped_dead_worker = the cells a dead worker lost."""
+    spec, _, table = short_env
+    cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=2, games_per_worker=1, cycles=6,
+                          viewer=False, debug_fault="raise:0:3")
+    f = farm.InlineFarm(cfg, table, farm.mirror_assignment)
+    try:
+        f.begin_iteration(opening_plan(cfg, farm.mirror_assignment))
+        f._runners[1].packer.clipped += 5          # as if worker 1 had clipped five values
+        dead_cells = 0
+        for c in range(cfg.cycles + 1):
+            for j in range(cfg.n_shards):
+                rnd = f.next_round(30)
+                if rnd.row >= 0 and (rnd.group == farm.GROUP_DEAD).all() and not rnd.valid.any():
+                    dead_cells += len(rnd.slots)
+                if c < cfg.cycles:
+                    f.submit(np.zeros(len(rnd.slots), np.int64), 0.99)
+        st = f.stats()                              # callable, and a dict: f.stats["env_ms"]
+        assert st == f.stats
+        assert [x.worker for x in f.drain_failures()] == [0]
+        assert dead_cells == 2 * (cfg.cycles - 2) and st["rows_dropped_dead_worker"] == dead_cells
+        assert st["env_ms"] > 0 and st["codec_ms"] > 0 and st["wait_ms"] >= 0
+        assert 0 <= st["parent_wait_frac"] <= 1
+        R, rb = cfg.n_slots, table.row_bytes
+        live_rounds = 1 + cfg.cycles + 1 + 2        # worker 1: reset + 6 steps; worker 0: reset + 2
+        assert st["bytes_out"] >= (live_rounds * 2) * rb + (live_rounds - 2) * 2 * farm.SCALAR_BYTES
+        assert st["obs_codec_clipped"] == 5 and st["worker_restarts"] == 0
+        f.restart(1)                                 # worker 1's generation ends: its count stays
+        f.begin_iteration(farm.SlotPlan(1, 2, 4, tuple(f.assignment), ()))
+        assert f.stats["rows_dropped_dead_worker"] == 0        # per iteration
+        f._runners[1].packer.clipped += 1            # the new generation's own packer
+        for _ in range(2 * cfg.n_shards):            # cycles 0 and 1 of both shards
+            f.next_round(30)
+            f.submit(np.zeros(2, np.int64), 0.99)
+        assert f.stats["obs_codec_clipped"] == 6 and f.stats["worker_restarts"] == 1
+        assert f.rows_dropped_dead_worker_total == dead_cells + 2
+    finally:
+        f.close()
+
+
+def test_only_worker_0_s_first_shard_gets_the_viewer(short_env, monkeypatch):
+    """Spec 7.7 step 11, checked on what build_vec is given (no socket is bound: the recorder
+    passes viser=None on)."""
+    spec, _, table = short_env
+    seen = []
+    real = farm.build_vec
+
+    def recording(env, n, *, viser=None, autoreset_seed_fn=None):
+        seen.append(viser)
+        return real(env, n, viser=None, autoreset_seed_fn=autoreset_seed_fn)
+    monkeypatch.setattr(farm, "build_vec", recording)
+    for viewer, S, want in ((True, 2, ["env", None, None, None]), (False, 1, [None, None])):
+        seen.clear()
+        cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=2, shards_per_worker=S,
+                              games_per_worker=S, cycles=2, viewer=viewer)
+        farm.InlineFarm(cfg, table, farm.mirror_assignment).close()
+        assert seen == want
+
+
+def test_scripted_seats_built_mask_only_leave_the_learner_s_bytes_unchanged(short_env, inline_run):
+    """FarmConfig.scripted_mask_only: a scripted seat's observations are built mask-only from
+    the one after its assignment arrives. Every row a learner acted on, every scalar and every
+    episode record is byte-identical to the full build; the scripted rows really were skipped."""
+    spec, _, table = short_env
+    cfg0, _, res, _ = inline_run
+    cfg = msgspec.structs.replace(cfg0, scripted_mask_only=True)
+    f = farm.InlineFarm(cfg, table, mixed_assign)
+    try:
+        res2 = drive(f, cfg, table, 2)
+    finally:
+        f.close()
+    k, T = cfg.frame_stack, cfg.cycles
+    a0, a1 = table.offsets["mask"]
+    skipped = 0
+    for x, y in zip(res, res2):
+        assert x["scalars"].tobytes() == y["scalars"].tobytes()
+        assert msgspec.json.encode(x["episodes"]) == msgspec.json.encode(y["episodes"])
+        assert x["finals"].keys() == y["finals"].keys()
+        obs_x, obs_y = x["rect"][k - 1: k - 1 + T], y["rect"][k - 1: k - 1 + T]
+        learner = x["scalars"]["group"] != farm.GROUP_SCRIPTED
+        assert obs_x[learner].tobytes() == obs_y[learner].tobytes()
+        assert np.array_equal(obs_x[..., a0:a1], obs_y[..., a0:a1])      # masks always built
+        diff = (obs_x != obs_y).any(axis=-1) & ~learner
+        skipped += int(diff.sum())
+    assert skipped > 0, "no scripted row was built mask-only"

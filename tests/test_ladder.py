@@ -862,6 +862,13 @@ def test_eval_runner_feeds_each_seat_its_own_named_stream_and_plays_full_matches
         r.register("learner@5", live)
         r.register("learner@6", other)
         r.play("learner@5", "learner@6", 4, comparison_id="cmp", kind="probe")
+        # D10: the comparison's farm is built for it and closed after, also when it fails
+        built, build = [], r._build_farm
+        r._build_farm = lambda plan: built.append(build(plan)) or built[-1]
+        r.register("bad", lambda obs, u: np.ones(len(u), np.int64))    # a card in the deploy lockout
+        with pytest.raises(ValueError, match=r"bad: illegal action 1 at eval/seed_set/0 seat blue"):
+            r.play("bad", "scripted:noop", 2)
+        assert len(built) == 1 and built[0]._closed and r.envs == []
     first = live.calls[0]
     assert first.shape == (4,)                   # one batched forward over the four live battles
     # battle (seed, side_a): a sits on side_a, and its uniforms come from that seat's own stream
@@ -1003,3 +1010,22 @@ def test_the_cli_reads_the_runs_eval_env_seed_set_and_pool_from_its_files(tmp_pa
     pool.admit(L.PoolMember(id="snap:a", step=5), promote=True)
     L.write_pool(tmp_path, pool)
     assert L.read_pool(tmp_path) == pool and L.read_pool(tmp_path).champion == "snap:a"
+
+
+@pytest.mark.slow
+def test_eval_runner_on_a_process_farm_gives_the_inline_farms_results_byte_for_byte(tmp_path):
+    """D10: with workers=2 the runner builds a ProcessFarm of two workers for the comparison and
+    closes it after; the results equal the in-process farm's, byte for byte (a parent-acted
+    player and a scripted one, so both paths through the farm are covered)."""
+    out, stats = [], []
+    for workers in (1, 2):
+        with runner(None, battles_at_once=4, workers=workers) as r:
+            r.register("learner@9", legal_from_uniforms)
+            out.append(r.play("learner@9", "scripted:push", 6, comparison_id="farm-det"))
+            out.append(r.play("scripted:random_legal", "scripted:patient", 4, comparison_id="farm-det2"))
+            stats.append(r.farm_stats)
+            assert r.last_farm == ("InlineFarm" if workers == 1 else "ProcessFarm")
+            assert r.envs == []                              # the farm is closed after each comparison
+    assert msgspec.json.encode(out[:2]) == msgspec.json.encode(out[2:])
+    assert [g.score_a for g in out[0]] and len(out[0]) == 6 and len(out[1]) == 4
+    assert stats[1]["env_ms"] > 0 and stats[1]["bytes_out"] > 0
