@@ -341,6 +341,15 @@ class Obs(NamedTuple):
     card_ids: Any  # (B, k*c, H, W) int64, or None
 
 
+def _bytes_as_half(x: Any) -> Any:
+    """Reinterpret the last dimension's bytes as float16. A fresh copy, not .contiguous(): a
+    slice whose other dimensions have size 1 counts as contiguous to torch and keeps its odd
+    stride (row_bytes is odd whenever ceil(A/8) is), and view(float16) refuses that stride."""
+    import torch  # already imported by unpack; here it is a dictionary lookup
+
+    return x.clone(memory_format=torch.contiguous_format).view(torch.float16)
+
+
 def unpack(table: CodecTable, raw: Any, statics: Any, seat: Any, frame_valid: Any = None) -> Obs:
     """Dequantise stored rows on raw's device.
 
@@ -371,7 +380,7 @@ def unpack(table: CodecTable, raw: Any, statics: Any, seat: Any, frame_valid: An
         spatial[:, :, list(u8)] = raw[:, :, a:b].reshape(B, k, len(u8), H, W).float() / div.view(1, 1, -1, 1, 1)
     if f16:
         a, b = off["float16"]
-        half = raw[:, :, a:b].contiguous().view(torch.float16)
+        half = _bytes_as_half(raw[:, :, a:b])
         spatial[:, :, list(f16)] = half.reshape(B, k, len(f16), H, W).float()
     if st:
         spatial[:, :, list(st)] = statics[seat].unsqueeze(1).expand(B, k, len(st), H, W)
@@ -401,7 +410,7 @@ def unpack(table: CodecTable, raw: Any, statics: Any, seat: Any, frame_valid: An
             card_ids = card_ids * fv
 
     a, b = off["vector"]
-    vector = raw[:, -1, a:b].contiguous().view(torch.float16).float()
+    vector = _bytes_as_half(raw[:, -1, a:b]).float()
     return Obs(
         spatial=spatial.reshape(B, k * S, H, W),
         mask_planes=None if mask_planes is None else mask_planes.reshape(B, -1, *table.mask_planes_shape[1:]),

@@ -203,6 +203,20 @@ def test_frame_stack_gather_and_frame_validity(played):
     assert torch.equal(dec.spatial[1, :S], one5.spatial[1])
 
 
+def test_a_single_row_unpacks_like_a_batch(played):
+    """B = k = 1 with an odd row_bytes: torch treats the one-row slice as contiguous and keeps its
+    odd stride, which float16 views refuse; unpack must not depend on the batch size."""
+    _, _, _, sample, table = played
+    _, out = _pack_all(table, sample[:1])
+    n = sample[0]["spatial"].shape[0]
+    statics = torch.from_numpy(codec.static_planes(table, sample[0]))
+    raw = torch.from_numpy(out)
+    whole = codec.unpack(table, raw, statics, torch.arange(n).remainder(2))
+    one = codec.unpack(table, raw[1:2], statics, torch.tensor([1]))
+    assert torch.equal(one.spatial[0], whole.spatial[1]) and torch.equal(one.vector[0], whole.vector[1])
+    assert torch.equal(one.mask[0], whole.mask[1])
+
+
 # --- identity and refusals ---------------------------------------------------------------
 
 

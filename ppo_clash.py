@@ -1,0 +1,2657 @@
+"""ppo_clash.py -- the learner: networks, the masked distribution, GAE, the PPO update, the
+run's arguments, its identity, its checkpoints and the training loop.
+
+Stage owned: everything after collection. farm.py fills the rectangle of T cycles x R slots
+(spec D1) with packed observation rows and scalar columns; this file turns those into a
+better policy, and writes what a run leaves on disk.
+
+    python ppo_clash.py --profile smoke            three tiny iterations, about ten seconds
+    python ppo_clash.py --profile cpu              a 2-4 core machine without a GPU
+    python ppo_clash.py --profile laptop           the default; wants CUDA
+    python ppo_clash.py --resume runs/<dir> [--checkpoint DIR] [--allow-identity-drift]
+
+Reads:  the env's own spaces and layouts (through farm.preflight and NetGeometry, section 2);
+        codec.Obs minibatches; farm's name-addressed seeding; ladder's matchmaker.
+Writes: <runs_dir>/<run_name>-<run_id>/ config.json (canonical JSON of the resolved Args),
+        identity.json, metrics.jsonl, episodes.jsonl, checkpoints/<env_steps:012d>/ (section 10):
+        safetensors for tensors, JSON for everything else, a manifest with a sha256 per file.
+        Nothing pickled.
+
+Spec sections implemented here (../shared/spec/harness-spec.txt):
+  5.1 determinism tier run_exact     5.3 run identity and run_id     5.4 resume (first cut)
+  6   arguments (tyro dataclasses, profiles)     8.1-8.4 networks, MaskedCategorical
+  9.3 GAE, 9.4 return scaler, 9.5 update, 9.6 ratio invariant     12 checkpoints
+  14.1 the loop's order and its invariants, as named exceptions   18.1 ppo.forced_rows
+
+NOT yet here (issue 4): most of spec 13.2's metric list (the row carries about sixty keys, and
+the alarms whose keys are not emitted are absent), the viewer datagram and wandb, the gate and
+snapshot opponents in the loop (it refuses a snapshot group), the VRAM probe (7.7 step 12),
+frame liveness on the final-obs critic path when frame_stack > 1. The sentinel file is acted on
+at iteration boundaries, not once per round.
+
+Sections:
+  1. Seeding and small helpers          7. Iteration invariants (spec 14.1)
+  2. Geometry, read off the env         8. Arguments and profiles (spec 6, 2.2)
+  3. The masked distribution (8.3)      9. Run identity (spec 5.3)
+  4. Networks (8.1, 8.2, 8.4)          10. Checkpoints (spec 12)
+  5. GAE and reward scaling (9.3, 9.4) 11. Metrics schema and alarms (spec 13)
+  6. PPO update (spec 9.5, 9.6, 18.1)  12. The loop (spec 14.1, 7.5, 9.1, 5.4)
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, NamedTuple, Sequence
+
+import msgspec
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import codec
+import farm
+import ladder
+from farm import derive_generator, derive_int  # spec 5.2: one definition of the seeding rule
+
+# --- 1. Seeding and small helpers --------------------------------------------------------------
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The hashed form of anything we record: msgspec JSON with sorted keys (spec 5.3)."""
+    return msgspec.json.encode(obj, order="deterministic")
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def torch_generator(master_seed: int, path: str, device: str = "cpu") -> torch.Generator:
+    """A torch generator seeded by name (spec 5.2), e.g. "torch/init". Never the global one."""
+    g = torch.Generator(device=device)
+    g.manual_seed(derive_int(master_seed, path))
+    return g
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run: names the field and the remedy."""
+
+
+# --- 2. Geometry, read off the env -------------------------------------------------------------
+# The network is built from this small description and from nothing else, so a plane added
+# upstream changes the stem's width without an edit here (spec 8.1: "never a literal").
+
+# The vector fields the pointer head reads, by the env's own names (DESIGN.md section 3: the
+# spec calls them hand_card_onehot / hand_cost / hand_affordable; RoyaleGym does not).
+HAND_CARDS, HAND_COST, HAND_AFFORDABLE = "own_hand_cards", "own_hand_cost", "own_hand_affordable"
+
+# Width of the per-tile card-identity embedding (spec 8.1): a module constant, not a config
+# field, so runs without card identity keep their arch_digest.
+CARD_ID_EMBED = 8
+
+
+class NetGeometry(msgspec.Struct, frozen=True):
+    """What the network needs to know about the env, every number read off its spaces."""
+
+    spatial_shape: tuple[int, int, int]          # (S, H, W) per frame
+    vector_layout: tuple[tuple[str, int], ...]   # (field, width) in order; sum = V
+    n_actions: int                               # A = 1 + P*H*W + NB
+    hand_size: int                               # P
+    tiles: tuple[int, int]                       # (H, W): the board the pointer head tiles
+    frame_stack: int = 1                         # k
+    mask_planes: bool = True                     # whether obs carries (k*P, H, W) mask planes
+    card_id_channels: int = 0                    # per frame, 0 without card identity
+    card_id_vocab: int = 0                       # the card_ids Box's high + 1
+
+    @property
+    def vector_size(self) -> int:
+        return sum(w for _, w in self.vector_layout)
+
+    @property
+    def n_buttons(self) -> int:
+        """Ability buttons after the grid (spec 8.1: A = G + NB). 0 on today's env."""
+        return self.n_actions - 1 - self.hand_size * self.tiles[0] * self.tiles[1]
+
+    def field(self, name: str) -> slice:
+        """The slice of the flat vector the env declared for `name`; raise naming it if absent."""
+        off = 0
+        for key, width in self.vector_layout:
+            if key == name:
+                return slice(off, off + width)
+            off += width
+        raise ConfigError(
+            f"the env's vector_layout has no field {name!r}, which the pointer head reads "
+            f"(fields: {[k for k, _ in self.vector_layout][:12]}...). The obs builder changed; "
+            f"update HAND_* in ppo_clash.py section 2 to its new names.")
+
+    def card_vocab(self) -> int:
+        """K: card ids including "empty", from the one-hot width of the hand field."""
+        width = self.field(HAND_CARDS).stop - self.field(HAND_CARDS).start
+        if width % self.hand_size:
+            raise ConfigError(f"{HAND_CARDS} is {width} wide, not a multiple of hand_size {self.hand_size}")
+        return width // self.hand_size
+
+
+def geometry_from_env(obs_space: Any, builder: Any, frame_stack: int = 1) -> NetGeometry:
+    """Read the geometry off a vec env's single_observation_space and its obs builder."""
+    sp = obs_space["spatial"].shape
+    A = int(obs_space["action_mask"].shape[0])
+    layout = tuple((f.key, int(f.size)) for f in builder.vector_layout())
+    V = int(obs_space["vector"].shape[0])
+    if sum(w for _, w in layout) != V:
+        raise ConfigError(f"vector_layout sums to {sum(w for _, w in layout)} but the obs space's vector is {V}")
+    has_planes = "mask_planes" in obs_space.spaces
+    if has_planes:
+        P = int(obs_space["mask_planes"].shape[0])
+    else:  # the hand's cost field has one entry per hand slot
+        P = dict(layout)[HAND_COST]
+    ids = obs_space.spaces.get("card_ids")
+    geo = NetGeometry(
+        spatial_shape=(int(sp[0]), int(sp[1]), int(sp[2])), vector_layout=layout, n_actions=A,
+        hand_size=P, tiles=(int(sp[1]), int(sp[2])), frame_stack=int(frame_stack),
+        mask_planes=has_planes,
+        card_id_channels=0 if ids is None else int(ids.shape[0]),
+        card_id_vocab=0 if ids is None else int(np.max(ids.high)) + 1)
+    if geo.n_buttons < 0:
+        raise ConfigError(f"action space {A} is smaller than 1 + hand*tiles = {1 + P * sp[1] * sp[2]}")
+    for name in (HAND_CARDS, HAND_COST, HAND_AFFORDABLE):
+        geo.field(name)  # fail now, naming the field, not halfway through a run (spec 8.1)
+    return geo
+
+
+# --- 3. The masked distribution (spec 8.3) -----------------------------------------------------
+# The only place a mask meets a logit. Mask BEFORE the softmax with finfo.min (never -inf, whose
+# 0 * -inf is NaN in the entropy); logits are float32 so the masking and log_softmax are exact.
+
+
+class MaskedCategorical:
+    def __init__(self, logits: torch.Tensor, mask: torch.Tensor, check_noop: bool = True) -> None:
+        if logits.dtype != torch.float32:
+            raise TypeError(f"MaskedCategorical needs float32 logits (spec 8.2), got {logits.dtype}")
+        if mask.dtype != torch.bool or mask.shape != logits.shape:
+            raise TypeError(f"mask must be bool of shape {tuple(logits.shape)}, got {mask.dtype} {tuple(mask.shape)}")
+        if check_noop and not bool(mask[:, 0].all()):
+            rows = torch.nonzero(~mask[:, 0]).flatten()[:16].tolist()
+            raise ValueError(f"mask[NOOP] must be True (royalegym action.py sets it always); rows {rows} have it clear")
+        self.mask = mask
+        self.logp = torch.log_softmax(logits.masked_fill(~mask, torch.finfo(torch.float32).min), -1)
+
+    def sample(self, u: torch.Tensor) -> torch.Tensor:
+        """Inverse CDF on caller-supplied uniforms (B,): a sampled action is a pure function of
+        (master_seed, iteration, cycle, slot), independent of batch composition (D8). With
+        right=True an illegal action's zero-width interval can never be selected."""
+        cdf = self.logp.exp().cumsum(-1)
+        cdf = cdf / cdf[..., -1:].clamp_min(1e-30)
+        idx = torch.searchsorted(cdf, u.to(cdf.dtype).unsqueeze(-1).clamp(0.0, 1.0 - 1e-7), right=True)
+        return idx.squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+
+    def mode(self) -> torch.Tensor:
+        return self.logp.argmax(-1)  # of the masked, normalised log-probs: never illegal
+
+    def log_prob(self, a: torch.Tensor) -> torch.Tensor:
+        return self.logp.gather(-1, a.long().unsqueeze(-1)).squeeze(-1)
+
+    def entropy(self) -> torch.Tensor:
+        p = self.logp.exp()
+        return -(p * torch.where(self.mask, self.logp, torch.zeros_like(self.logp))).sum(-1)
+
+    def noop_entropy(self) -> torch.Tensor:
+        """Binary entropy of play vs wait, bounded by ln 2 = 0.693 nats."""
+        p = self.logp[:, 0].exp().clamp(1e-7, 1 - 1e-7)
+        return -(p * p.log() + (1 - p) * (1 - p).log())
+
+    def n_legal(self) -> torch.Tensor:
+        return self.mask.sum(-1)
+
+
+# --- 4. Networks (spec 8.1, 8.2, 8.4) ----------------------------------------------------------
+# Two trunks of identical shape (actor, critic), separate weights by default, so "the mask and
+# the entropy bonus never touch the critic" is structural rather than a discipline.
+# GroupNorm, never BatchNorm: BatchNorm is a different function at rollout (small batch) than at
+# update, which would break the stored-log-prob contract (spec 8.2).
+
+
+def _conv_gn(cin: int, cout: int, groups: int) -> list[nn.Module]:
+    return [nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(groups, cout)]
+
+
+class ResBlock(nn.Module):
+    def __init__(self, c: int, groups: int) -> None:
+        super().__init__()
+        self.a = nn.Sequential(*_conv_gn(c, c, groups), nn.ReLU(), *_conv_gn(c, c, groups))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.a(x))
+
+
+def legal_frac(mask: torch.Tensor, geo: NetGeometry) -> torch.Tensor:
+    """(B, P): the mean of each hand slot's slice of the mask; the critic's view of legality."""
+    H, W = geo.tiles
+    P = geo.hand_size
+    return mask[:, 1:1 + P * H * W].reshape(-1, P, H * W).float().mean(-1)
+
+
+class Trunk(nn.Module):
+    """cat[spatial, mask_planes, coords, broadcast vector embedding, card-id embedding]
+    -> Conv3x3 GN ReLU -> N residual blocks  ->  (B, C, H, W)."""
+
+    def __init__(self, geo: NetGeometry, net: "NetArgs") -> None:
+        super().__init__()
+        S, H, W = geo.spatial_shape
+        k, P, NB = geo.frame_stack, geo.hand_size, geo.n_buttons
+        self.geo, self.coord_conv = geo, net.coord_conv
+        self.vemb = nn.Linear(geo.vector_size + NB, net.vector_embed)
+        in_ch = k * (S + P) + (2 if net.coord_conv else 0) + net.vector_embed
+        if geo.card_id_channels:
+            self.card_ids = nn.Embedding(geo.card_id_vocab, CARD_ID_EMBED, padding_idx=0)
+            in_ch += k * geo.card_id_channels * CARD_ID_EMBED
+        ys = torch.linspace(0.0, 1.0, H).view(H, 1).expand(H, W)
+        xs = torch.linspace(0.0, 1.0, W).view(1, W).expand(H, W)
+        self.register_buffer("coords", torch.stack([ys, xs]), persistent=False)
+        self.stem = nn.Sequential(*_conv_gn(in_ch, net.channels, net.norm_groups), nn.ReLU())
+        self.body = nn.Sequential(*[ResBlock(net.channels, net.norm_groups) for _ in range(net.blocks)])
+        self.in_channels = in_ch
+
+    def forward(self, obs: Any) -> torch.Tensor:
+        geo = self.geo
+        B = obs.vector.shape[0]
+        H, W = geo.tiles
+        G = 1 + geo.hand_size * H * W
+        planes = obs.mask_planes
+        if planes is None:  # derived from the mask: a reshape of bytes the row already carries
+            if geo.frame_stack != 1:
+                raise ValueError("frame_stack > 1 needs stacked mask_planes from codec.unpack; got None")
+            planes = obs.mask[:, 1:G].reshape(B, geo.hand_size, H, W).float()
+        vin = obs.vector
+        if geo.n_buttons:  # the ability buttons' readiness rides with the vector (spec 8.1)
+            vin = torch.cat([vin, obs.mask[:, G:G + geo.n_buttons].to(vin.dtype)], -1)
+        v = self.vemb(vin)
+        parts = [obs.spatial, planes.to(obs.spatial.dtype)]
+        if self.coord_conv:
+            parts.append(self.coords.to(obs.spatial.dtype).unsqueeze(0).expand(B, -1, -1, -1))
+        parts.append(v.view(B, -1, 1, 1).expand(-1, -1, H, W).to(obs.spatial.dtype))
+        if geo.card_id_channels:
+            e = self.card_ids(obs.card_ids)                      # (B, k*c, H, W, 8)
+            parts.append(e.permute(0, 1, 4, 2, 3).reshape(B, -1, H, W).to(obs.spatial.dtype))
+        return self.body(self.stem(torch.cat(parts, 1)))
+
+
+class PointerHead(nn.Module):
+    """logits = [noop, (P, H, W) tiles, buttons]: a card-conditioned inner product with every
+    tile (spec 8.1). The head's shape is royalegym's encode(slot, x, y) = 1 + slot*H*W + y*W + x."""
+
+    def __init__(self, geo: NetGeometry, net: "NetArgs") -> None:
+        super().__init__()
+        C = net.channels
+        self.geo = geo
+        self.cards_at, self.cost_at, self.afford_at = geo.field(HAND_CARDS), geo.field(HAND_COST), geo.field(HAND_AFFORDABLE)
+        self.K = geo.card_vocab()
+        self.fp = nn.Sequential(*_conv_gn(C, C, net.norm_groups), nn.ReLU())
+        self.card = nn.Embedding(self.K, C)
+        self.q = nn.Linear(C + 2, C)
+        self.qb = nn.Linear(C + 2, 1)
+        self.noop = nn.Linear(2 * C, 1)
+        self.buttons = nn.Linear(2 * C, geo.n_buttons) if geo.n_buttons else None
+        self.scale = C ** -0.5          # logit_scale "rsqrt_c"
+        self.noop_bias = float(net.noop_bias)
+
+    def forward(self, x: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+        B, P = x.shape[0], self.geo.hand_size
+        fp = self.fp(x)
+        card_id = vector[:, self.cards_at].reshape(B, P, self.K).argmax(-1)
+        q_in = torch.cat([self.card(card_id), vector[:, self.cost_at, None], vector[:, self.afford_at, None]], -1).to(fp.dtype)
+        tiles = torch.einsum("bcyx,bkc->bkyx", fp, self.q(q_in)) * self.scale + self.qb(q_in)[..., None]
+        pooled = torch.cat([fp.mean((2, 3)), fp.amax((2, 3))], 1)
+        parts = [self.noop(pooled).float() + self.noop_bias, tiles.reshape(B, -1).float()]
+        if self.buttons is not None:
+            parts.append(self.buttons(pooled).float())
+        return torch.cat(parts, -1)  # float32 always (spec 8.2)
+
+
+class ValueHead(nn.Module):
+    def __init__(self, geo: NetGeometry, net: "NetArgs") -> None:
+        super().__init__()
+        C = net.channels
+        self.geo = geo
+        self.vfeat = nn.Linear(geo.vector_size, net.vector_embed)
+        self.mlp = nn.Sequential(nn.Linear(2 * C + net.vector_embed + geo.hand_size, net.value_hidden), nn.ReLU(),
+                                 nn.Linear(net.value_hidden, 1))
+
+    def forward(self, x: torch.Tensor, obs: Any) -> torch.Tensor:
+        pooled = torch.cat([x.mean((2, 3)), x.amax((2, 3))], 1)
+        feat = torch.cat([pooled, self.vfeat(obs.vector).to(pooled.dtype), legal_frac(obs.mask, self.geo).to(pooled.dtype)], 1)
+        return self.mlp(feat).squeeze(-1).float()
+
+
+class ActorCritic(nn.Module):
+    def __init__(self, geo: NetGeometry, net: "NetArgs", master_seed: int) -> None:
+        super().__init__()
+        if net.channels % net.norm_groups:
+            raise ConfigError(f"net.channels {net.channels} is not divisible by net.norm_groups {net.norm_groups}")
+        self.geo, self.net = geo, net
+        self.actor_trunk = Trunk(geo, net)
+        self.critic_trunk = Trunk(geo, net) if net.separate_trunks else None
+        self.policy = PointerHead(geo, net)
+        self.value_head = ValueHead(geo, net)
+        self.autocast = net.autocast_dtype
+        init_weights(self, torch_generator(master_seed, "torch/init"))
+
+    def actor_parameters(self) -> list[nn.Parameter]:
+        return list(self.actor_trunk.parameters()) + list(self.policy.parameters())
+
+    def critic_parameters(self) -> list[nn.Parameter]:
+        """Disjoint from actor_parameters. Under a shared trunk the trunk is the actor's (its
+        value gradient still reaches it through the one backward)."""
+        trunk = list(self.critic_trunk.parameters()) if self.critic_trunk is not None else []
+        return trunk + list(self.value_head.parameters())
+
+    def _ctx(self, device_type: str):
+        on = self.autocast == "bfloat16"
+        return torch.autocast(device_type, dtype=torch.bfloat16, enabled=on)
+
+    def logits(self, obs: Any) -> torch.Tensor:
+        with self._ctx(obs.vector.device.type):
+            return self.policy(self.actor_trunk(obs), obs.vector).float()
+
+    def value(self, obs: Any) -> torch.Tensor:
+        with self._ctx(obs.vector.device.type):
+            trunk = self.critic_trunk if self.critic_trunk is not None else self.actor_trunk
+            return self.value_head(trunk(obs), obs).float()
+
+    def dist(self, obs: Any, check_noop: bool = True) -> MaskedCategorical:
+        return MaskedCategorical(self.logits(obs), obs.mask, check_noop=check_noop)
+
+    @torch.no_grad()
+    def act(self, obs: Any, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rollout inference: actions from the caller's uniforms, and their log-probs to store."""
+        d = self.dist(obs)
+        a = d.sample(u)
+        return a, d.log_prob(a)
+
+
+def init_weights(model: ActorCritic, gen: torch.Generator) -> None:
+    """Spec 8.4: orthogonal, gain sqrt(2) on hidden convs/linears, 0.01 on the pointer head's
+    q, qb, no-op (and button) linears, 1.0 on the value head's last linear, zero biases,
+    embeddings N(0, 0.02). Every draw from the torch/init generator: weights = f(master_seed)."""
+    small = {id(model.policy.q), id(model.policy.qb), id(model.policy.noop)}
+    if model.policy.buttons is not None:
+        small.add(id(model.policy.buttons))
+    last_value = model.value_head.mlp[-1]
+    for m in model.modules():
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            gain = 0.01 if id(m) in small else 1.0 if m is last_value else math.sqrt(2.0)
+            nn.init.orthogonal_(m.weight, gain=gain, generator=gen)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, 0.02, generator=gen)
+            if m.padding_idx is not None:
+                with torch.no_grad():
+                    m.weight[m.padding_idx].zero_()
+
+
+def arch_description(geo: NetGeometry, net: "NetArgs") -> dict[str, Any]:
+    """What arch_digest covers: every shape-determining number and the forward's constants."""
+    d = {"geometry": msgspec.to_builtins(geo), "head": "pointer", "trunk": "Trunk/ResBlock/GroupNorm",
+         "channels": net.channels, "blocks": net.blocks, "norm_groups": net.norm_groups,
+         "vector_embed": net.vector_embed, "value_hidden": net.value_hidden, "coord_conv": net.coord_conv,
+         "separate_trunks": net.separate_trunks, "logit_scale": "rsqrt_c", "noop_bias": float(net.noop_bias)}
+    if geo.card_id_channels:
+        d["card_id_embed"] = CARD_ID_EMBED
+    return d
+
+
+def arch_digest(geo: NetGeometry, net: "NetArgs") -> str:
+    return sha256_hex(canonical_json(arch_description(geo, net)))
+
+
+class ArchMismatch(ValueError):
+    """A load whose saved architecture differs from the model's, named field by field."""
+
+
+def check_arch(saved: dict[str, Any], model: ActorCritic, what: str) -> None:
+    want = arch_description(model.geo, model.net)
+    if sha256_hex(canonical_json(saved)) == sha256_hex(canonical_json(want)):
+        return
+    diffs = []
+    for key in sorted(set(saved) | set(want)):
+        if saved.get(key) != want.get(key):
+            if key == "geometry" and isinstance(saved.get(key), dict):
+                sub = [f"geometry.{g}" for g in sorted(set(saved[key]) | set(want[key])) if saved[key].get(g) != want[key].get(g)]
+                diffs += sub
+            else:
+                diffs.append(f"{key}: saved {saved.get(key)!r} vs model {want.get(key)!r}")
+    raise ArchMismatch(f"{what} was written by a different architecture (arch_digest differs): {'; '.join(diffs)}. "
+                       f"Build the network with the saved config, or start a new run.")
+
+
+# --- 5. GAE and reward scaling (spec 9.3, 9.4) -------------------------------------------------
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, final_values: torch.Tensor, terminated: torch.Tensor,
+        truncated: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vectorised over slots: one backward loop of T steps over (R,) vectors.
+
+    rewards, final_values, terminated, truncated: (T, R); values: (T+1, R), row T the bootstrap.
+    A terminated cell bootstraps from 0, a truncated one from final_value (the critic on
+    final_obs), any other cell from values[t+1] -- the true next observation, because SAME_STEP
+    autoreset only replaces a row whose episode ended. ~ended breaks the recursion at every end,
+    terminated or truncated (terminated alone would leak the next episode's advantage back
+    across a truncation). Returns (advantages, returns), both (T, R)."""
+    T = rewards.shape[0]
+    ended = terminated | truncated
+    zeros = torch.zeros_like(final_values)
+    boot = torch.where(terminated, zeros, torch.where(truncated, final_values, values[1:]))
+    adv = torch.zeros_like(rewards[0])
+    out = torch.empty_like(rewards)
+    for t in reversed(range(T)):
+        delta = rewards[t] + gamma * boot[t] - values[t]
+        adv = delta + gamma * lam * (~ended[t]).to(rewards.dtype) * adv
+        out[t] = adv
+    return out, out + values[:T]
+
+
+def reference_gae(rewards: Sequence[Sequence[float]], values: Sequence[Sequence[float]],
+                  final_values: Sequence[Sequence[float]], terminated: Sequence[Sequence[bool]],
+                  truncated: Sequence[Sequence[bool]], gamma: float, lam: float) -> tuple[list[list[float]], list[list[float]]]:
+    """The per-slot pure-python reading of the same rule, one episode segment at a time; the
+    test holds `gae` to it. Indexing is [t][r] like the vectorised form."""
+    T, R = len(rewards), len(rewards[0])
+    adv = [[0.0] * R for _ in range(T)]
+    for r in range(R):
+        running = 0.0
+        for t in range(T - 1, -1, -1):
+            if terminated[t][r]:
+                nxt, cont = 0.0, 0.0
+            elif truncated[t][r]:
+                nxt, cont = final_values[t][r], 0.0
+            else:
+                nxt, cont = values[t + 1][r], 1.0
+            delta = rewards[t][r] + gamma * nxt - values[t][r]
+            running = delta + gamma * lam * cont * running
+            adv[t][r] = running
+    ret = [[adv[t][r] + values[t][r] for r in range(R)] for t in range(T)]
+    return adv, ret
+
+
+def discounted_return_per_episode(rewards: np.ndarray, ended: np.ndarray, gamma: float) -> np.ndarray:
+    """(T, R) return-to-go of the raw rewards, G_t = r_t + gamma * G_{t+1}, cut at each episode
+    end (the discount_cumsum of the references), within this iteration: an episode still running
+    at cycle T contributes its partial sum, with no bootstrap, since this only sets a scale.
+    Backward and not the forward running sum: with the potential reward the forward sum is the
+    shaping's small drift plus, once per episode, the terminal +-1, so its std sits near 0.05 and
+    a terminal reward divided by it passed reward_clip = 10 on 0.1-0.5% of cells every iteration
+    [M: --profile cpu, iterations 1-10: 0.0015-0.0048]; the return-to-go carries the terminal
+    reward back over the whole episode, which is the magnitude the scale is meant to measure
+    [M: the same profile and seed, iterations 1-3 after the change: exactly 0.0]."""
+    out = np.empty_like(rewards, dtype=np.float64)
+    run = np.zeros(rewards.shape[1], dtype=np.float64)
+    for t in range(rewards.shape[0] - 1, -1, -1):
+        run = rewards[t] + gamma * np.where(ended[t], 0.0, run)
+        out[t] = run
+    return out
+
+
+class WelfordReturnScaler:
+    """Divide rewards by the running std of raw discounted returns (n-1 variance), then clip.
+    The mean is never subtracted: that would change the sign structure of a zero-sum reward.
+    The (mean, count, m2) triple is checkpointed (spec 9.4)."""
+
+    def __init__(self, standardize: bool = True, reward_clip: float = 10.0) -> None:
+        self.standardize, self.reward_clip = standardize, reward_clip
+        self.mean, self.count, self.m2 = 0.0, 0, 0.0
+
+    def update(self, x: np.ndarray) -> None:
+        """Chan et al.'s parallel merge of a batch into the running triple, in float64."""
+        x = np.asarray(x, dtype=np.float64).ravel()
+        if x.size == 0:
+            return
+        n_b, mean_b = x.size, float(x.mean())
+        m2_b = float(((x - mean_b) ** 2).sum())
+        n = self.count + n_b
+        delta = mean_b - self.mean
+        self.mean += delta * n_b / n
+        self.m2 += m2_b + delta * delta * self.count * n_b / n
+        self.count = n
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 1.0
+
+    def scale(self, rewards: np.ndarray) -> tuple[np.ndarray, float]:
+        """(scaled and clipped rewards, fraction of cells clipped)."""
+        s = self.std if (self.standardize and self.count > 1) else 1.0
+        scaled = np.asarray(rewards, dtype=np.float64) / max(s, 1e-8)
+        clipped = np.clip(scaled, -self.reward_clip, self.reward_clip)
+        return clipped.astype(np.float32), float((clipped != scaled).mean()) if scaled.size else 0.0
+
+    def state(self) -> dict[str, Any]:
+        return {"mean": self.mean, "count": self.count, "m2": self.m2}
+
+    def load_state(self, d: dict[str, Any]) -> None:
+        self.mean, self.count, self.m2 = float(d["mean"]), int(d["count"]), float(d["m2"])
+
+
+def standardize_advantages(adv: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+    """Once per iteration, over the cells that reach the update (spec 9.5). Under
+    critic_only_choice_mean `cells` is the trainable valid CHOICE cells (spec 18.1)."""
+    a = adv[cells]
+    return (adv - a.mean()) / (a.std() + 1e-8)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    var = float(returns.var()) if returns.numel() > 1 else 0.0
+    return 1.0 - float((returns - values).var()) / max(var, 1e-8) if returns.numel() > 1 else float("nan")
+
+
+def credit_horizon_seconds(decision_ms: int, gamma: float, lam: float) -> float:
+    return decision_ms / 1000.0 / (1.0 - gamma * lam)
+
+
+# --- 6. The PPO update (spec 9.5, 9.6, 18.1) ---------------------------------------------------
+# The update reads its samples through a two-method seam, UpdateData (n, n_legal, gather(idx)),
+# so the rectangle buffer and the tests feed it the same way. Minibatches never drop a sample:
+# the last batch is smaller and weighted by its true size, and gradients accumulate as sums
+# divided by the BATCH's count with one optimizer step per batch, which makes minibatch_size a
+# pure memory knob (a test holds the accumulated gradient to the full-batch one).
+
+FORCED_ROWS = ("all", "critic_only", "critic_only_choice_mean")
+
+
+class Minibatch(NamedTuple):
+    obs: Any                 # codec.Obs on the device
+    action: torch.Tensor     # (n,) int64
+    log_prob: torch.Tensor   # (n,) float32, stored at rollout
+    adv: torch.Tensor        # (n,) float32, standardised once per iteration
+    ret: torch.Tensor        # (n,) float32
+    n_legal: torch.Tensor    # (n,) int64: the stored mask-count column (spec 18.1)
+
+
+def obs_rows(obs: Any, sel: torch.Tensor) -> Any:
+    """Rows `sel` of a codec.Obs (a NamedTuple; None fields stay None)."""
+    return type(obs)._make(None if x is None else x[sel] for x in obs)
+
+
+class TensorData:
+    """UpdateData held in device tensors: what the tests use, and a small run can. `labels`
+    names each sample (e.g. "cycle 12 slot 3") for the ratio invariant's message."""
+
+    def __init__(self, obs: Any, action: torch.Tensor, log_prob: torch.Tensor, adv: torch.Tensor,
+                 ret: torch.Tensor, n_legal: torch.Tensor | None = None, labels: Sequence[str] | None = None) -> None:
+        self.obs, self.action, self.log_prob, self.adv, self.ret = obs, action.long(), log_prob.float(), adv.float(), ret.float()
+        nl = obs.mask.sum(-1) if n_legal is None else n_legal
+        self.n_legal_t = nl.long()
+        self.n_legal = self.n_legal_t.cpu().numpy()
+        self.n = int(action.shape[0])
+        self.labels = list(labels) if labels is not None else [f"sample {i}" for i in range(self.n)]
+
+    def gather(self, idx: np.ndarray) -> Minibatch:
+        i = torch.as_tensor(idx, dtype=torch.long, device=self.action.device)
+        return Minibatch(obs_rows(self.obs, i), self.action[i], self.log_prob[i], self.adv[i], self.ret[i], self.n_legal_t[i])
+
+    def label(self, idx: Sequence[int]) -> list[str]:
+        return [self.labels[int(i)] for i in idx]
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_range: float, dual_clip_c: float) -> torch.Tensor:
+    """Per-sample PPO objective L_i (to be maximised). For A < 0 the plain min does not bound
+    the loss below, and in a 2305-way masked space a rarely sampled action's ratio can be
+    enormous, so the dual clip floors it at c * A (spec 9.5)."""
+    surr = torch.min(ratio * adv, ratio.clamp(1 - clip_range, 1 + clip_range) * adv)
+    return torch.where(adv < 0, torch.max(surr, dual_clip_c * adv), surr)
+
+
+class RatioInvariantError(AssertionError):
+    """Spec 9.6 / D5: at epoch 0, minibatch 0, before any step, every ratio must be 1."""
+
+
+class StoredActionIllegal(AssertionError):
+    """A stored action is not legal under its stored mask (spec 8.3's first assert)."""
+
+
+class NonFiniteLogProb(AssertionError):
+    """A stored or recomputed log-prob is not finite (spec 8.3's second assert)."""
+
+
+class MaskCountMismatch(AssertionError):
+    """The stored n_legal column disagrees with the minibatch's unpacked mask (spec 18.1)."""
+
+
+class NonFiniteGradient(FloatingPointError):
+    """A loss or gradient went non-finite; the step is refused so the weights stay intact."""
+
+
+class _Acc:
+    """Diagnostics accumulated as device tensors under no_grad; read back once at the end
+    (a per-minibatch .item() would put a device sync between every backward and forward)."""
+
+    def __init__(self, n_epochs: int) -> None:
+        self.s: dict[str, torch.Tensor | float] = {}
+        self.epoch_kl = [0.0] * n_epochs
+        self.epoch_clip = [0.0] * n_epochs
+        self.epoch_n = [0.0] * n_epochs
+        self.ratio_dev = 0.0
+        self.grad_norm_actor: list[torch.Tensor] = []
+        self.grad_norm_critic: list[torch.Tensor] = []
+        self.actor_rows = 0
+        self.actor_forwards = 0
+        self.rows = 0
+        self.choice_rows = 0
+
+    def add(self, key: str, v: torch.Tensor | float) -> None:
+        self.s[key] = self.s.get(key, 0.0) + v
+
+
+def ratio_invariant(ac: ActorCritic, data: Any, perm0: np.ndarray, minibatch_size: int, check: bool,
+                    atol: float) -> float:
+    """Spec 9.6 / D5, measured before any optimizer step: on the first minibatch_size CHOICE rows
+    of epoch 0's permutation (a forced row's ratio is exactly 1 and says nothing), every ratio
+    must be 1 to atol. Measured in its own no-grad forward rather than inside the first batch:
+    under critic_only a first batch can hold no choice row, and by the time a later batch's actor
+    runs Adam's momentum has already moved it [M: 3.5e-4 on the smoke profile's iteration 2]."""
+    first = perm0[data.n_legal[perm0] > 1][:minibatch_size]
+    if first.size == 0:
+        return 0.0
+    idx = np.sort(first)
+    m = data.gather(idx)
+    with torch.no_grad():
+        dev = (torch.exp(ac.dist(m.obs, check_noop=False).log_prob(m.action) - m.log_prob) - 1).abs()
+    worst = float(dev.max())
+    if check and not worst <= atol:
+        rows = idx[torch.argsort(dev, descending=True)[:10].cpu().numpy()]
+        raise RatioInvariantError(
+            f"ratio invariant broken: max |ratio - 1| = {worst:.3g} > ratio_atol {atol:g} on the first "
+            f"minibatch of choice rows, before any step. Worst samples: {data.label(rows)}. Check, in "
+            f"order: (1) the rollout and update masks agree, (2) the codec table is the one the rows "
+            f"were packed with, (3) the weights that acted are the weights being updated (D5, spec 9.6).")
+    return worst
+
+
+def accumulate_batch(ac: ActorCritic, data: Any, bidx: np.ndarray, ppo: "PPOArgs", ent_coef: float,
+                     ent_coef_noop: float, acc: _Acc, epoch: int = 0, debug: bool = True) -> None:
+    """Forward and backward one batch, minibatch by minibatch; leaves the summed gradient in
+    .grad. Under critic_only* the batch's cells are stably partitioned choice rows first, so the
+    actor runs on whole minibatches of choice rows; the critic always runs on every row at
+    weight 1/N. The actor's three terms are sums over its rows divided by N (all, critic_only)
+    or by the batch's choice count (critic_only_choice_mean) -- spec 18.1's table."""
+    mode = ppo.forced_rows
+    N = int(len(bidx))
+    nl = data.n_legal[bidx]
+    choice = nl > 1
+    order = bidx if mode == "all" else np.concatenate([bidx[choice], bidx[~choice]])
+    n_choice = int(choice.sum())
+    d_pol = max(n_choice, 1) if mode == "critic_only_choice_mean" else N
+    acc.rows += N
+    acc.choice_rows += n_choice
+    for s in range(0, N, ppo.minibatch_size):
+        # sorted inside the minibatch (locality for the buffer's gather; a sum does not care), so
+        # data.gather returns rows in idx's order and labels line up with rows
+        idx = np.sort(order[s:s + ppo.minibatch_size])
+        m = data.gather(idx)
+        if debug:
+            _debug_checks(m, data, idx)
+        values = ac.value(m.obs)
+        sq = (values - m.ret) ** 2
+        loss = ppo.vf_coef * sq.sum() / N
+        sel = torch.ones_like(m.n_legal, dtype=torch.bool) if mode == "all" else m.n_legal > 1
+        n_actor = len(idx) if mode == "all" else int((data.n_legal[idx] > 1).sum())
+        with torch.no_grad():
+            acc.add("value_sq", sq.sum())
+        if n_actor:
+            obs_a = m.obs if mode == "all" else obs_rows(m.obs, sel)
+            a, old, adv, nla = (m.action, m.log_prob, m.adv, m.n_legal) if mode == "all" else \
+                (m.action[sel], m.log_prob[sel], m.adv[sel], m.n_legal[sel])
+            dist = ac.dist(obs_a, check_noop=debug)
+            logp = dist.log_prob(a)
+            ratio = torch.exp(logp - old)
+            obj = clipped_surrogate(ratio, adv, ppo.clip_range, ppo.dual_clip_c)
+            ent, ent2 = dist.entropy(), dist.noop_entropy()
+            loss = loss + (-obj.sum() - ent_coef * ent.sum() - ent_coef_noop * ent2.sum()) / d_pol
+            acc.actor_rows += n_actor
+            acc.actor_forwards += 1
+            with torch.no_grad():
+                lr = torch.log(ratio)
+                ch = nla > 1
+                chf = ch.to(torch.float32)
+                surr = torch.min(ratio * adv, ratio.clamp(1 - ppo.clip_range, 1 + ppo.clip_range) * adv)
+                kl = (((ratio - 1) - lr) * chf).sum()
+                clip = (((ratio - 1).abs() > ppo.clip_range) & ch).to(torch.float32).sum()
+                acc.add("kl", kl)
+                acc.add("clip", clip)
+                acc.add("dual", ((adv < 0) & (ppo.dual_clip_c * adv > surr) & ch).to(torch.float32).sum())
+                acc.add("entropy", (ent * chf).sum())
+                acc.add("entropy_norm", (ent / torch.log(nla.clamp_min(2).to(torch.float32)) * chf).sum())
+                acc.add("noop_entropy", (ent2 * chf).sum())
+                acc.add("policy_obj_choice", (obj * chf).sum())
+                acc.add("policy_obj_all", obj.sum())
+                acc.epoch_kl[epoch] = acc.epoch_kl[epoch] + kl
+                acc.epoch_clip[epoch] = acc.epoch_clip[epoch] + clip
+        if mode != "all":
+            with torch.no_grad():  # the skipped forced rows' constant surrogate, added back (ratio is 1)
+                acc.add("policy_obj_all", (m.adv * (~sel).to(m.adv.dtype)).sum())
+        acc.epoch_n[epoch] += int((data.n_legal[idx] > 1).sum())
+        loss.backward()
+
+
+def _debug_checks(m: Minibatch, data: Any, idx: np.ndarray) -> None:
+    """The two mask asserts of spec 8.3 and the n_legal column check of 18.1, debug iterations."""
+    legal = m.obs.mask.gather(-1, m.action.unsqueeze(-1)).squeeze(-1)
+    if not bool(legal.all()):
+        bad = np.asarray(idx)[(~legal).cpu().numpy()][:10]
+        raise StoredActionIllegal(f"stored actions illegal under their stored masks at {data.label(bad)}: "
+                                  f"the rollout and update masks disagree (a mask bug, not a learning problem)")
+    if not bool(torch.isfinite(m.log_prob).all()):
+        bad = np.asarray(idx)[(~torch.isfinite(m.log_prob)).cpu().numpy()][:10]
+        raise NonFiniteLogProb(f"stored log-probs not finite at {data.label(bad)}")
+    cnt = m.obs.mask.sum(-1)
+    if not bool((cnt == m.n_legal).all()):
+        bad = np.asarray(idx)[(cnt != m.n_legal).cpu().numpy()][:10]
+        raise MaskCountMismatch(f"n_legal column disagrees with the unpacked mask at {data.label(bad)}: the "
+                                f"minibatch gather put one row's count beside another row's observation")
+
+
+def _ensure_grads(params: Sequence[nn.Parameter]) -> None:
+    """A batch with no choice row gives the actor a ZERO gradient rather than none, so Adam takes
+    the same momentum step it takes under forced_rows=all (spec 18.1)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def make_optimizers(ac: ActorCritic, ppo: "PPOArgs") -> tuple[torch.optim.Adam, torch.optim.Adam]:
+    """Separate Adam for actor and critic (spec 9.5): disjoint parameter sets, own lr each."""
+    return (torch.optim.Adam(ac.actor_parameters(), lr=ppo.lr_actor, eps=ppo.adam_eps),
+            torch.optim.Adam(ac.critic_parameters(), lr=ppo.lr_critic, eps=ppo.adam_eps))
+
+
+def _flat(params: Sequence[nn.Parameter]) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer, data: Any,
+               ppo: "PPOArgs", *, ent_coef: float, ent_coef_noop: float, master_seed: int, iteration: int,
+               debug: bool, check_ratio: bool, ratio_atol: float) -> dict[str, float]:
+    """n_epochs passes over data in batches of ppo.batch_size (the last one smaller, never
+    dropped), one optimizer step per batch, each optimizer's gradient clipped on its own.
+    The permutation comes from ppo/minibatch/iteration/{i}/epoch/{e} (spec 5.2)."""
+    acc = _Acc(ppo.n_epochs)
+    pa, pc = ac.actor_parameters(), ac.critic_parameters()
+    before_a, before_c = _flat(pa), _flat(pc)
+    steps = 0
+    perm0 = derive_generator(master_seed, f"ppo/minibatch/iteration/{iteration}/epoch/0").permutation(data.n)
+    acc.ratio_dev = ratio_invariant(ac, data, perm0, ppo.minibatch_size, check_ratio, ratio_atol)
+    for e in range(ppo.n_epochs):
+        perm = perm0 if e == 0 else \
+            derive_generator(master_seed, f"ppo/minibatch/iteration/{iteration}/epoch/{e}").permutation(data.n)
+        for start in range(0, data.n, ppo.batch_size):
+            opt_actor.zero_grad(set_to_none=True)
+            opt_critic.zero_grad(set_to_none=True)
+            accumulate_batch(ac, data, perm[start:start + ppo.batch_size], ppo, ent_coef, ent_coef_noop, acc,
+                             epoch=e, debug=debug)
+            _ensure_grads(pa)
+            _ensure_grads(pc)
+            gna = nn.utils.clip_grad_norm_(pa, ppo.max_grad_norm)   # returns the PRE-clip norm
+            gnc = nn.utils.clip_grad_norm_(pc, ppo.max_grad_norm)
+            if not bool(torch.isfinite(gna) & torch.isfinite(gnc)):  # one sync per optimizer step
+                raise NonFiniteGradient(f"non-finite gradient at iteration {iteration} epoch {e} batch "
+                                        f"{start // ppo.batch_size}: actor norm {float(gna)}, critic norm {float(gnc)}")
+            acc.grad_norm_actor.append(gna.detach())
+            acc.grad_norm_critic.append(gnc.detach())
+            opt_actor.step()
+            opt_critic.step()
+            steps += 1
+    s = {k: float(v) for k, v in acc.s.items()}
+    nc = max(acc.choice_rows, 1)
+    ga, gc = torch.stack(acc.grad_norm_actor), torch.stack(acc.grad_norm_critic)
+    out = {
+        "ppo/policy_loss": -s.get("policy_obj_all", 0.0) / max(acc.rows, 1),
+        "ppo/policy_loss_choice": -s.get("policy_obj_choice", 0.0) / nc,
+        "ppo/value_loss": s.get("value_sq", 0.0) / max(acc.rows, 1),
+        "ppo/entropy": s.get("entropy", 0.0) / nc,
+        "ppo/entropy_normalised": s.get("entropy_norm", 0.0) / nc,
+        "ppo/noop_entropy": s.get("noop_entropy", 0.0) / nc,
+        "ppo/kl": s.get("kl", 0.0) / nc,
+        "ppo/clip_fraction": s.get("clip", 0.0) / nc,
+        "ppo/dual_clip_fraction": s.get("dual", 0.0) / nc,
+        "ppo/forced_frac": 1.0 - acc.choice_rows / max(acc.rows, 1),
+        "ppo/actor_rows": float(acc.actor_rows),
+        "ppo/actor_forwards": float(acc.actor_forwards),
+        "ppo/optimizer_steps": float(steps),
+        "ppo/actor_rows_seen": float(acc.rows),
+        "ppo/ratio_max_abs_dev": float(acc.ratio_dev) if acc.ratio_dev is not None else 0.0,
+        "ppo/grad_norm_actor": float(ga.mean()), "ppo/grad_norm_actor_max": float(ga.max()),
+        "ppo/grad_norm_critic": float(gc.mean()), "ppo/grad_norm_critic_max": float(gc.max()),
+        "ppo/update_magnitude_actor": float((_flat(pa) - before_a).norm()),
+        "ppo/update_magnitude_critic": float((_flat(pc) - before_c).norm()),
+    }
+    for e in range(ppo.n_epochs):
+        n = max(acc.epoch_n[e], 1)
+        out[f"ppo/kl_epoch{e}"] = float(acc.epoch_kl[e]) / n
+        out[f"ppo/clip_fraction_epoch{e}"] = float(acc.epoch_clip[e]) / n
+    return out
+
+
+# Schedules are written in env steps (spec 6), so a profile's anneal means the same game time
+# whatever the batch geometry. One dataclass with a kind, so tyro exposes it as plain flags.
+@dataclass
+class Schedule:
+    kind: Literal["constant", "linear", "geometric"] = "constant"
+    """constant: start forever; linear / geometric: start -> end over over_env_steps, then end."""
+    start: float = 0.0
+    """the value at env step 0"""
+    end: float = 0.0
+    """the value from over_env_steps on (ignored by constant)"""
+    over_env_steps: float = 1.0
+    """game-steps the anneal takes"""
+
+    def value(self, env_steps: float) -> float:
+        if self.kind == "constant":
+            return float(self.start)
+        f = min(max(env_steps / max(self.over_env_steps, 1.0), 0.0), 1.0)
+        if self.kind == "linear":
+            return float(self.start + (self.end - self.start) * f)
+        if self.start <= 0 or self.end <= 0:
+            raise ConfigError(f"a geometric schedule needs positive start and end, got {self.start}, {self.end}")
+        return float(self.start * (self.end / self.start) ** f)
+
+
+class LrBackoff:
+    """If kl > kl_threshold for `patience` consecutive iterations, multiply both learning rates
+    by factor (floored at lr_min), reset the counter, and report the event (spec 9.5). The
+    counter and the current rates are checkpointed."""
+
+    def __init__(self, cfg: "LrBackoffArgs", lr_actor: float, lr_critic: float) -> None:
+        self.cfg, self.lr_actor, self.lr_critic, self.count = cfg, lr_actor, lr_critic, 0
+
+    def observe(self, kl: float) -> bool:
+        self.count = self.count + 1 if kl > self.cfg.kl_threshold else 0
+        if self.count < self.cfg.patience:
+            return False
+        self.count = 0
+        self.lr_actor = max(self.lr_actor * self.cfg.factor, self.cfg.lr_min)
+        self.lr_critic = max(self.lr_critic * self.cfg.factor, self.cfg.lr_min)
+        return True
+
+    def apply(self, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer) -> None:
+        for g in opt_actor.param_groups:
+            g["lr"] = self.lr_actor
+        for g in opt_critic.param_groups:
+            g["lr"] = self.lr_critic
+
+    def state(self) -> dict[str, Any]:
+        return {"count": self.count, "lr_actor": self.lr_actor, "lr_critic": self.lr_critic}
+
+    def load_state(self, d: dict[str, Any]) -> None:
+        self.count, self.lr_actor, self.lr_critic = int(d["count"]), float(d["lr_actor"]), float(d["lr_critic"])
+
+
+# --- 7. Iteration invariants (spec 14.1) -------------------------------------------------------
+# Judged on what collection wrote, before anything learns from it: a refused batch is never
+# trained on. Each raises a named exception carrying the offending slot and cycle.
+
+
+class IterationInvariantError(AssertionError):
+    """Base of the spec 14.1 invariants."""
+
+
+class RoundsMissing(IterationInvariantError): ...
+class TrainableRowsShort(IterationInvariantError): ...
+class DeployRefused(IterationInvariantError): ...
+class EpisodesUnpaired(IterationInvariantError): ...
+class MixtureDrifted(IterationInvariantError): ...
+class AssignmentInsideEpisode(IterationInvariantError): ...
+class ForcedRowInconsistent(IterationInvariantError): ...
+
+
+def _cells(mask: np.ndarray, n: int = 10) -> str:
+    t, r = np.nonzero(mask)
+    return ", ".join(f"(cycle {a}, slot {b})" for a, b in zip(t[:n].tolist(), r[:n].tolist())) + \
+        (f" and {len(t) - n} more" if len(t) > n else "")
+
+
+def check_iteration(*, rounds: int, expected_rounds: int, trainable: np.ndarray, timesteps_per_iteration: int,
+                    log_prob: np.ndarray, action_legal: np.ndarray, deploy_status: np.ndarray,
+                    episode_end: np.ndarray, group: np.ndarray, discarded_rows_frac: float,
+                    expected_discarded_frac: float, action: np.ndarray, n_legal: np.ndarray) -> None:
+    """Every array is (T, R) in cycle-major order; slot 2g is battle g's blue seat, 2g+1 red."""
+    if rounds != expected_rounds:
+        raise RoundsMissing(f"{rounds} rounds collected, expected T * shards_per_worker = {expected_rounds}")
+    if trainable.sum() < 0.98 * timesteps_per_iteration:
+        raise TrainableRowsShort(f"{int(trainable.sum())} trainable cells, under 98% of ppo.timesteps_per_iteration "
+                                 f"{timesteps_per_iteration}: workers died or the mixture starves the learner")
+    bad = trainable & ~np.isfinite(log_prob)
+    if bad.any():
+        raise NonFiniteLogProb(f"non-finite stored log-prob at {_cells(bad)}")
+    bad = trainable & ~action_legal
+    if bad.any():
+        raise StoredActionIllegal(f"stored action illegal under its stored mask at {_cells(bad)}")
+    bad = trainable & (deploy_status > 0)
+    if bad.any():
+        raise DeployRefused(f"the engine refused a deploy the mask allowed at {_cells(bad)}")
+    blue, red = episode_end[:, 0::2], episode_end[:, 1::2]
+    if blue.shape != red.shape or (blue != red).any():
+        g = np.zeros_like(episode_end, dtype=bool)
+        g[:, 0::2] = blue != red
+        raise EpisodesUnpaired(f"a battle's two seats ended episodes on different cycles at {_cells(g)}")
+    if abs(discarded_rows_frac - expected_discarded_frac) >= 0.05:
+        raise MixtureDrifted(f"discarded_rows_frac {discarded_rows_frac:.3f} vs {expected_discarded_frac:.3f} expected "
+                             f"from ladder.mix: the matchmaker is not drawing the configured mixture")
+    changed = np.zeros_like(group, dtype=bool)
+    changed[1:] = (group[1:] != group[:-1]) & ~episode_end[:-1].astype(bool)
+    if changed.any():
+        raise AssignmentInsideEpisode(f"a slot's policy group changed mid-episode at {_cells(changed)}")
+    forced = trainable & (n_legal == 1)
+    bad = forced & ((log_prob != 0.0) | (action != 0))
+    if bad.any():
+        raise ForcedRowInconsistent(f"forced cells (one legal action) must store log-prob exactly 0.0 and the no-op "
+                                    f"(spec 18.1); not so at {_cells(bad)}")
+
+
+# --- 8. Arguments and profiles (spec 6, 2.2) ---------------------------------------------------
+# One tyro dataclass tree; each field's docstring is its --help and says why the default is what
+# it is. Defaults are the laptop column of spec 2.2; the other profiles are functions that change
+# only numbers. `--profile` picks one, every field stays overridable, `--config run.json` loads
+# one, and a misspelt key or flag is refused naming the nearest valid one.
+
+
+@dataclass
+class ObsArgs:
+    frame_stack: int = 1
+    """cycles stacked (k). The observation carries positions and no motion; stacking is a gather of
+    buffer rows and adds S + hand_size input channels per extra frame. 1 until a run shows more buys something"""
+    decision_ms: int = 500
+    """game time per decision (10 ticks). Part of the env, so of env_spec_digest"""
+    reveal: tuple[str, ...] = ()
+    """royalegym Reveal flags to turn on (e.g. enemy_spell_aim). Empty is the fair observation"""
+    max_steps: int = 0
+    """0 plays whole battles; N > 0 truncates every episode after N decisions (a StepLimit
+    truncation in the env spec). How the resume test puts every episode end on an iteration boundary"""
+
+
+@dataclass
+class RolloutArgs:
+    source: Literal["process", "inline"] = "process"
+    """inline is the semantic reference and runs the fast tests; process is the farm of workers"""
+    workers: int = 3
+    """worker processes (K). The learner is the bottleneck, so more workers buy little (spec 2.3)"""
+    games_per_worker: int = 32
+    """battles per worker (M): 3 x 32 = 96 battles, 192 slots at the laptop profile"""
+    shards_per_worker: int = 2
+    """vec envs per worker, alternated so a worker steps one while the parent infers on the other"""
+    spin_us: int = 100
+    """microseconds to spin before sleeping on a round's semaphore (spec 7.3)"""
+    round_timeout_s: float = 30.0
+    """every wait has a timeout; a timeout is a typed WorkerFailure, never a block"""
+    restart_failed_workers: bool = True
+    """restart a dead worker and mark its rows invalid rather than end the run"""
+    max_restarts_per_worker: int = 3
+    """three restarts of one worker raises rather than silently degrading throughput"""
+    launch_delay_s: float = 0.5
+    """stagger worker start: each RustEngine construction decodes its data files"""
+    stagger_first_reset: bool = True
+    """desynchronise episode phase at run start so episode ends spread across cycles"""
+    overlap: bool = False
+    """lag-1 collection under the update. Not built: start-up refuses true (spec 14.1)"""
+    eval_workers: int = 2
+    """processes of the gate's own farm, built at gate time and closed after (D10)"""
+    eval_games_per_worker: int = 24
+    """battles per evaluation worker"""
+
+
+@dataclass
+class NetArgs:
+    channels: int = 64
+    """C: about 430 k parameters per network at 4 blocks (spec 8.1)"""
+    blocks: int = 4
+    """N residual blocks"""
+    norm_groups: int = 8
+    """GroupNorm groups (must divide channels); never BatchNorm, which computes a different function at rollout"""
+    vector_embed: int = 32
+    """E: the scalar vector broadcast over the board, so elixir can modulate every tile"""
+    value_hidden: int = 256
+    """the value MLP's hidden width"""
+    coord_conv: bool = True
+    """two coordinate planes: the arena is not translation-invariant (own half, river, bridges, towers)"""
+    separate_trunks: bool = True
+    """actor and critic trunks apart: the mask and entropy bonus never touch the critic, structurally"""
+    noop_bias: float = 0.0
+    """added to the no-op logit. 0: a near-uniform start is self-limiting (spec 8.4)"""
+    autocast_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """bf16 keeps fp32's exponent range, so finfo.min masking is safe and no GradScaler is needed"""
+    device: str = "cuda"
+    """the learner's device; a profile that wants cuda on a machine without it stops, naming --profile cpu"""
+
+
+@dataclass
+class LrBackoffArgs:
+    kl_threshold: float = 0.02
+    """kl above this, for patience iterations in a row, halves both learning rates"""
+    patience: int = 3
+    """consecutive breaching iterations before the backoff fires"""
+    factor: float = 0.5
+    """multiplier applied to both learning rates"""
+    lr_min: float = 2e-5
+    """floor under both learning rates"""
+
+
+@dataclass
+class PPOArgs:
+    n_epochs: int = 3
+    """passes over each iteration's samples; watch clip fraction across epochs"""
+    timesteps_per_iteration: int = 32768
+    """learner transitions per iteration: the compute budget and episode arithmetic agree on it"""
+    batch_size: int = 4096
+    """samples per optimizer step: 24 steps an iteration at the laptop profile"""
+    minibatch_size: int = 256
+    """samples per forward, a pure memory knob: gradients accumulate n/N with one step per batch"""
+    clip_range: float = 0.2
+    """the PPO paper's"""
+    dual_clip_c: float = 3.0
+    """floor c*A for negative advantages: a rarely sampled action's ratio can be enormous"""
+    vf_coef: float = 1.0
+    """separate networks and optimizers, so this only scales the critic's effective learning rate"""
+    ent_coef: Schedule = field(default_factory=lambda: Schedule("linear", 0.01, 0.003, 30e6))
+    """entropy bonus; exploration matters less as the pool strengthens"""
+    ent_coef_noop: Schedule = field(default_factory=lambda: Schedule("linear", 0.02, 0.0, 10e6))
+    """play/wait entropy bonus, a warm-start guard that anneals to 0 (a healthy policy waits ~94%)"""
+    max_grad_norm: float = 0.5
+    """applied to the actor and critic parameter sets separately"""
+    lr_actor: float = 2e-4
+    """the community moved down from 3e-4 for long runs"""
+    lr_critic: float = 2e-4
+    """the critic's own optimizer"""
+    adam_eps: float = 1e-8
+    """NOT the PPO paper's 1e-5: below eps Adam is SGD at lr/eps and the actor's tiny gradients do not
+    move it (DESIGN.md section 3, spec 18.1 item 5: 1e-8 moved the actor 11-12x further per iteration)"""
+    lr_backoff: LrBackoffArgs = field(default_factory=LrBackoffArgs)
+    """the four-line guard against a blow-up (spec 9.5)"""
+    advantage_standardization: bool = True
+    """once per iteration over the cells that reach the update, before any split"""
+    critic_chunk: int = 1024
+    """rows per chunk of the whole-iteration critic pass (an unchunked pass is a memory spike)"""
+    discard_opponent_rows: bool = True
+    """a frozen seat's log-probs came from other weights; they are not trained on"""
+    keep_previous_iterations: int = 0
+    """0: each timestep is trained on exactly n_epochs times, then discarded"""
+    debug_assert_iterations: int = 10
+    """mask asserts and the ratio invariant run for this many iterations from a run's start"""
+    check_ratio_invariant_every: int = 50
+    """and every this many iterations thereafter"""
+    ratio_atol_fp32: float = 1e-4
+    """ratio invariant tolerance with autocast off (spec 9.6)"""
+    ratio_atol_bf16: float = 2e-2
+    """under bf16 autocast: the rollout and update forwards differ at the 1e-2 level"""
+    forced_rows: Literal["all", "critic_only", "critic_only_choice_mean"] = "critic_only"
+    """what the update does with one-legal-action rows (spec 18.1). critic_only is exact (a forced row
+    gives the actor zero gradient) and skips their actor compute; needs net.separate_trunks"""
+
+
+@dataclass
+class AdvantageArgs:
+    gamma: Schedule = field(default_factory=lambda: Schedule("geometric", 0.997, 0.999, 20e6))
+    """discount, annealed in env steps; 0.99 would discount the win to 0.027 by the end of regulation"""
+    gae_lambda: float = 0.99
+    """credit horizon 1/(1-gamma*lambda) = 91 steps, 45.5 s: deploy -> push -> tower. The most leveraged number"""
+    standardize_rewards: bool = True
+    """divide by the running std of returns: gamma near 1 inflates returns about tenfold"""
+    reward_clip: float = 10.0
+    """standard deviations"""
+
+
+@dataclass
+class GateArgs:
+    champion_games: int = 1000
+    """500 seeds x 2 side assignments"""
+    champion_lower_bound: float = 0.52
+    """Wilson lower bound on the score rate a candidate must clear (about 35 Elo)"""
+    anchor_games: int = 200
+    """battles per anchor"""
+    anchor_tolerance_pp: float = 2.0
+    """percentage points an anchor score may fall"""
+    stratified_snapshots: int = 8
+    """older snapshots the candidate also plays"""
+    stratified_games: int = 100
+    """battles each"""
+    bootstrap_resamples: int = 10000
+    """for the paired interval"""
+
+
+@dataclass
+class LadderArgs:
+    mix: tuple[float, float, float] = (0.50, 0.35, 0.15)
+    """mirror / pool / scripted share of training battles"""
+    max_resident_opponents: int = 2
+    """snapshots held in memory: at most four batched forwards per shard-round"""
+    pfsp_weighting: Literal["hard", "variance", "uniform"] = "hard"
+    """training wants opponents that still beat the learner"""
+    pfsp_power: float = 2.0
+    """exponent of the hard weighting"""
+    pfsp_uniform_floor: float = 0.2
+    """the anti-forgetting guard"""
+    candidate_every_env_steps: int = 4_000_000
+    """game-steps between gate attempts, about 5% of wall clock in gates"""
+    floor_admit_every_env_steps: int = 50_000_000
+    """a plateau cannot starve the pool"""
+    pool_working_size: int = 48
+    """snapshots sampled from"""
+    eval_seed_count: int = 500
+    """the frozen evaluation seed set"""
+    opponent_mode: str = "stochastic"
+    """how a frozen opponent picks its action in training battles"""
+    refit_every_iterations: int = 10
+    """ratings refit cadence"""
+    probe_every_iterations: int = 0
+    """0 is off: a probe plays real battles in the parent (spec 11.9)"""
+    probe_games: int = 40
+    """battles per rung, paired"""
+    scripted_opponents: tuple[str, ...] = ("scripted:noop", "scripted:random_legal")
+    """who the scripted share trains against, drawn uniformly per episode"""
+    gate: GateArgs = field(default_factory=GateArgs)
+    """the gate's numbers (spec 11.4)"""
+
+
+@dataclass
+class CheckpointArgs:
+    every_env_steps: int = 2_000_000
+    """game-steps between checkpoints"""
+    keep: int = 10
+    """checkpoints kept (pruned by the manifest index). Not in the identity"""
+    strict_load: bool = True
+    """a resume refuses a missing file rather than defaulting it"""
+
+
+@dataclass
+class MetricsArgs:
+    console_full_row: bool = False
+    """print the whole grouped row each iteration, not just the compact block. Not in the identity"""
+    wandb: bool = False
+    """mirror rows to Weights & Biases (optional extra). Not in the identity"""
+    wandb_project: str = "clash-ppo"
+    """the wandb project"""
+    viser: bool = True
+    """serve the viewer's learning-status datagram (nothing is sent before a hello)"""
+    image_every: int = 50
+    """iterations between per-card tile heatmaps"""
+
+
+@dataclass
+class AlarmArgs:
+    kl_high: float = 0.05
+    """warn when ppo/kl exceeds this for 3 iterations (the backoff should already be acting)"""
+    kl_dead: float = 1e-5
+    """warn when ppo/kl stays under this for 10 iterations: nothing is moving"""
+    clip_pinned: float = 0.5
+    """halt when clip fraction exceeds this for 3 iterations: mask disagreement or lr far too high"""
+    noop_collapse: float = 8.0
+    """warn when the learner's cards per match stays under this for 5 iterations (~22 is healthy)"""
+    noop_collapse_severe: float = 3.0
+    """halt under this for 5 iterations"""
+    noop_entropy_floor: float = 0.02
+    """warn when the choice-row play/wait entropy stays under this for 5 iterations"""
+    ev_negative_patience: int = 50
+    """iterations of negative explained variance before a warning"""
+    ratio_invariant_multiple: float = 5.0
+    """halt when ratio_max_abs_dev exceeds this multiple of the ratio tolerance"""
+
+
+@dataclass
+class DeterminismArgs:
+    tier: Literal["run_exact", "throughput"] = "run_exact"
+    """run_exact: deterministic kernels, bit-identical metric rows on the same device class (spec 5.1)"""
+    torch_threads: int = 1
+    """thread count changes CPU float reduction order"""
+
+
+@dataclass
+class DoctorArgs:
+    ram_budget_mb: int = 6500
+    """start-up refuses a geometry whose RAM ledger exceeds this"""
+    run_mask_disagreement_gate: bool = True
+    """check every non-no-op action at one state against the engine before the run"""
+    vram_headroom_mb: int = 256
+    """device memory that must stay free after one minibatch's measured peak; 0 turns the gate off"""
+
+
+@dataclass
+class Args:
+    """Self-play PPO for Clash Royale. --profile NAME picks the preset (laptop, workstation,
+    many_core, cpu, smoke) and every flag below overrides one field; --config run.json loads a
+    config (a run's own config.json is one); --resume runs/<dir> [--checkpoint DIR]
+    [--allow-identity-drift] continues a run. An unknown flag or key is refused by name."""
+
+    profile: str = "laptop"
+    """which preset the defaults came from: laptop, workstation, many_core, cpu, smoke"""
+    run_name: str = "clash"
+    """cosmetic: the run folder is <runs_dir>/<run_name>-<run_id>. Not in the identity"""
+    runs_dir: str = "runs"
+    """where run folders live. Not in the identity"""
+    master_seed: int = 20260921
+    """every random stream derives from this by name (spec 5.2). In the identity"""
+    timestep_limit: int = 100_000_000
+    """learner transitions to train for"""
+    obs: ObsArgs = field(default_factory=ObsArgs)
+    rollout: RolloutArgs = field(default_factory=RolloutArgs)
+    net: NetArgs = field(default_factory=NetArgs)
+    ppo: PPOArgs = field(default_factory=PPOArgs)
+    advantage: AdvantageArgs = field(default_factory=AdvantageArgs)
+    ladder: LadderArgs = field(default_factory=LadderArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    metrics: MetricsArgs = field(default_factory=MetricsArgs)
+    alarms: AlarmArgs = field(default_factory=AlarmArgs)
+    determinism: DeterminismArgs = field(default_factory=DeterminismArgs)
+    doctor: DoctorArgs = field(default_factory=DoctorArgs)
+
+
+def _set(args: Args, path: str, value: Any) -> None:
+    *head, last = path.split(".")
+    obj = args
+    for h in head:
+        obj = getattr(obj, h)
+    if not hasattr(obj, last):
+        raise KeyError(path)
+    setattr(obj, last, value)
+
+
+def profile_args(name: str) -> Args:
+    """The presets. Only numbers change between them (spec 2.2)."""
+    a = Args(profile=name)
+    if name == "laptop":
+        return a
+    if name in ("workstation", "many_core"):
+        big = name == "many_core"
+        for k, v in {"rollout.workers": 24 if big else 12, "rollout.games_per_worker": 64,
+                     "ppo.timesteps_per_iteration": 262144 if big else 131072,
+                     "net.channels": 128 if big else 96, "net.blocks": 12 if big else 8,
+                     "ppo.batch_size": 32768 if big else 16384, "ppo.minibatch_size": 8192 if big else 2048,
+                     "ladder.candidate_every_env_steps": 2_000_000}.items():
+            _set(a, k, v)
+        return a
+    if name in ("cpu", "smoke"):
+        # DESIGN.md section 3 [M, another implementation of this spec, this CPU]: 4 optimizer
+        # steps an iteration at adam_eps 1e-5 never moved the actor (kl ~4e-8, clip 0); 24 steps
+        # (batch 512 of 4,096), lr 5e-4, adam_eps 1e-8, ent_coef 0.003 put kl at 0.004-0.006 and
+        # clip fraction at 0.05-0.07 within two iterations. Those are the cpu numbers: 3 epochs x
+        # 4096/512 = 24 steps [A]. A 2-core box runs one worker and the parent.
+        smoke = name == "smoke"
+        for k, v in {"net.device": "cpu", "net.autocast_dtype": "float32",
+                     "net.channels": 8 if smoke else 32, "net.blocks": 1 if smoke else 2,
+                     "net.norm_groups": 4 if smoke else 8, "net.vector_embed": 8 if smoke else 16,
+                     "net.value_hidden": 32 if smoke else 128,
+                     "rollout.source": "inline" if smoke else "process",
+                     "rollout.workers": 1, "rollout.games_per_worker": 4 if smoke else 16,
+                     "rollout.shards_per_worker": 1 if smoke else 2,
+                     "rollout.eval_workers": 1, "rollout.eval_games_per_worker": 4,
+                     "ppo.timesteps_per_iteration": 256 if smoke else 4096,
+                     "ppo.batch_size": 64 if smoke else 512, "ppo.minibatch_size": 64 if smoke else 256,
+                     "ppo.lr_actor": 5e-4, "ppo.lr_critic": 5e-4, "ppo.adam_eps": 1e-8,
+                     "ppo.ent_coef": Schedule("constant", 0.003, 0.003, 1.0),
+                     "ppo.ent_coef_noop": Schedule("linear", 0.02, 0.0, 2e6),
+                     "ppo.critic_chunk": 512,
+                     "ladder.candidate_every_env_steps": 100_000 if smoke else 500_000,
+                     "ladder.eval_seed_count": 8 if smoke else 40,
+                     "ladder.gate": GateArgs(champion_games=16 if smoke else 80, anchor_games=8 if smoke else 40,
+                                             stratified_snapshots=1 if smoke else 2,
+                                             stratified_games=4 if smoke else 20, bootstrap_resamples=200 if smoke else 2000),
+                     "checkpoint.every_env_steps": 2_000 if smoke else 100_000,
+                     "timestep_limit": 3 * 256 if smoke else 100_000_000,
+                     "doctor.vram_headroom_mb": 0}.items():
+            _set(a, k, v)
+        return a
+    raise ConfigError(f"unknown profile {name!r}; valid: {', '.join(PROFILES)}" + _nearest(name, PROFILES))
+
+
+PROFILES = ("laptop", "workstation", "many_core", "cpu", "smoke")
+
+
+def _nearest(key: str, valid: Sequence[str]) -> str:
+    m = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    return f" (did you mean {m[0]!r}?)" if m else ""
+
+
+def field_paths(cls: type = Args, prefix: str = "") -> list[str]:
+    """Every leaf of the tree as a dotted path, e.g. ppo.lr_backoff.patience."""
+    out = []
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t) and t is not Schedule:
+            out += field_paths(t, f"{prefix}{f.name}.")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    import typing
+    return typing.get_type_hints(cls, globalns=globals())
+
+
+def apply_dict(obj: Any, d: dict[str, Any], where: str = "") -> None:
+    """Merge a JSON object into a dataclass tree in place, refusing an unknown key by name."""
+    hints = _hints(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    for key, value in d.items():
+        path = f"{where}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config field {path!r}" + _nearest(key, names).replace("'", "'" + where, 1)
+                              + f"; valid fields of {where.rstrip('.') or 'the top level'}: {', '.join(names)}")
+        t = hints[key]
+        if dataclasses.is_dataclass(t):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config field {path!r} must be an object, got {value!r}")
+            apply_dict(getattr(obj, key), value, path + ".")
+        else:
+            try:
+                setattr(obj, key, msgspec.convert(value, type=t, strict=False))
+            except msgspec.ValidationError as e:
+                raise ConfigError(f"config field {path!r}: {e}") from None
+
+
+def args_to_dict(args: Args) -> dict[str, Any]:
+    return msgspec.to_builtins(args)
+
+
+def config_json(args: Args) -> bytes:
+    """Canonical JSON of the resolved config: what config.json holds and what is hashed."""
+    return canonical_json(args)
+
+
+def load_config_file(path: str | Path, base: Args | None = None) -> Args:
+    d = json.loads(Path(path).read_text())
+    prof = d.get("profile", base.profile if base else "laptop")
+    args = base if base is not None else profile_args(prof)
+    try:
+        apply_dict(args, d)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return args
+
+
+def _cli_flags() -> dict[str, str]:
+    """--flag spelling -> dotted path, for every leaf (tyro writes underscores as dashes)."""
+    out = {}
+    for p in field_paths():
+        leaf_is_schedule = False
+        out["--" + p.replace("_", "-")] = p
+        out["--" + p] = p
+        t: Any = Args
+        for part in p.split("."):
+            t = _hints(t)[part]
+        if t is Schedule:
+            leaf_is_schedule = True
+        if leaf_is_schedule:
+            for f in dataclasses.fields(Schedule):
+                out["--" + (p + "." + f.name).replace("_", "-")] = p + "." + f.name
+                out["--" + p + "." + f.name] = p + "." + f.name
+        if t is bool:
+            out["--" + p.replace("_", "-").rsplit(".", 1)[0] + "." + "no-" + p.rsplit(".", 1)[-1].replace("_", "-")
+                if "." in p else "--no-" + p.replace("_", "-")] = p
+    return out
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Args:
+    """--profile NAME picks the preset, --config FILE merges a JSON over it, then every other
+    flag overrides a field. An unknown flag is refused naming the nearest valid one."""
+    import tyro
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    profile, config = None, None
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        name, eq, val = tok.partition("=")
+        if name in ("--profile", "--config"):
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{name} needs a value")
+                val, i = argv[i + 1], i + 1
+            if name == "--profile":
+                profile = val
+            else:
+                config = val
+        else:
+            rest.append(tok)
+        i += 1
+    flags = _cli_flags()
+    for tok in rest:
+        if tok.startswith("--") and tok not in ("--help", "-h"):
+            name = tok.split("=", 1)[0]
+            if name not in flags:
+                raise ConfigError(f"unknown argument {name!r}" + _nearest(name, list(flags) + ["--profile", "--config"]))
+    if profile is None:  # a config file names its own profile; the flag wins over it
+        profile = json.loads(Path(config).read_text()).get("profile", "laptop") if config else "laptop"
+    base = profile_args(profile)
+    if config is not None:
+        base = load_config_file(config, base)
+        base.profile = profile
+    args = tyro.cli(Args, default=base, args=rest)
+    check_consistency(args)
+    return args
+
+
+def check_consistency(args: Args) -> None:
+    """Refusals that need two fields to see (spec 6, 14.1, 18.1). Each names the fix."""
+    p, n = args.ppo, args.net
+    if args.profile not in PROFILES:
+        raise ConfigError(f"profile {args.profile!r} is not one of {PROFILES}")
+    if args.rollout.overlap:
+        raise ConfigError("rollout.overlap=true is not built (spec 14.1): set --rollout.no-overlap")
+    if p.forced_rows not in FORCED_ROWS:
+        raise ConfigError(f"ppo.forced_rows {p.forced_rows!r} is not one of {FORCED_ROWS}")
+    if p.forced_rows != "all" and not n.separate_trunks:
+        raise ConfigError(f"ppo.forced_rows={p.forced_rows} needs net.separate_trunks: under one trunk the "
+                          "critic's forward IS the actor's, so skipping a row saves nothing (spec 18.1). "
+                          "Use --ppo.forced-rows all with a shared trunk")
+    if n.channels % n.norm_groups:
+        raise ConfigError(f"net.norm_groups {n.norm_groups} must divide net.channels {n.channels}")
+    if p.minibatch_size > p.batch_size:
+        raise ConfigError(f"ppo.minibatch_size {p.minibatch_size} exceeds ppo.batch_size {p.batch_size}")
+    if min(p.minibatch_size, p.batch_size, p.n_epochs, args.obs.frame_stack) < 1:
+        raise ConfigError("ppo.minibatch_size, ppo.batch_size, ppo.n_epochs and obs.frame_stack must be >= 1")
+    if abs(sum(args.ladder.mix) - 1.0) > 1e-9:
+        raise ConfigError(f"ladder.mix {args.ladder.mix} must sum to 1")
+
+
+def resolve_device(args: Args) -> torch.device:
+    """A profile that wants CUDA on a machine without it stops with a message, not a traceback."""
+    if args.net.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"profile {args.profile!r} wants net.device={args.net.device} but this machine has no "
+                          "CUDA device: run with --profile cpu (or --net.device cpu --net.autocast-dtype float32)")
+    return torch.device(args.net.device)
+
+
+def ratio_atol(args: Args) -> float:
+    return args.ppo.ratio_atol_bf16 if args.net.autocast_dtype == "bfloat16" else args.ppo.ratio_atol_fp32
+
+
+# --- 9. Run identity (spec 5.3) ----------------------------------------------------------------
+# run_id = sha256 of the identity's canonical JSON, first 16 hex. Included even though they look
+# cosmetic, because each changes the byte stream: master_seed, workers, games_per_worker,
+# shards_per_worker, timesteps_per_iteration, determinism tier, device kind. Excluded, recorded
+# only, because none can change a number: run_name, runs_dir, wandb and console settings,
+# checkpoint.keep, alarm thresholds. The identity is built from the sections that change numbers,
+# so an excluded field cannot leak in.
+
+IDENTITY_FORMAT = 1
+
+
+class EngineBuild(msgspec.Struct, frozen=True):
+    engine_class: str
+    calibration_digest: str
+    build_digest: str
+    catalogue_sha256: str
+    path_search: str | None
+    stale_build_differences: list[str]
+    binary_sha256: str = "not recorded"
+
+
+class RunIdentity(msgspec.Struct, frozen=True, omit_defaults=True):
+    format_version: int
+    harness_version: str                 # spec's royalelearn_version: this project
+    harness_git: str
+    royalegym_version: str
+    royalegym_git: str
+    engine_build: EngineBuild
+    env_spec_digest: str
+    obs_digest: str
+    action_digest: str
+    frame_stack: int
+    arch_digest: str
+    codec_version: int
+    codec_table_digest: str
+    algo_digest: str
+    rollout_digest: str
+    ladder_digest: str
+    master_seed: int
+    determinism_tier: str
+    torch_version: str
+    device_kind: str
+    user_code: dict[str, str] | None = None
+
+
+class EnvFacts(msgspec.Struct, frozen=True):
+    """What the identity needs from the env and the codec; farm/codec supply it at start-up."""
+    engine_build: EngineBuild
+    env_spec_digest: str
+    obs_digest: str
+    action_digest: str
+    codec_version: int
+    codec_table_digest: str
+    royalegym_version: str
+    royalegym_git: str = "not recorded"
+
+
+def engine_build_from_config(cfg: dict[str, Any], engine_class: str) -> EngineBuild:
+    """From ClashParallelEnv.config(): the engine's own digests and binary hash, never a second
+    opinion computed here (spec 5.3)."""
+    params = cfg.get("engine", {}).get("params", {}) if isinstance(cfg.get("engine"), dict) else {}
+    cards = params.get("cards") or []
+    return EngineBuild(engine_class=engine_class, calibration_digest=str(cfg.get("calibration_digest")),
+                       build_digest=str(cfg.get("build_digest")),
+                       catalogue_sha256=sha256_hex(canonical_json(cards)),
+                       path_search=None if params.get("path_search") is None else str(params.get("path_search")),
+                       stale_build_differences=[], binary_sha256=str(params.get("engine_binary_sha256", "not stated")))
+
+
+def device_kind(device: torch.device | str) -> str:
+    d = torch.device(device)
+    if d.type == "cuda":
+        i = d.index or 0
+        cap = torch.cuda.get_device_capability(i)
+        return f"cuda:{torch.cuda.get_device_name(i)}:sm_{cap[0]}{cap[1]}"
+    return f"{d.type}:{platform.machine()}"
+
+
+def user_code_digest(paths: Sequence[Path] | None = None) -> dict[str, str]:
+    """The harness's own scripts by content, line endings normalised: an edit is a new run."""
+    here = Path(__file__).resolve().parent
+    files = paths if paths is not None else [here / f for f in ("codec.py", "farm.py", "ladder.py", "ppo_clash.py")]
+    h = hashlib.sha256()
+    for p in sorted(Path(f) for f in files):
+        if p.exists():
+            h.update(p.name.encode() + b"\0" + p.read_bytes().replace(b"\r\n", b"\n") + b"\0")
+    return {"clash_ppo": h.hexdigest()}
+
+
+def algo_digest(args: Args) -> str:
+    """PPO, GAE and schedule config, and the precision (autocast changes every number)."""
+    return sha256_hex(canonical_json({"ppo": args.ppo, "advantage": args.advantage,
+                                      "autocast_dtype": args.net.autocast_dtype}))
+
+
+def rollout_digest(args: Args, T: int, R: int) -> str:
+    r = args.rollout
+    # rollout.source is left out: inline and process collect byte-identical rows (farm's test)
+    return sha256_hex(canonical_json({"workers": r.workers, "games_per_worker": r.games_per_worker,
+                                      "shards_per_worker": r.shards_per_worker, "T": T, "R": R,
+                                      "stagger_first_reset": r.stagger_first_reset}))
+
+
+def ladder_digest(args: Args, eval_seed_set_sha: str) -> str:
+    return sha256_hex(canonical_json({"ladder": args.ladder, "eval_seed_set_sha": eval_seed_set_sha}))
+
+
+def make_identity(args: Args, facts: EnvFacts, *, arch: str, T: int, R: int, device: torch.device | str,
+                  eval_seed_set_sha: str = "", user_code: dict[str, str] | None = None) -> RunIdentity:
+    return RunIdentity(
+        format_version=IDENTITY_FORMAT, harness_version="clash-ppo 0.1.0", harness_git="not recorded",
+        royalegym_version=facts.royalegym_version, royalegym_git=facts.royalegym_git,
+        engine_build=facts.engine_build, env_spec_digest=facts.env_spec_digest, obs_digest=facts.obs_digest,
+        action_digest=facts.action_digest, frame_stack=args.obs.frame_stack, arch_digest=arch,
+        codec_version=facts.codec_version, codec_table_digest=facts.codec_table_digest,
+        algo_digest=algo_digest(args), rollout_digest=rollout_digest(args, T, R),
+        ladder_digest=ladder_digest(args, eval_seed_set_sha), master_seed=args.master_seed,
+        determinism_tier=args.determinism.tier, torch_version=str(torch.__version__), device_kind=device_kind(device),
+        user_code=user_code)
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every leaf that differs between two config dicts, as 'path: old -> new'."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
+
+
+def run_id(identity: RunIdentity) -> str:
+    return sha256_hex(canonical_json(identity))[:16]
+
+
+def identity_diff(a: RunIdentity, b: RunIdentity) -> list[str]:
+    """Every differing field, named (a resume refuses on any, spec 5.4 step 1)."""
+    da, db = msgspec.to_builtins(a), msgspec.to_builtins(b)
+    out = []
+    for k in sorted(set(da) | set(db)):
+        if da.get(k) != db.get(k):
+            if isinstance(da.get(k), dict) and isinstance(db.get(k), dict):
+                out += [f"{k}.{s}: {da[k].get(s)!r} -> {db[k].get(s)!r}"
+                        for s in sorted(set(da[k]) | set(db[k])) if da[k].get(s) != db[k].get(s)]
+            else:
+                out.append(f"{k}: {da.get(k)!r} -> {db.get(k)!r}")
+    return out
+
+
+# --- 10. Checkpoints (spec 12) -----------------------------------------------------------------
+# Atomic: every file goes into <dir>.partial/, is fsynced, and the manifest (a sha256 per file)
+# is written last; then one os.replace makes it the checkpoint. A crash mid-write leaves the
+# previous checkpoint intact and the partial obviously named. Tensors are safetensors; every
+# other thing is JSON. Optimizer state is split into its tensors (safetensors) and its scalars
+# and param groups (JSON), so nothing we write is a pickle.
+
+CHECKPOINT_FORMAT = 1
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint that cannot be trusted: names the file and what is wrong with it."""
+
+
+class Manifest(msgspec.Struct):
+    format_version: int
+    run_id: str
+    run_name: str
+    identity: dict[str, Any]
+    config: dict[str, Any]
+    config_hash: str
+    iteration: int
+    cumulative_env_steps: int
+    cumulative_timesteps: int
+    cumulative_model_updates: int
+    wall_seconds: float
+    created_unix_ns: int
+    state_digest: str
+    component_versions: dict[str, int]
+    files: dict[str, str]
+    last_checkpoint_step: int | None = None
+    last_candidate_step: int | None = None
+    last_floor_step: int | None = None
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
+    return save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+
+
+def load_tensors(data: bytes) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+    return load(data)
+
+
+def optimizer_files(opt: torch.optim.Optimizer) -> tuple[bytes, bytes]:
+    """(safetensors of every state tensor, JSON of param groups and non-tensor state)."""
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"{pid}.{k}"] = v
+            else:
+                scalars[f"{pid}.{k}"] = v
+    meta = {"param_groups": sd["param_groups"], "scalars": scalars, "state_ids": sorted(sd["state"])}
+    return save_tensors(tensors), canonical_json(meta)
+
+
+def load_optimizer(opt: torch.optim.Optimizer, tensor_bytes: bytes, meta_bytes: bytes) -> None:
+    tensors, meta = load_tensors(tensor_bytes), json.loads(meta_bytes)
+    state: dict[int, dict[str, Any]] = {int(i): {} for i in meta["state_ids"]}
+    for key, v in tensors.items():
+        pid, k = key.split(".", 1)
+        state[int(pid)][k] = v
+    for key, v in meta["scalars"].items():
+        pid, k = key.split(".", 1)
+        state[int(pid)][k] = v
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def write_checkpoint(final_dir: Path, files: dict[str, bytes], manifest_fields: dict[str, Any]) -> Manifest:
+    """Write `files` (relative path -> bytes) and a manifest hashing each, atomically."""
+    final_dir = Path(final_dir)
+    partial = final_dir.with_name(final_dir.name + ".partial")
+    if partial.exists():
+        import shutil
+        shutil.rmtree(partial)
+    hashes = {}
+    for rel, data in sorted(files.items()):
+        _fsync_write(partial / rel, data)
+        hashes[rel] = sha256_hex(data)
+    man = Manifest(format_version=CHECKPOINT_FORMAT, files=hashes, **manifest_fields)
+    _fsync_write(partial / "manifest.json", msgspec.json.format(canonical_json(man)))
+    if final_dir.exists():
+        raise CheckpointFormatError(f"{final_dir} already exists; a checkpoint is never overwritten")
+    os.replace(partial, final_dir)
+    return man
+
+
+def read_checkpoint(ckpt_dir: Path) -> tuple[Manifest, dict[str, bytes]]:
+    """Verify every hash, raising CheckpointFormatError naming the first mismatch (spec 12.2)."""
+    ckpt_dir = Path(ckpt_dir)
+    mp = ckpt_dir / "manifest.json"
+    if not mp.exists():
+        raise CheckpointFormatError(f"{mp} is missing: not a checkpoint, or a write that never finished")
+    try:
+        man = msgspec.json.decode(mp.read_bytes(), type=Manifest)
+    except msgspec.DecodeError as e:
+        raise CheckpointFormatError(f"{mp} does not decode: {e}") from None
+    if man.format_version > CHECKPOINT_FORMAT:
+        raise CheckpointFormatError(f"{mp} has format_version {man.format_version}; this code reads up to {CHECKPOINT_FORMAT}")
+    out = {}
+    for rel, want in sorted(man.files.items()):
+        p = ckpt_dir / rel
+        if not p.exists():
+            raise CheckpointFormatError(f"{p} is listed in the manifest but missing")
+        data = p.read_bytes()
+        got = sha256_hex(data)
+        if got != want:
+            raise CheckpointFormatError(f"{p}: sha256 {got[:16]}... does not match the manifest's {want[:16]}...; "
+                                        f"the file changed after it was written. Resume an earlier checkpoint.")
+        out[rel] = data
+    return man, out
+
+
+def state_digest(ac: ActorCritic, optimizers: Sequence[torch.optim.Optimizer], scaler: WelfordReturnScaler,
+                 schedule_positions: dict[str, Any]) -> str:
+    """sha256 over, in this fixed order: actor tensors (name-sorted), critic tensors, each
+    optimizer's numeric state leaves, the Welford triple, the schedule positions (spec 5.4)."""
+    h = hashlib.sha256()
+    sd = ac.state_dict()
+    actor_keys = sorted(k for k in sd if k.startswith(("actor_trunk.", "policy.")))
+    critic_keys = sorted(k for k in sd if k not in set(actor_keys))
+    for k in actor_keys + critic_keys:
+        h.update(k.encode() + b"\0" + sd[k].detach().cpu().contiguous().numpy().tobytes())
+    for opt in optimizers:
+        st = opt.state_dict()
+        for pid in sorted(st["state"]):
+            for k in sorted(st["state"][pid]):
+                v = st["state"][pid][k]
+                h.update(f"{pid}.{k}".encode() + (v.detach().cpu().contiguous().numpy().tobytes() if torch.is_tensor(v)
+                                                   else canonical_json(v)))
+        h.update(canonical_json([{k: v for k, v in g.items() if k != "params"} for g in st["param_groups"]]))
+    h.update(canonical_json(scaler.state()))
+    h.update(canonical_json(schedule_positions))
+    return h.hexdigest()
+
+
+class RngState(msgspec.Struct):
+    master_seed: int
+    torch_cpu: str
+    torch_cuda: list[str]
+    iteration: int
+    shard_streams: list[dict[str, Any]] = []
+    eval_seed_set_sha: str = ""
+
+
+def capture_rng(master_seed: int, iteration: int, shard_streams: list[dict[str, Any]] | None = None,
+                eval_seed_set_sha: str = "") -> RngState:
+    """The global torch generators are still captured although nothing here draws from them
+    (every draw is name-addressed): a library call that does draw would otherwise break resume
+    silently. Python's `random` and numpy's global state are never used (a test scans for it),
+    and the minibatch generator is re-derived by name each epoch, so neither needs storing."""
+    cuda = [s.numpy().tobytes().hex() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
+    return RngState(master_seed=master_seed, torch_cpu=torch.get_rng_state().numpy().tobytes().hex(),
+                    torch_cuda=cuda, iteration=iteration, shard_streams=shard_streams or [],
+                    eval_seed_set_sha=eval_seed_set_sha)
+
+
+def restore_rng(st: RngState) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(bytes.fromhex(st.torch_cpu)), dtype=torch.uint8))
+    if st.torch_cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(bytes.fromhex(s)), dtype=torch.uint8) for s in st.torch_cuda])
+
+
+def learner_files(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer,
+                  scaler: WelfordReturnScaler, schedules: dict[str, Any], rng: RngState,
+                  misc: dict[str, Any]) -> dict[str, bytes]:
+    """The learner's share of a checkpoint, in spec 12.1's folders."""
+    sd = ac.state_dict()
+    actor = {k: v for k, v in sd.items() if k.startswith(("actor_trunk.", "policy."))}
+    critic = {k: v for k, v in sd.items() if k not in actor}
+    oa, oam = optimizer_files(opt_actor)
+    oc, ocm = optimizer_files(opt_critic)
+    return {
+        "actor_critic/actor.safetensors": save_tensors(actor),
+        "actor_critic/critic.safetensors": save_tensors(critic),
+        "actor_critic/arch.json": canonical_json(arch_description(ac.geo, ac.net)),
+        "optimizers/actor_adam.safetensors": oa, "optimizers/actor_adam.json": oam,
+        "optimizers/critic_adam.safetensors": oc, "optimizers/critic_adam.json": ocm,
+        "optimizers/misc.json": canonical_json(misc),
+        "schedules/state.json": canonical_json(schedules),
+        "advantage/welford.json": canonical_json(scaler.state()),
+        "rng/rng.json": canonical_json(rng),
+    }
+
+
+def load_learner(files: dict[str, bytes], ac: ActorCritic, opt_actor: torch.optim.Optimizer,
+                 opt_critic: torch.optim.Optimizer, scaler: WelfordReturnScaler) -> tuple[dict[str, Any], RngState, dict[str, Any]]:
+    """Inverse of learner_files; refuses a different architecture by name before touching weights.
+    Returns (schedule positions, RNG state, misc)."""
+    check_arch(json.loads(files["actor_critic/arch.json"]), ac, "actor_critic/arch.json")
+    sd = {**load_tensors(files["actor_critic/actor.safetensors"]), **load_tensors(files["actor_critic/critic.safetensors"])}
+    ac.load_state_dict(sd, strict=True)
+    load_optimizer(opt_actor, files["optimizers/actor_adam.safetensors"], files["optimizers/actor_adam.json"])
+    load_optimizer(opt_critic, files["optimizers/critic_adam.safetensors"], files["optimizers/critic_adam.json"])
+    scaler.load_state(json.loads(files["advantage/welford.json"]))
+    rng = msgspec.json.decode(files["rng/rng.json"], type=RngState)
+    return json.loads(files["schedules/state.json"]), rng, json.loads(files["optimizers/misc.json"])
+
+
+# --- 11. Metrics schema and alarms (spec 13.2-13.4) ----------------------------------------------
+# One flat row per iteration. The schema is the single source of truth: key -> (unit, description,
+# healthy range or None, conditional). A test holds every emitted key to it and every
+# unconditional key to being emitted, so the documentation and the code cannot drift. A
+# conditional key is written as null when its population is empty (no episode ended, say).
+
+SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
+    "run/iteration": ("count", "iterations completed", None, False),
+    "run/cumulative_timesteps": ("timesteps", "learner transitions trained on", None, False),
+    "run/cumulative_env_steps": ("game-steps", "battle decisions stepped (cadences count these)", None, False),
+    "run/cumulative_updates": ("steps", "optimizer steps taken", None, False),
+    "run/wall_seconds": ("s", "since the process started (wall clock)", None, False),
+    "run/gamma": ("", "the discount this iteration (schedule)", None, False),
+    "run/gae_lambda": ("", "GAE lambda", None, False),
+    "run/credit_horizon_seconds": ("s", "decision_ms / (1 - gamma * lambda)", (40.0, 50.0), False),
+    "run/ent_coef": ("", "entropy coefficient this iteration (schedule)", None, False),
+    "run/ent_coef_noop": ("", "play/wait entropy coefficient this iteration (schedule)", None, False),
+    "run/lr_actor": ("", "actor learning rate after any backoff", None, False),
+    "run/lr_critic": ("", "critic learning rate after any backoff", None, False),
+    "run/lr_backoff": ("bool", "the kl backoff fired this iteration", None, False),
+    "run/determinism_tier": ("", "run_exact or throughput (spec 5.1)", None, False),
+    "run/resumed_with_drift": ("bool", "resumed under --allow-identity-drift", None, False),
+    "run/state_digest": ("sha256", "the whole learner: weights, optimizers, scaler, schedules (spec 5.4)", None, False),
+    "time/iteration": ("s", "wall clock of the iteration", None, False),
+    "time/collection": ("s", "rounds from the farm, inference included", None, False),
+    "time/critic_pass": ("s", "the whole-rectangle critic pass", None, False),
+    "time/gae": ("s", "reward scaling, GAE, advantage standardisation", None, False),
+    "time/update": ("s", "the PPO update", None, False),
+    "throughput/collected_steps_per_second": ("game-steps/s", "env steps over collection time", None, False),
+    "ppo/policy_loss": ("", "surrogate over every row, skipped forced rows added back (spec 18.1)", None, False),
+    "ppo/policy_loss_choice": ("", "surrogate over choice rows: what choice_mean optimises", None, False),
+    "ppo/value_loss": ("", "mean squared error against the returns", None, False),
+    "ppo/entropy": ("nats", "masked-categorical entropy, choice rows", None, False),
+    "ppo/entropy_normalised": ("", "entropy / log(n_legal), choice rows", None, False),
+    "ppo/noop_entropy": ("nats", "play/wait entropy, choice rows", (0.02, 0.7), False),
+    "ppo/kl": ("nats", "Schulman k3, choice rows; lr_backoff reads it", (0.003, 0.02), False),
+    "ppo/clip_fraction": ("", "|ratio - 1| > clip_range, choice rows", (0.05, 0.2), False),
+    "ppo/dual_clip_fraction": ("", "the dual clip bound, choice rows", None, False),
+    "ppo/forced_frac": ("", "trainable rows with one legal action", None, False),
+    "ppo/actor_rows": ("rows", "rows the actor ran on, all epochs", None, False),
+    "ppo/actor_forwards": ("count", "actor minibatch forwards, all epochs", None, False),
+    "ppo/optimizer_steps": ("count", "one per batch, nothing dropped", None, False),
+    "ppo/actor_rows_seen": ("rows", "rows through the update, all epochs (critic and actor)", None, False),
+    "ppo/ratio_max_abs_dev": ("", "max |ratio - 1| before any step (spec 9.6)", None, False),
+    "ppo/grad_norm_actor": ("", "pre-clip, mean over steps", None, False),
+    "ppo/grad_norm_actor_max": ("", "pre-clip, max over steps", None, False),
+    "ppo/grad_norm_critic": ("", "pre-clip, mean over steps", None, False),
+    "ppo/grad_norm_critic_max": ("", "pre-clip, max over steps", None, False),
+    "ppo/update_magnitude_actor": ("", "|| theta_after - theta_before ||", None, False),
+    "ppo/update_magnitude_critic": ("", "|| theta_after - theta_before ||", None, False),
+    "ppo/kl_epoch*": ("nats", "kl per epoch; epoch 3 > 2x epoch 1 says lower n_epochs", None, False),
+    "ppo/clip_fraction_epoch*": ("", "clip fraction per epoch", None, False),
+    "ppo/explained_variance": ("", "1 - Var(G - V) / Var(G) over trainable cells", (0.0, 1.0), False),
+    "ppo/explained_variance_choice": ("", "the same over trainable choice cells (spec 18.1)", None, True),
+    "ppo/advantage_std_choice_pre_norm": ("", "advantage std over choice cells before standardising", None, True),
+    "ppo/advantage_mean_choice": ("", "advantage mean over choice cells before standardising", None, True),
+    "ppo/reward_clip_frac": ("", "cells whose scaled reward hit reward_clip; exactly 0 when healthy", (0.0, 0.0), False),
+    "health/illegal_action_rate": ("", "trainable actions illegal under their stored mask; exactly 0", (0.0, 0.0), False),
+    "health/worker_failures": ("count", "worker failures this iteration", (0.0, 0.0), False),
+    "env/episodes_completed": ("count", "seat-episodes that ended this iteration", None, False),
+    "env/episode_steps_mean": ("decisions", "learner seats' episode length", None, True),
+    "env/crowns_for": ("crowns", "learner seats' crowns per episode", None, True),
+    "env/crowns_against": ("crowns", "opponents' crowns per learner episode", None, True),
+    "env/draw_rate": ("", "learner seats' episodes that ended drawn", (0.0, 0.5), True),
+    "env/elixir_count_exact_frac": ("", "episode-seats whose count of the opponent's elixir stayed exact", (0.99, 1.0), True),
+    "policy/legal_actions_mean": ("actions", "legal actions per trainable cell", None, True),
+    "health/buffer_fill_frac": ("", "valid cells over T x R: exactly 1 in a healthy rectangle", (1.0, 1.0), False),
+    "health/samples_unused_frac": ("", "trainable samples the update never saw: exactly 0", (0.0, 0.0), False),
+    "policy/cards_per_match": ("cards", "learner seats' cards per finished episode (about 22 healthy)", (8.0, 40.0), True),
+    "policy/noop_rate": ("", "trainable actions that were the no-op", None, True),
+    "env/win_rate_vs_scripted": ("", "learner seats' win share against scripted opponents", None, True),
+}
+
+
+def schema_entry(key: str) -> tuple[str, str, tuple[float, float] | None, bool] | None:
+    if key in SCHEMA:
+        return SCHEMA[key]
+    for k, v in SCHEMA.items():
+        if k.endswith("*") and key.startswith(k[:-1]):
+            return v
+    return None
+
+
+class AlarmHalt(RuntimeError):
+    """A halting alarm fired; the run wrote its row, a checkpoint and a bundle before raising."""
+
+
+@dataclass
+class Alarm:
+    name: str
+    key: str
+    op: Literal[">", "<"]
+    threshold: float
+    patience: int
+    severity: Literal["warn", "halt"]
+    meaning: str
+
+
+def alarm_table(args: Args) -> list[Alarm]:
+    """Spec 13.3's table, the keys this row carries. Thresholds are config (excluded from the
+    identity: an alarm can stop a run, never change a number); patience and severity are not."""
+    al = args.alarms
+    return [
+        Alarm("illegal_actions", "health/illegal_action_rate", ">", 0.0, 1, "halt", "a mask bug or a wrong action encoding"),
+        Alarm("ratio_invariant", "ppo/ratio_max_abs_dev", ">", al.ratio_invariant_multiple * ratio_atol(args), 1, "halt",
+              "a mask, codec or weight-version mismatch (spec 9.6)"),
+        Alarm("clip_pinned", "ppo/clip_fraction", ">", al.clip_pinned, 3, "halt", "mask disagreement, or lr far too high"),
+        Alarm("kl_high", "ppo/kl", ">", al.kl_high, 3, "warn", "the backoff should already be acting"),
+        Alarm("kl_dead", "ppo/kl", "<", al.kl_dead, 10, "warn", "nothing is moving: entropy, lr, or a frozen head"),
+        Alarm("ev_negative", "ppo/explained_variance", "<", 0.0, al.ev_negative_patience, "warn", "the likeliest cause of a plateau"),
+        Alarm("noop_collapse", "policy/cards_per_match", "<", al.noop_collapse, 5, "warn", "about 22 is healthy"),
+        Alarm("noop_collapse_severe", "policy/cards_per_match", "<", al.noop_collapse_severe, 5, "halt", "the policy stopped playing"),
+        Alarm("noop_entropy_floor", "ppo/noop_entropy", "<", al.noop_entropy_floor, 5, "warn", "the leading indicator of no-op collapse"),
+        Alarm("reward_clipped", "ppo/reward_clip_frac", ">", 0.0, 1, "warn", "a clipped step breaks the potential shaping's telescoping"),
+        Alarm("buffer_overflow", "health/buffer_fill_frac", ">", 1.0, 1, "halt", "a rectangle cell written twice: an invariant is broken"),
+        Alarm("elixir_count_inexact", "env/elixir_count_exact_frac", "<", 0.99, 3, "warn",
+              "the observation's enemy-elixir field was an estimate; read identity.json engine_build first"),
+    ]
+
+
+class AlarmSet:
+    """Each alarm fires when its predicate holds for `patience` consecutive iterations; a row
+    without the key (a conditional metric with no population) resets nothing and counts nothing.
+    A non-finite value of any numeric key is the `nonfinite` halt."""
+
+    def __init__(self, alarms: list[Alarm]) -> None:
+        self.alarms = alarms
+        self.count = {a.name: 0 for a in alarms}
+
+    def evaluate(self, row: dict[str, Any]) -> list[tuple[Alarm, float]]:
+        fired = []
+        for k, v in row.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                fired.append((Alarm("nonfinite", k, ">", 0.0, 1, "halt", "a loss, gradient or metric went non-finite"), v))
+        for a in self.alarms:
+            v = row.get(a.key)
+            if v is None:
+                continue
+            hit = v > a.threshold if a.op == ">" else v < a.threshold
+            self.count[a.name] = self.count[a.name] + 1 if hit else 0
+            if hit and self.count[a.name] >= a.patience:
+                fired.append((a, float(v)))
+        return fired
+
+
+def write_bundle(run: Path, iteration: int, alarm: Alarm, value: float, rows: list[dict[str, Any]],
+                 checkpoint: Path, args: Args, identity: RunIdentity) -> Path:
+    """Spec 13.4: everything needed to judge whether the stop was real, in one folder."""
+    b = run / "bundles" / str(iteration)
+    b.mkdir(parents=True, exist_ok=True)
+    recent = [r.get(alarm.key) for r in rows[-5:]]
+    halt = {"alarm": alarm.name, "metric": alarm.key, "predicate": f"{alarm.key} {alarm.op} {alarm.threshold}",
+            "threshold": alarm.threshold, "patience": alarm.patience, "value": value, "last_values": recent,
+            "meaning": alarm.meaning, "iteration": iteration, "checkpoint": str(checkpoint),
+            "resume": f"python ppo_clash.py --resume {run} --checkpoint {checkpoint}"}
+    (b / "halt.json").write_bytes(msgspec.json.format(canonical_json(halt)))
+    (b / "metrics_tail.jsonl").write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in rows[-50:]))
+    (b / "config.json").write_bytes(config_json(args))
+    (b / "identity.json").write_bytes(canonical_json(identity))
+    return b
+
+
+class ViserSink:
+    """The viewer's learning-status datagram (spec 13.1), about eighty lines of socket and msgpack;
+    royaleviser is never imported (the viewer watches the learner, not the reverse). Binds the
+    learning port (ROYALEVISER's state port + 1), sends NOTHING until a b"royaleviser 1" hello
+    arrives, counts a viewer attached while a hello came within 3 s, re-sends the last status on
+    a fresh hello, and sends one whole {"learning": {...}} map per iteration (the viewer replaces
+    rather than merges). A detached run costs one clock read and one non-blocking recv a call."""
+
+    HELLO = b"royaleviser 1"
+    ATTACHED_S = 3.0
+
+    def __init__(self, host: str, port: int) -> None:
+        import socket
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((host, port))
+        self.sock.setblocking(False)
+        self.peer: Any = None
+        self.last_hello = -math.inf
+        self.last: bytes | None = None
+
+    @classmethod
+    def from_env(cls) -> "ViserSink | None":
+        spec = os.environ.get("ROYALEVISER", "")
+        if not spec:
+            return None
+        host, _, port = spec.rpartition(":")
+        return cls(host or "127.0.0.1", int(port) + 1)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.sock.getsockname()
+
+    @property
+    def attached(self) -> bool:
+        import time
+        return time.monotonic() - self.last_hello < self.ATTACHED_S
+
+    def pump(self) -> None:
+        import time
+        while True:
+            try:
+                data, addr = self.sock.recvfrom(64)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:   # e.g. a Windows ICMP reset from a viewer that went away
+                continue
+            if data.strip() == self.HELLO:
+                fresh = not self.attached or addr != self.peer
+                self.peer, self.last_hello = addr, time.monotonic()
+                if fresh and self.last is not None:
+                    self._send(self.last)
+
+    def write(self, row: dict[str, Any], run_name: str) -> None:
+        self.last = msgspec.msgpack.encode({"learning": learning_status(row, run_name)})
+        self.pump()
+        if self.attached:
+            self._send(self.last)
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self.sock.sendto(data, self.peer)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def learning_status(row: dict[str, Any], run_name: str) -> dict[str, Any]:
+    """A metric row under royaleviser.model.Learning's fixed field names; None renders as a dash."""
+    g = row.get
+    return {"run": run_name, "iteration": g("run/iteration"), "policy_loss": g("ppo/policy_loss"),
+            "value_loss": g("ppo/value_loss"), "entropy": g("ppo/entropy"), "kl": g("ppo/kl"),
+            "clip_frac": g("ppo/clip_fraction"), "explained_var": g("ppo/explained_variance"),
+            "grad_norm": g("ppo/grad_norm_actor"), "learning_rate": g("run/lr_actor"),
+            "env_steps_per_s": g("throughput/collected_steps_per_second"), "engine_ticks_per_s": None,
+            "episode_ticks": None, "crowns_per_episode": g("env/crowns_for"), "towers_per_episode": None,
+            "illegal_rate": g("health/illegal_action_rate"), "elixir_wasted": None, "elo": None,
+            "win_rate": g("env/win_rate_vs_scripted"), "pool_size": None, "games_vs_pool": None,
+            "extra": {"cards_per_match": g("policy/cards_per_match") if g("policy/cards_per_match") is not None else "-",
+                      "forced_frac": g("ppo/forced_frac"), "gate": "not built"}}
+
+
+# --- 12. The loop (spec 14.1, 7.5, 9.1, 5.4), first cut ----------------------------------------
+# One iteration: T cycles of rounds from the farm with one batched forward for the learner's rows
+# (ascending slot order, uniforms from act/iteration/{i}/cycle/{t}), then the invariants, the
+# critic pass, GAE and the update, one metric row, a checkpoint on its cadence. Built on farm.py's
+# documented API (its module docstring) and ladder.Matchmaker. NOT yet here: alarms, the gate and
+# snapshot opponents, the sentinel file, the viewer datagram, wandb (see the module docstring).
+
+
+def apply_determinism(args: Args) -> None:
+    """Spec 5.1 tier run_exact: deterministic kernels, no tf32, fixed thread count."""
+    torch.set_num_threads(args.determinism.torch_threads)
+    if args.determinism.tier == "run_exact":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def frame_stack_rows(t: np.ndarray, k: int) -> np.ndarray:
+    """(n,) cycles -> (n, k) rectangle rows, oldest..newest: cycle c's observation is row c+k-1,
+    so the stack of cycle t is rows t .. t+k-1 (spec 9.1: stacking is a gather, not a copy)."""
+    return t[:, None] + np.arange(k)[None, :]
+
+
+def frame_valid(last_start: np.ndarray, t: np.ndarray, r: np.ndarray, k: int) -> np.ndarray:
+    """(n, k) bool: frame j of cell (t, r) is the cycle t-k+1+j; it is live only if it belongs to
+    the episode running at t, i.e. that cycle is not before the episode's first cycle.
+    last_start[c + k - 1, r] is the first cycle of the episode running at cycle c."""
+    cyc = t[:, None] - (k - 1) + np.arange(k)[None, :]
+    return cyc >= last_start[t + k - 1, r][:, None]
+
+
+class RectData:
+    """UpdateData over the farm's rectangle: gathers one minibatch's rows (with their frame
+    stack) and decodes them with codec.unpack on the learner's device."""
+
+    def __init__(self, rect: np.ndarray, table: Any, statics: torch.Tensor, k: int, last_start: np.ndarray,
+                 cells_t: np.ndarray, cells_r: np.ndarray, action: np.ndarray, log_prob: np.ndarray,
+                 adv: np.ndarray, ret: np.ndarray, n_legal: np.ndarray, device: torch.device) -> None:
+        self.rect, self.table, self.statics, self.k, self.last_start = rect, table, statics, k, last_start
+        self.t, self.r = cells_t, cells_r
+        self.n = int(len(cells_t))
+        self.device = device
+        self.cols = {name: torch.as_tensor(v, device=device) for name, v in
+                     (("action", action.astype(np.int64)), ("log_prob", log_prob.astype(np.float32)),
+                      ("adv", adv.astype(np.float32)), ("ret", ret.astype(np.float32)), ("n_legal", n_legal.astype(np.int64)))}
+        self.n_legal = n_legal.astype(np.int64)
+
+    def obs(self, t: np.ndarray, r: np.ndarray) -> Any:
+        rows = self.rect[frame_stack_rows(t, self.k), r[:, None]]          # (n, k, row_bytes)
+        fv = torch.as_tensor(frame_valid(self.last_start, t, r, self.k), device=self.device) if self.k > 1 else None
+        return codec.unpack(self.table, torch.as_tensor(rows, device=self.device), self.statics,
+                       torch.as_tensor(r % 2, device=self.device), fv)
+
+    def gather(self, idx: np.ndarray) -> Minibatch:
+        i = torch.as_tensor(idx, device=self.device)
+        c = self.cols
+        return Minibatch(self.obs(self.t[idx], self.r[idx]), c["action"][i], c["log_prob"][i], c["adv"][i],
+                         c["ret"][i], c["n_legal"][i])
+
+    def label(self, idx: Sequence[int]) -> list[str]:
+        return [f"(cycle {int(self.t[i])}, slot {int(self.r[i])})" for i in idx]
+
+
+def _run_dir(args: Args, rid: str) -> Path:
+    return Path(args.runs_dir) / f"{args.run_name}-{rid}"
+
+
+class IdentityMismatch(ValueError):
+    """A resume whose identity differs from the checkpoint's: every differing field is named."""
+
+
+def latest_checkpoint(run: Path) -> Path | None:
+    """The checkpoint with the most env steps, by its manifest; a stray file, a .partial left by a
+    crash or a folder without a manifest is skipped rather than crashing the lookup (spec 12.1)."""
+    best: tuple[int, Path] | None = None
+    for d in (run / "checkpoints").glob("*"):
+        if d.is_dir() and not d.name.endswith(".partial") and (d / "manifest.json").exists():
+            try:
+                steps = int(json.loads((d / "manifest.json").read_bytes())["cumulative_env_steps"])
+            except (ValueError, KeyError):
+                continue
+            if best is None or steps > best[0]:
+                best = (steps, d)
+    return None if best is None else best[1]
+
+
+def train(args: Args, *, max_iterations: int | None = None, quiet: bool = False, resume: Path | None = None,
+          allow_identity_drift: bool = False) -> Path:
+    """See _train. The process-wide determinism settings it applies are restored on the way out,
+    so a caller in the same process (a test, checks.py) gets its own back."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
+    try:
+        return _train(args, max_iterations=max_iterations, quiet=quiet, resume=resume,
+                      allow_identity_drift=allow_identity_drift)
+    finally:
+        torch.use_deterministic_algorithms(saved[0])
+        torch.set_num_threads(saved[1])
+
+
+def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path | None,
+           allow_identity_drift: bool) -> Path:
+    """Train until args.timestep_limit learner transitions (or max_iterations). Returns the run
+    directory. Writes config.json, identity.json, metrics.jsonl, episodes.jsonl, checkpoints/.
+    With `resume` (a checkpoint folder) the run continues in its own directory: the identity must
+    equal the checkpoint's, field for field (spec 5.4 step 1), and the learner, its optimizers, the
+    return scaler, the schedule positions, the RNG and the farm's episode ordinals are restored."""
+    import time
+    t_start = time.perf_counter()
+    device = resolve_device(args)
+    apply_determinism(args)
+    k, seed = args.obs.frame_stack, args.master_seed
+    spec = farm.default_env_spec(reveal_spell_aim="enemy_spell_aim" in args.obs.reveal,
+                                 max_steps=args.obs.max_steps or None)
+    spec = msgspec.structs.replace(spec, decision_ms=args.obs.decision_ms)
+    env_spec, table = farm.preflight(spec, frame_stack=k, master_seed=seed)
+    vec = farm.build_vec(spec, 1)
+    obs0, _ = vec.reset(seed=0)
+    statics = torch.as_tensor(codec.static_planes(table, obs0), device=device)
+    geo = geometry_from_env(vec.single_observation_space, vec.envs[0].obs_builder, k)
+    eng_cfg = vec.envs[0].config()
+    vec.close()
+
+    n_battles = args.rollout.workers * args.rollout.games_per_worker
+    R = 2 * n_battles
+    mm = ladder.Matchmaker(seed, n_battles, ladder.MatchConfig(
+        mix=tuple(args.ladder.mix), max_resident_opponents=args.ladder.max_resident_opponents,
+        pfsp_power=args.ladder.pfsp_power, pfsp_uniform_floor=args.ladder.pfsp_uniform_floor,
+        scripted_opponents=tuple(args.ladder.scripted_opponents)))
+    pool = ladder.Pool()
+    plan0 = mm.plan(0, [0] * n_battles, pool, None)
+    learner_rows = ladder.learner_rows(plan0)
+    T = -(-args.ppo.timesteps_per_iteration // learner_rows)
+
+    model = ActorCritic(geo, args.net, seed).to(device)
+    opt_a, opt_c = make_optimizers(model, args.ppo)
+    scaler = WelfordReturnScaler(args.advantage.standardize_rewards, args.advantage.reward_clip)
+    backoff = LrBackoff(args.ppo.lr_backoff, args.ppo.lr_actor, args.ppo.lr_critic)
+    facts = EnvFacts(engine_build=engine_build_from_config(eng_cfg, "RustEngine"),
+                     env_spec_digest=env_spec.env_value_digest, obs_digest=env_spec.obs_digest,
+                     action_digest=sha256_hex(canonical_json({"n_actions": geo.n_actions, "tiles": geo.tiles,
+                                                              "hand_size": geo.hand_size})),
+                     codec_version=codec.CODEC_VERSION, codec_table_digest=table.digest(),
+                     royalegym_version=_pkg_version("royalegym"))
+    identity = make_identity(args, facts, arch=arch_digest(geo, args.net), T=T, R=R, device=device,
+                             user_code=user_code_digest())
+    rid = run_id(identity)
+    start = {"iteration": 0, "env_steps": 0, "timesteps": 0, "updates": 0}
+    start_ordinals = None
+    if resume is None:
+        run = _run_dir(args, rid)
+        run.mkdir(parents=True, exist_ok=False)
+        (run / "config.json").write_bytes(config_json(args))
+        (run / "identity.json").write_bytes(msgspec.json.format(canonical_json(identity)))
+    else:
+        run = Path(resume).parent.parent
+        man, files = read_checkpoint(Path(resume))
+        saved = msgspec.convert(man.identity, RunIdentity)
+        diff = identity_diff(saved, identity)
+        if diff and not allow_identity_drift:
+            raise IdentityMismatch(f"refusing to resume {resume}: the identity differs in {len(diff)} field(s): "
+                                   + "; ".join(diff) + ". Undo the change, or pass --allow-identity-drift "
+                                   "(writes drift.json and marks every later row).")
+        if diff:
+            (run / "drift.json").write_bytes(canonical_json({"checkpoint": str(resume), "differences": diff}))
+        for line in config_diff(man.config, args_to_dict(args)):   # the excluded fields: printed, allowed
+            print(f"resume: config differs from the checkpoint's: {line}")
+        pos, rng, _ = load_learner(files, model, opt_a, opt_c, scaler)
+        backoff.load_state(pos["backoff"])
+        backoff.apply(opt_a, opt_c)
+        restore_rng(rng)
+        start = {"iteration": int(pos["iteration"]), "env_steps": int(pos["env_steps"]),
+                 "timesteps": int(pos["timesteps"]), "updates": int(pos["updates"])}
+        start_ordinals = json.loads(files["rollout/state.json"])["ordinals"]
+        rid = man.run_id
+        if not quiet:
+            print(f"resumed {resume} at iteration {start['iteration']}; state_digest {man.state_digest[:16]}")
+    metrics_f = open(run / "metrics.jsonl", "ab")
+    episodes_f = open(run / "episodes.jsonl", "ab")
+    alarms_f = open(run / "alarms.jsonl", "ab")
+    alarms = AlarmSet(alarm_table(args))
+    viser = ViserSink.from_env() if args.metrics.viser else None
+    tail: list[dict[str, Any]] = []
+    if not quiet:
+        print(f"run {run}  T={T} R={R} learner_rows={learner_rows} device={device} "
+              f"credit_horizon={credit_horizon_seconds(args.obs.decision_ms, args.advantage.gamma.value(0), args.advantage.gae_lambda):.1f}s")
+
+    Source = farm.InlineFarm if args.rollout.source == "inline" else farm.ProcessFarm
+    fcfg = farm.FarmConfig(env=spec, master_seed=seed, workers=args.rollout.workers,
+                           shards_per_worker=args.rollout.shards_per_worker,
+                           games_per_worker=args.rollout.games_per_worker, cycles=T, frame_stack=k,
+                           spin_us=args.rollout.spin_us, round_timeout_s=args.rollout.round_timeout_s,
+                           launch_delay_s=args.rollout.launch_delay_s,
+                           max_restarts_per_worker=args.rollout.max_restarts_per_worker,
+                           viewer=args.rollout.source == "process" and args.metrics.viser,
+                           start_ordinals=start_ordinals)
+    source = Source(fcfg, table, mm.assign)
+    # last_start[c + k - 1, r]: the first cycle of the episode running at cycle c (frame liveness)
+    last_start = np.zeros((T + k, R), np.int64)
+    view = _ObsView(source.rect, table, statics, k, last_start, device)
+    iteration, env_steps, timesteps, updates = start["iteration"], start["env_steps"], start["timesteps"], start["updates"]
+    first_iteration = iteration
+    drifted = resume is not None and (run / "drift.json").exists()
+    last_saved = env_steps if resume is not None else -1
+    every = max(args.checkpoint.every_env_steps, 1)
+    sched_pos: dict[str, Any] = {}
+    phase, boundary_ordinals = "boundary", [int(x) for x in source.ordinals]
+    try:
+        while timesteps < args.timestep_limit and (max_iterations is None or iteration < max_iterations):
+            t_it = time.perf_counter()
+            boundary_ordinals, phase = [int(x) for x in source.ordinals], "collect"
+            gamma = args.advantage.gamma.value(env_steps)
+            ent_coef, ent_noop = args.ppo.ent_coef.value(env_steps), args.ppo.ent_coef_noop.value(env_steps)
+            plan = plan0 if iteration == 0 else mm.plan(iteration, source.ordinals, pool, None)
+            if iteration > first_iteration:
+                last_start[:k] = last_start[T:T + k] - T   # cycles renumber: cycle T is cycle 0 now
+            source.begin_iteration(plan)
+            action = np.zeros((T, R), np.int64)
+            log_prob = np.zeros((T, R), np.float32)
+            group = np.full((T, R), farm.GROUP_DEAD, np.int8)
+            rounds = 0
+            progress = not quiet and sys.stdout.isatty()
+            for t in range(T + 1):
+                if progress and t % max(T // 20, 1) == 0:   # a person's progress line, overwritten in place
+                    print(f"\r  it {iteration + 1} collecting cycle {t}/{T}", end="", flush=True)
+                if viser is not None:
+                    viser.pump()   # answer a viewer's hello within a cycle
+                u = torch.as_tensor(derive_generator(seed, f"act/iteration/{iteration}/cycle/{t}").random(R),
+                                    dtype=torch.float32, device=device)
+                for _ in range(fcfg.n_shards):
+                    rnd = source.next_round()
+                    sl = rnd.slots
+                    if t > 0 or iteration == first_iteration:   # later: cycle 0 was carried over above
+                        prev = last_start[t + k - 2, sl] if t + k - 2 >= 0 else np.zeros(len(sl), np.int64)
+                        last_start[t + k - 1, sl] = np.where(rnd.new_episode, t, prev)
+                    if t == T:
+                        continue
+                    acts = np.zeros(len(sl), np.int64)
+                    group[t, sl] = rnd.group
+                    rows = np.flatnonzero(rnd.group == farm.GROUP_LEARNER)   # ascending slot order
+                    if (rnd.group >= 0).any():
+                        raise NotImplementedError("snapshot opponents are not wired into the loop yet (no gate)")
+                    if rows.size:
+                        ss = sl[rows].astype(np.int64)
+                        a, lp = model.act(view.obs(np.full(rows.size, t), ss), u[ss])
+                        acts[rows] = a.cpu().numpy()
+                        action[t, ss] = acts[rows]
+                        log_prob[t, ss] = lp.cpu().numpy()
+                    source.submit(acts, gamma)
+                    rounds += 1
+            t_collect = time.perf_counter() - t_it
+            failures = source.drain_failures()
+            sc = source.scalars
+            flags = sc["flags"]
+            valid = (flags & farm.F_VALID) != 0
+            terminated = ((flags & farm.F_TERMINATED) != 0) | ~valid
+            truncated = ((flags & farm.F_TRUNCATED) != 0) & valid
+            trainable = (group == farm.GROUP_LEARNER) & valid
+
+            # the critic pass over every cell and the bootstrap row, chunked; it also reads each
+            # cell's mask count and whether its stored action was legal (spec 18.1, 14.1)
+            t0 = time.perf_counter()
+            tt, rr = np.meshgrid(np.arange(T + 1), np.arange(R), indexing="ij")
+            tt, rr = tt.ravel(), rr.ravel()
+            values = np.zeros(T * R + R, np.float32)
+            n_legal = np.zeros(T * R + R, np.int64)
+            legal = np.ones(T * R + R, bool)
+            act_flat = np.concatenate([action.ravel(), np.zeros(R, np.int64)])
+            with torch.no_grad():
+                for s in range(0, tt.size, args.ppo.critic_chunk):
+                    o = view.obs(tt[s:s + args.ppo.critic_chunk], rr[s:s + args.ppo.critic_chunk])
+                    values[s:s + len(o.vector)] = model.value(o).cpu().numpy()
+                    n_legal[s:s + len(o.vector)] = o.mask.sum(-1).cpu().numpy()
+                    a_t = torch.as_tensor(act_flat[s:s + len(o.vector)], device=device)
+                    legal[s:s + len(o.vector)] = o.mask.gather(1, a_t[:, None]).squeeze(1).cpu().numpy()
+                final_values = values.reshape(T + 1, R)[1:].copy()      # truncated without a final obs
+                for (ft, fr), raw in sorted(source.finals.items()):
+                    rows = source.rect[frame_stack_rows(np.array([ft + 1]), k)[0], fr].copy()
+                    rows[-1] = raw
+                    fo = codec.unpack(table, torch.as_tensor(rows[None], device=device), statics,
+                                 torch.as_tensor([fr % 2], device=device), None)
+                    final_values[ft, fr] = float(model.value(fo)[0])
+            values = values.reshape(T + 1, R)
+            n_legal_c, legal_c = n_legal.reshape(T + 1, R)[:T], legal.reshape(T + 1, R)[:T]
+            t_critic = time.perf_counter() - t0
+
+            check_iteration(rounds=rounds, expected_rounds=T * fcfg.n_shards, trainable=trainable,
+                            timesteps_per_iteration=0 if failures else args.ppo.timesteps_per_iteration,
+                            log_prob=log_prob, action_legal=legal_c, deploy_status=sc["deploy_status"],
+                            episode_end=sc["episode_end"] != 0, group=group,
+                            discarded_rows_frac=1 - trainable.sum() / max(valid.sum(), 1),
+                            expected_discarded_frac=1 - learner_rows / R if not failures else 1 - trainable.sum() / max(valid.sum(), 1),
+                            action=action, n_legal=n_legal_c)
+
+            t0 = time.perf_counter()
+            phase = "learn"   # the scaler, the weights and the optimizers change from here on
+            rewards = np.where(valid, sc["reward"], 0.0).astype(np.float64)
+            raw_ret = discounted_return_per_episode(rewards, terminated | truncated, gamma)
+            scaler.update(raw_ret[trainable])
+            rew_scaled, reward_clip_frac = scaler.scale(rewards)
+            vals_t = torch.as_tensor(values, dtype=torch.float32)
+            adv, ret = gae(torch.as_tensor(rew_scaled), vals_t, torch.as_tensor(final_values), torch.as_tensor(terminated),
+                           torch.as_tensor(truncated), gamma, args.advantage.gae_lambda)
+            adv_np, ret_np = adv.numpy(), ret.numpy()
+            choice = trainable & (n_legal_c > 1)
+            pre = adv_np[choice]
+            adv_stats = {"ppo/advantage_std_choice_pre_norm": float(pre.std(ddof=1)) if pre.size > 1 else None,
+                         "ppo/advantage_mean_choice": float(pre.mean()) if pre.size else None,
+                         "ppo/explained_variance_choice": explained_variance(
+                             vals_t[:T][torch.as_tensor(choice)], ret[torch.as_tensor(choice)]) if pre.size > 1 else None}
+            cells = choice if args.ppo.forced_rows == "critic_only_choice_mean" else trainable
+            if args.ppo.advantage_standardization and cells.sum() > 1:
+                adv_np = (adv_np - adv_np[cells].mean()) / (adv_np[cells].std(ddof=1) + 1e-8)
+            ev = explained_variance(vals_t[:T][torch.as_tensor(trainable)], ret[torch.as_tensor(trainable)])
+            t_gae = time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            ct, cr = np.nonzero(trainable)
+            data = RectData(source.rect, table, statics, k, last_start, ct, cr, action[ct, cr], log_prob[ct, cr],
+                            adv_np[ct, cr], ret_np[ct, cr], n_legal_c[ct, cr], device)
+            debug = iteration < args.ppo.debug_assert_iterations
+            check = debug or iteration % args.ppo.check_ratio_invariant_every == 0
+            upd = ppo_update(model, opt_a, opt_c, data, args.ppo, ent_coef=ent_coef, ent_coef_noop=ent_noop,
+                             master_seed=seed, iteration=iteration, debug=debug, check_ratio=check,
+                             ratio_atol=ratio_atol(args))
+            backed_off = backoff.observe(upd["ppo/kl"])
+            if backed_off:
+                backoff.apply(opt_a, opt_c)
+            t_update = time.perf_counter() - t0
+
+            iteration += 1
+            env_steps += T * n_battles
+            timesteps += int(trainable.sum())
+            updates += int(upd["ppo/optimizer_steps"])
+            eps = source.episodes
+            mine = [e for e in eps if e.policy_id == "learner"]
+            sched_pos = {"gamma": gamma, "ent_coef": ent_coef, "ent_coef_noop": ent_noop,
+                         "backoff": backoff.state(), "iteration": iteration, "env_steps": env_steps,
+                         "timesteps": timesteps, "updates": updates}
+            row: dict[str, Any] = {
+                "run/iteration": iteration, "run/cumulative_timesteps": timesteps,
+                "run/cumulative_env_steps": env_steps, "run/cumulative_updates": updates,
+                "run/wall_seconds": time.perf_counter() - t_start, "run/gamma": gamma,
+                "run/gae_lambda": args.advantage.gae_lambda,
+                "run/credit_horizon_seconds": credit_horizon_seconds(args.obs.decision_ms, gamma, args.advantage.gae_lambda),
+                "run/ent_coef": ent_coef, "run/ent_coef_noop": ent_noop,
+                "run/lr_actor": backoff.lr_actor, "run/lr_critic": backoff.lr_critic, "run/lr_backoff": backed_off,
+                "run/determinism_tier": args.determinism.tier, "run/resumed_with_drift": drifted,
+                "run/state_digest": state_digest(model, [opt_a, opt_c], scaler, sched_pos),
+                "time/iteration": time.perf_counter() - t_it, "time/collection": t_collect,
+                "time/critic_pass": t_critic, "time/gae": t_gae, "time/update": t_update,
+                "throughput/collected_steps_per_second": T * n_battles / max(t_collect, 1e-9),
+                "ppo/explained_variance": ev, "ppo/reward_clip_frac": reward_clip_frac,
+                "health/worker_failures": len(failures),
+                "health/illegal_action_rate": float((~legal_c & trainable).sum()) / max(int(trainable.sum()), 1),
+                "env/episodes_completed": len(eps),
+                "env/episode_steps_mean": float(np.mean([e.episode_steps for e in mine])) if mine else None,
+                "env/crowns_for": float(np.mean([e.own_crowns for e in mine])) if mine else None,
+                "env/crowns_against": float(np.mean([e.enemy_crowns for e in mine])) if mine else None,
+                "env/draw_rate": float(np.mean([e.winner == 2 for e in mine])) if mine else None,
+                "env/elixir_count_exact_frac": float(np.mean([e.elixir_count_exact for e in eps])) if eps else None,
+                "policy/legal_actions_mean": float(n_legal_c[trainable].mean()) if trainable.any() else None,
+                "health/buffer_fill_frac": float(valid.sum()) / (T * R),
+                "health/samples_unused_frac": 1.0 - upd["ppo/actor_rows_seen"] / max(int(trainable.sum()) * args.ppo.n_epochs, 1),
+                "policy/cards_per_match": float(np.mean([e.cards_played for e in mine])) if mine else None,
+                "policy/noop_rate": float((action[trainable] == 0).mean()) if trainable.any() else None,
+                "env/win_rate_vs_scripted": (float(np.mean([e.outcome > 0 for e in mine if e.bucket == "scripted"]))
+                                             if any(e.bucket == "scripted" for e in mine) else None),
+                **adv_stats, **upd,
+            }
+            phase = "boundary"
+            metrics_f.write(msgspec.json.encode(row) + b"\n")
+            metrics_f.flush()
+            for e in eps:
+                episodes_f.write(msgspec.json.encode(e) + b"\n")
+            episodes_f.flush()
+            if viser is not None:
+                viser.write(row, run.name)
+            if not quiet:
+                if progress:
+                    print("\r", end="")
+                _console(row, full=args.metrics.console_full_row)
+            tail = (tail + [row])[-50:]
+            fired = alarms.evaluate(row)   # after the row is on disk: a halt checkpoints the learner it describes
+            for a, v in fired:
+                alarms_f.write(msgspec.json.encode({"iteration": iteration, "alarm": a.name, "metric": a.key, "value": v,
+                                                    "threshold": a.threshold, "severity": a.severity}) + b"\n")
+                if not quiet:
+                    print(f"ALARM {a.severity} {a.name}: {a.key} = {v:.4g} {a.op} {a.threshold:g} -- {a.meaning}")
+            alarms_f.flush()
+            halts = [(a, v) for a, v in fired if a.severity == "halt"]
+            if halts:
+                ck = _save(run, args, identity, rid, model, opt_a, opt_c, scaler, sched_pos, iteration,
+                           env_steps, timesteps, updates, source.ordinals, t_start)
+                bundle = write_bundle(run, iteration, halts[0][0], halts[0][1], tail, ck, args, identity)
+                raise AlarmHalt(f"halted at iteration {iteration} by {halts[0][0].name} "
+                                f"({halts[0][0].key} = {halts[0][1]:.4g}); checkpoint {ck}; bundle {bundle}; "
+                                f"resume: python ppo_clash.py --resume {run} --checkpoint {ck}")
+            ctl = _sentinel(run, quiet)
+            if env_steps // every > (env_steps - T * n_battles) // every or ctl in ("c", "q"):
+                _save(run, args, identity, rid, model, opt_a, opt_c, scaler, sched_pos, iteration,
+                      env_steps, timesteps, updates, source.ordinals, t_start)
+                last_saved = env_steps
+                prune_checkpoints(run, args.checkpoint.keep)
+            if ctl == "q":
+                break
+        if last_saved != env_steps:   # the limit: save on the way out unless the last save holds it
+            _save(run, args, identity, rid, model, opt_a, opt_c, scaler, sched_pos, iteration,
+                  env_steps, timesteps, updates, source.ordinals, t_start)
+    except (Exception, KeyboardInterrupt) as exc:
+        # Emergency save (spec 14.4): only a learner that sits on an iteration boundary can be
+        # resumed, so save while collecting (the learner is the last boundary's) or after the row,
+        # never halfway through an update. KeyboardInterrupt is named: it is not an Exception.
+        if not isinstance(exc, AlarmHalt) and sched_pos and phase != "learn" and last_saved != env_steps:
+            try:
+                ords = boundary_ordinals if phase == "collect" else [int(x) for x in source.ordinals]
+                ck = _save(run, args, identity, rid, model, opt_a, opt_c, scaler, sched_pos, iteration,
+                           env_steps, timesteps, updates, ords, t_start)
+                print(f"emergency checkpoint {ck} after {type(exc).__name__}; resume: python ppo_clash.py "
+                      f"--resume {run} --checkpoint {ck}", file=sys.stderr)
+            except Exception as e2:  # the save must not hide the original failure
+                print(f"emergency checkpoint failed: {e2!r}", file=sys.stderr)
+        raise
+    finally:
+        source.close()
+        metrics_f.close()
+        episodes_f.close()
+        alarms_f.close()
+        if viser is not None:
+            viser.close()
+    return run
+
+
+def _sentinel(run: Path, quiet: bool) -> str:
+    """Read <run>/control at the iteration boundary (the only point a resume can start from):
+    "c" checkpoint now, "q" checkpoint and quit, "p" pause until the file says otherwise. The file
+    is removed once acted on. Spec 14.4 reads it once per round; here it is acted on per iteration."""
+    import time
+    f = run / "control"
+    if not f.exists():
+        return ""
+    cmd = f.read_text().strip()[:1]
+    while cmd == "p":
+        if not quiet:
+            print(f"paused: edit or remove {f} to continue", flush=True)
+        time.sleep(1.0)
+        cmd = f.read_text().strip()[:1] if f.exists() else ""
+    if f.exists():
+        f.unlink()
+    return cmd
+
+
+def prune_checkpoints(run: Path, keep: int) -> list[Path]:
+    """Keep the newest `keep` checkpoints by their manifests' env steps; strays and .partial
+    folders are left alone, and a failed removal is reported, never raised (the run goes on)."""
+    import shutil
+    found = []
+    for d in (run / "checkpoints").glob("*"):
+        if d.is_dir() and not d.name.endswith(".partial") and (d / "manifest.json").exists():
+            try:
+                found.append((int(json.loads((d / "manifest.json").read_bytes())["cumulative_env_steps"]), d))
+            except (ValueError, KeyError):
+                continue
+    removed = []
+    for _, d in sorted(found)[:max(len(found) - max(keep, 1), 0)]:
+        try:
+            shutil.rmtree(d)
+            removed.append(d)
+        except OSError as e:
+            print(f"warning: could not prune {d}: {e}", file=sys.stderr)
+    return removed
+
+
+class _ObsView(RectData):
+    """RectData's decoding alone, for the rollout and the critic pass."""
+
+    def __init__(self, rect, table, statics, k, last_start, device) -> None:  # noqa: D401
+        self.rect, self.table, self.statics, self.k, self.last_start, self.device = rect, table, statics, k, last_start, device
+
+
+def _pkg_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _console(row: dict[str, Any], full: bool = False) -> None:
+    """The compact block a person watches; --metrics.console-full-row adds the whole row, grouped."""
+    if full:
+        groups: dict[str, list[str]] = {}
+        for k, v in row.items():
+            g, _, name = k.partition("/")
+            groups.setdefault(g, []).append(f"{name}={v:.4g}" if isinstance(v, float) else f"{name}={v}")
+        for g, items in groups.items():
+            print(f"  {g:<10} " + "  ".join(items))
+    f = lambda k, fmt="{:.3g}": "-" if row.get(k) is None else fmt.format(row[k])  # noqa: E731
+    print(f"it {row['run/iteration']:>4}  ts {row['run/cumulative_timesteps']:>9}  "
+          f"{f('throughput/collected_steps_per_second', '{:.0f}')} env/s  "
+          f"t[col {f('time/collection', '{:.1f}')} upd {f('time/update', '{:.1f}')}]s  "
+          f"pl {f('ppo/policy_loss')} vl {f('ppo/value_loss')} kl {f('ppo/kl')} clip {f('ppo/clip_fraction', '{:.3f}')} "
+          f"ev {f('ppo/explained_variance', '{:.2f}')} H {f('ppo/entropy_normalised', '{:.3f}')} "
+          f"forced {f('ppo/forced_frac', '{:.2f}')} cards {f('policy/cards_per_match', '{:.1f}')} "
+          f"win_vs_scripted {f('env/win_rate_vs_scripted', '{:.2f}')} illegal {f('health/illegal_action_rate')}",
+          flush=True)
+
+
+def _save(run: Path, args: Args, identity: RunIdentity, rid: str, model: ActorCritic, opt_a, opt_c,
+          scaler: WelfordReturnScaler, sched_pos: dict[str, Any], iteration: int, env_steps: int, timesteps: int,
+          updates: int, ordinals: Sequence[int], t_start: float) -> Path:
+    import time
+    files = learner_files(model, opt_a, opt_c, scaler, sched_pos,
+                          capture_rng(args.master_seed, iteration), {"cumulative_model_updates": updates})
+    files["rollout/state.json"] = canonical_json({"ordinals": [int(x) for x in ordinals]})
+    d = run / "checkpoints" / f"{env_steps:012d}"
+    digest = state_digest(model, [opt_a, opt_c], scaler, sched_pos)
+    if d.exists():   # a resumed run reaching a step the original saved: it must be the same learner
+        old = msgspec.json.decode((d / "manifest.json").read_bytes(), type=Manifest).state_digest
+        if old != digest:
+            raise CheckpointFormatError(f"{d} exists with state_digest {old[:16]} but this run reached that step "
+                                        f"with {digest[:16]}: the resume did not reproduce the run")
+        return d
+    write_checkpoint(d, files, dict(
+        run_id=rid, run_name=args.run_name, identity=msgspec.to_builtins(identity), config=msgspec.to_builtins(args),
+        config_hash=sha256_hex(config_json(args)), iteration=iteration, cumulative_env_steps=env_steps,
+        cumulative_timesteps=timesteps, cumulative_model_updates=updates,
+        wall_seconds=time.perf_counter() - t_start, created_unix_ns=time.time_ns(),
+        state_digest=digest, component_versions={"learner": 1, "rollout": 1}))
+    return d
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python ppo_clash.py --profile cpu [--field value ...]` trains; `--resume runs/<dir>
+    [--checkpoint DIR] [--allow-identity-drift] [--field value ...]` continues a run from its
+    latest checkpoint (or the one named), with the run's own config.json under any flags."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    resume = ckpt = None
+    drift = False
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        name, eq, val = argv[i].partition("=")
+        if name in ("--resume", "--checkpoint"):
+            if not eq:
+                i += 1
+                val = argv[i] if i < len(argv) else ""
+            resume, ckpt = (val, ckpt) if name == "--resume" else (resume, val)
+        elif name == "--allow-identity-drift":
+            drift = True
+        else:
+            rest.append(argv[i])
+        i += 1
+    try:
+        if resume is not None:
+            ck = Path(ckpt) if ckpt else latest_checkpoint(Path(resume))
+            if ck is None:
+                raise ConfigError(f"{resume} has no checkpoint to resume (looked in {Path(resume) / 'checkpoints'})")
+            args = parse_args(["--config", str(Path(resume) / "config.json"), *rest])
+        else:
+            ck = None
+            args = parse_args(rest)
+        resolve_device(args)
+        train(args, resume=ck, allow_identity_drift=drift)
+    except (ConfigError, IdentityMismatch, CheckpointFormatError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except AlarmHalt as e:
+        print(f"HALT: {e}", file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1084 @@
+"""Tests for ppo_clash.py: the masked distribution, the networks, GAE, the PPO update, the
+arguments, the run identity and the checkpoint primitives (issue 4's Tests paragraph, the parts
+this file reaches). Shapes come from REAL RoyaleGym envs (RustEngine + SpatialObsBuilder) on two
+geometries, never from literal widths. torch CPU, tiny networks."""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ppo_clash as P
+from codec import Obs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny networks gain nothing from threads, and on a shared 2-core machine OpenMP's spinning
+    threads made the gradient tests 10x slower under load [M: 0.9 s alone, 12.5 s in a loaded run]."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# --- fixtures: real env spaces and real observations --------------------------------------------
+
+
+def _builder(kind: str):
+    from royalegym.obs import Reveal, SpatialObsBuilder
+    return SpatialObsBuilder() if kind == "default" else SpatialObsBuilder(reveal=Reveal(enemy_spell_aim=True))
+
+
+@functools.lru_cache(maxsize=None)
+def env_sample(kind: str, steps: int = 24):
+    """(geometry, list of batched obs dicts) from a 2-battle self-play vec env stepped with
+    seeded random legal actions, so masks vary (forced rows and choice rows both occur)."""
+    from royalegym import RustEngine
+    from royalegym.env import ClashParallelEnv, ClashSelfPlayVecEnv
+    b = _builder(kind)
+    vec = ClashSelfPlayVecEnv(2, functools.partial(ClashParallelEnv, engine=RustEngine(), obs_builder=b), viser=None)
+    geo = P.geometry_from_env(vec.single_observation_space, b)
+    rng = np.random.default_rng(7)
+    obs, _ = vec.reset(seed=3)
+    out = [obs]
+    for _ in range(steps):
+        acts = []
+        for m in obs["action_mask"]:
+            legal = np.flatnonzero(m)
+            acts.append(0 if rng.random() < 0.5 else int(rng.choice(legal)))
+        obs, *_ = vec.step(np.array(acts))
+        out.append(obs)
+    vec.close()
+    return geo, out
+
+
+def to_obs(batch: list[dict]) -> Obs:
+    cat = {k: np.concatenate([d[k] for d in batch]) for k in batch[0]}
+    return Obs(spatial=torch.from_numpy(cat["spatial"]).float(),
+               mask_planes=torch.from_numpy(cat["mask_planes"]).float(),
+               vector=torch.from_numpy(cat["vector"]).float(),
+               mask=torch.from_numpy(cat["action_mask"]).bool(), card_ids=None)
+
+
+def tiny_net(**kw) -> P.NetArgs:
+    base = dict(channels=8, blocks=1, norm_groups=4, vector_embed=8, value_hidden=16, autocast_dtype="float32", device="cpu")
+    base.update(kw)
+    return P.NetArgs(**base)
+
+
+# --- 3. the masked distribution -----------------------------------------------------------------
+
+
+def _rand_dist(B=64, A=40, seed=0, one_legal_rows=(3,)):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, A, generator=g) * 3
+    mask = torch.rand(B, A, generator=g) < 0.3
+    mask[:, 0] = True
+    for r in one_legal_rows:
+        mask[r] = False
+        mask[r, 0] = True
+    return logits, mask
+
+
+def test_illegal_actions_have_probability_exactly_zero_and_sampling_never_picks_one():
+    logits, mask = _rand_dist()
+    d = P.MaskedCategorical(logits, mask)
+    p = d.logp.exp()
+    assert (p[~mask] == 0.0).all()
+    u = torch.rand(64, 500, generator=torch.Generator().manual_seed(1))
+    for j in range(u.shape[1]):
+        a = d.sample(u[:, j])
+        assert mask.gather(1, a[:, None]).all()
+
+
+def test_one_legal_action_has_finite_zero_entropy_and_log_prob_exactly_zero():
+    logits, mask = _rand_dist(one_legal_rows=(3, 5))
+    d = P.MaskedCategorical(logits, mask)
+    h = d.entropy()
+    assert torch.isfinite(h).all() and torch.isfinite(d.noop_entropy()).all()
+    assert h[3] == 0.0 and h[5] == 0.0
+    assert d.log_prob(torch.zeros(64, dtype=torch.long))[3] == 0.0
+    assert (d.n_legal()[[3, 5]] == 1).all()
+
+
+def test_mode_respects_the_mask_even_when_an_illegal_logit_is_largest():
+    logits, mask = _rand_dist()
+    logits = logits.masked_fill(~mask, 1e6)  # every illegal logit dominates
+    m = P.MaskedCategorical(logits, mask).mode()
+    assert mask.gather(1, m[:, None]).all()
+
+
+def test_sampling_equals_a_brute_force_inverse_cdf():
+    logits, mask = _rand_dist(B=32, A=25, seed=4)
+    d = P.MaskedCategorical(logits, mask)
+    u = torch.rand(32, generator=torch.Generator().manual_seed(9))
+    got = d.sample(u)
+    p = d.logp.exp().double()
+    for i in range(32):
+        acc, pick = 0.0, None
+        total = float(p[i].sum())
+        for a in range(25):
+            acc += float(p[i, a]) / total
+            if float(u[i]) < acc:
+                pick = a
+                break
+        assert pick is not None and mask[i, pick]
+        assert int(got[i]) == pick, (i, int(got[i]), pick)
+
+
+def test_distribution_refuses_non_float32_logits_and_a_clear_noop_bit():
+    logits, mask = _rand_dist()
+    with pytest.raises(TypeError, match="float32"):
+        P.MaskedCategorical(logits.double(), mask)
+    mask[7, 0] = False
+    with pytest.raises(ValueError, match=r"rows \[7\]"):
+        P.MaskedCategorical(logits, mask)
+
+
+def test_a_masked_logit_gets_exactly_zero_gradient():
+    logits, mask = _rand_dist()
+    logits.requires_grad_(True)
+    d = P.MaskedCategorical(logits, mask)
+    a = d.sample(torch.full((64,), 0.37))
+    (d.log_prob(a).sum() + d.entropy().sum() + d.noop_entropy().sum()).backward()
+    assert (logits.grad[~mask] == 0.0).all()
+    assert (logits.grad[mask] != 0.0).any()
+
+
+# --- 4. networks ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["default", "spell_aim"])
+def test_network_shapes_follow_the_env_on_two_geometries(kind):
+    geo, batches = env_sample(kind)
+    obs = to_obs(batches[:3])
+    B = obs.vector.shape[0]
+    S, H, W = geo.spatial_shape
+    assert obs.spatial.shape[1] == S and geo.n_actions == obs.mask.shape[1]
+    ac = P.ActorCritic(geo, tiny_net(), master_seed=1)
+    assert ac.actor_trunk.in_channels == S + geo.hand_size + 2 + 8
+    logits, value = ac.logits(obs), ac.value(obs)
+    assert logits.shape == (B, geo.n_actions) and logits.dtype == torch.float32
+    assert value.shape == (B,) and value.dtype == torch.float32
+    a, lp = ac.act(obs, torch.full((B,), 0.5))
+    assert obs.mask.gather(1, a[:, None]).all() and torch.isfinite(lp).all()
+    bf = P.ActorCritic(geo, tiny_net(autocast_dtype="bfloat16"), master_seed=1)   # the bf16 path, on CPU
+    assert bf.logits(obs).dtype == torch.float32 and bf.value(obs).dtype == torch.float32
+
+
+def test_card_identity_adds_an_embedded_card_id_per_tile_sized_from_the_space():
+    from royalegym import RustEngine
+    from royalegym.env import ClashParallelEnv, ClashSelfPlayVecEnv
+    from royalegym.obs import SpatialObsBuilder
+    b = SpatialObsBuilder(card_identity=True)
+    vec = ClashSelfPlayVecEnv(1, functools.partial(ClashParallelEnv, engine=RustEngine(), obs_builder=b), viser=None)
+    space = vec.single_observation_space
+    geo = P.geometry_from_env(space, b)
+    o, _ = vec.reset(seed=1)
+    vec.close()
+    assert geo.card_id_channels == space["card_ids"].shape[0] and geo.card_id_vocab == int(space["card_ids"].high.max()) + 1
+    obs = to_obs([o])._replace(card_ids=torch.from_numpy(o["card_ids"]).long())
+    ac = P.ActorCritic(geo, tiny_net(), master_seed=0)
+    S, H, W = geo.spatial_shape
+    assert ac.actor_trunk.in_channels == S + geo.hand_size + 2 + 8 + geo.card_id_channels * P.CARD_ID_EMBED
+    assert ac.logits(obs).shape == (2, geo.n_actions)
+    assert (ac.actor_trunk.card_ids.weight[0] == 0).all()          # index 0 is an empty tile
+    assert "card_id_embed" in P.arch_description(geo, tiny_net())
+
+
+def test_the_two_geometries_differ_by_one_plane_and_their_arch_digests_differ():
+    g1, _ = env_sample("default")
+    g2, _ = env_sample("spell_aim")
+    assert g2.spatial_shape[0] == g1.spatial_shape[0] + 1
+    assert P.arch_digest(g1, tiny_net()) != P.arch_digest(g2, tiny_net())
+
+
+def test_a_missing_hand_field_is_refused_naming_it():
+    geo, _ = env_sample("default")
+    bad = P.NetGeometry(**{**{f: getattr(geo, f) for f in geo.__struct_fields__},
+                           "vector_layout": tuple((("renamed" if k == P.HAND_COST else k), w) for k, w in geo.vector_layout)})
+    with pytest.raises(P.ConfigError, match="own_hand_cost"):
+        P.ActorCritic(bad, tiny_net(), master_seed=0)
+
+
+def test_a_masked_logit_gets_zero_gradient_through_the_network_and_entropy_never_reaches_the_critic():
+    geo, batches = env_sample("default")
+    obs = to_obs(batches[5:8])
+    ac = P.ActorCritic(geo, tiny_net(), master_seed=2)
+    logits = ac.logits(obs)
+    logits.retain_grad()
+    d = P.MaskedCategorical(logits, obs.mask)
+    (d.entropy().mean() * 0.01 + d.noop_entropy().mean() * 0.02).backward()
+    assert (logits.grad[~obs.mask] == 0.0).all()
+    assert all(p.grad is None or (p.grad == 0).all() for p in ac.critic_parameters())
+    assert any(p.grad is not None and (p.grad != 0).any() for p in ac.actor_parameters())
+
+
+def test_entropy_gradient_into_the_critic_is_zero_even_with_a_shared_trunk_value_head():
+    geo, batches = env_sample("default")
+    obs = to_obs(batches[5:7])
+    ac = P.ActorCritic(geo, tiny_net(separate_trunks=False), master_seed=2)
+    d = ac.dist(obs)
+    d.entropy().mean().backward()
+    assert all(p.grad is None or (p.grad == 0).all() for p in ac.critic_parameters())
+
+
+def test_init_is_a_function_of_the_seed_and_follows_the_spec_gains():
+    geo, _ = env_sample("default")
+    a, b, c = (P.ActorCritic(geo, tiny_net(), s) for s in (5, 5, 6))
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert any(not torch.equal(sa[k], sc[k]) for k in sa)
+    # orthogonal with gain g: W W^T = g^2 I for a wide matrix
+    w = a.policy.noop.weight
+    assert torch.allclose(w @ w.T, torch.full((1, 1), 0.01 ** 2), rtol=1e-4)
+    assert all((m.bias == 0).all() for m in a.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)))
+
+
+def test_loading_a_mismatched_architecture_is_refused_by_name():
+    geo, _ = env_sample("default")
+    ac = P.ActorCritic(geo, tiny_net(channels=12), master_seed=0)
+    saved = P.arch_description(geo, tiny_net())
+    with pytest.raises(P.ArchMismatch, match="channels: saved 8 vs model 12"):
+        P.check_arch(saved, ac, "checkpoint x")
+    g2, _ = env_sample("spell_aim")
+    with pytest.raises(P.ArchMismatch, match="geometry.spatial_shape"):
+        P.check_arch(P.arch_description(g2, tiny_net(channels=12)), ac, "checkpoint y")
+
+
+# --- 5. GAE and the return scaler -----------------------------------------------------------------
+
+
+def _gae_inputs(T=48, R=12, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    rew = torch.randn(T, R, generator=g, dtype=dtype)
+    val = torch.randn(T + 1, R, generator=g, dtype=dtype)
+    fin = torch.randn(T, R, generator=g, dtype=dtype)
+    term = torch.rand(T, R, generator=g) < 0.1
+    trunc = torch.rand(T, R, generator=g) < 0.1
+    # every boundary case, planted: slot 0 ends by termination on the last cycle, slot 1 by
+    # truncation on the last cycle, slot 2 mid-episode at the last cycle, slot 3 both flags at
+    # once, slot 4 ends on cycle 0, slot 5 ends on every cycle, slot 6 never ends.
+    for s in range(7):
+        term[:, s] = False
+        trunc[:, s] = False
+    term[-1, 0] = True
+    trunc[-1, 1] = True
+    term[T // 2, 3] = trunc[T // 2, 3] = True
+    term[0, 4] = True
+    term[::2, 5] = True
+    trunc[1::2, 5] = True
+    return rew, val, fin, term, trunc
+
+
+def test_gae_equals_the_per_slot_reference_across_every_boundary_case():
+    for seed, (gamma, lam) in enumerate([(0.997, 0.99), (0.99, 0.95), (1.0, 1.0), (0.5, 0.0)]):
+        rew, val, fin, term, trunc = _gae_inputs(seed=seed)
+        adv, ret = P.gae(rew, val, fin, term, trunc, gamma, lam)
+        radv, rret = P.reference_gae(rew.tolist(), val.tolist(), fin.tolist(), term.tolist(), trunc.tolist(), gamma, lam)
+        assert np.abs(adv.numpy() - np.array(radv)).max() < 1e-6
+        assert np.abs(ret.numpy() - np.array(rret)).max() < 1e-6
+    # float32, the production dtype, against the float64 reference
+    rew, val, fin, term, trunc = _gae_inputs(seed=9)
+    adv32, _ = P.gae(rew.float(), val.float(), fin.float(), term, trunc, 0.997, 0.99)
+    radv, _ = P.reference_gae(rew.tolist(), val.tolist(), fin.tolist(), term.tolist(), trunc.tolist(), 0.997, 0.99)
+    assert np.abs(adv32.double().numpy() - np.array(radv)).max() < 1e-4
+
+
+def test_gae_bootstraps_zero_on_termination_final_value_on_truncation_and_next_value_otherwise():
+    rew, val, fin, term, trunc = _gae_inputs(T=4, R=7)
+    adv, _ = P.gae(rew, val, fin, term, trunc, 0.9, 0.8)
+    T = 4
+    assert adv[-1, 0] == rew[-1, 0] - val[T - 1, 0]                                    # terminated: boot 0
+    assert torch.isclose(adv[-1, 1], rew[-1, 1] + 0.9 * fin[-1, 1] - val[T - 1, 1])   # truncated: final_value
+    assert torch.isclose(adv[-1, 2], rew[-1, 2] + 0.9 * val[T, 2] - val[T - 1, 2])    # mid-episode: V(s_T)
+    # an episode end stops the recursion: cycle 0 of slot 4 ignores everything after it
+    assert adv[0, 4] == rew[0, 4] - val[0, 4]
+
+
+def test_welford_scaler_matches_numpy_and_never_subtracts_the_mean():
+    rng = np.random.default_rng(0)
+    chunks = [rng.normal(3.0, 2.0, size=n) for n in (1, 7, 100, 33)]
+    s = P.WelfordReturnScaler(reward_clip=10.0)
+    for c in chunks:
+        s.update(c)
+    allx = np.concatenate(chunks)
+    assert s.count == allx.size and abs(s.mean - allx.mean()) < 1e-12
+    assert abs(s.std - allx.std(ddof=1)) < 1e-12
+    r = np.array([[1.0, -1.0], [0.0, 1000.0]])
+    scaled, frac = s.scale(r)
+    assert np.allclose(scaled[0], r[0] / allx.std(ddof=1)) and scaled[1, 1] == 10.0 and frac == 0.25
+    s2 = P.WelfordReturnScaler()
+    s2.load_state(json.loads(json.dumps(s.state())))
+    assert s2.state() == s.state()
+
+
+def test_discounted_return_to_go_is_cut_at_an_episode_end():
+    r = np.array([[1.0], [1.0], [1.0], [1.0]])
+    ended = np.array([[False], [True], [False], [False]])
+    out = P.discounted_return_per_episode(r, ended, 0.5)
+    assert out[:, 0].tolist() == [1.5, 1.0, 1.5, 1.0]   # the episode ending at t=1 never sees t=2's reward
+
+
+# --- 6. the PPO update -----------------------------------------------------------------------------
+
+
+def make_data(kind="default", n_batches=(0, 14), seed=0, perturb=0.3, geo_net=None):
+    """Real observations; old log-probs = the model's own plus noise on choice rows (forced rows
+    keep exactly 0.0, as rollout stores them); random advantages and returns."""
+    geo, batches = env_sample(kind)
+    obs = to_obs(batches[n_batches[0]:n_batches[1]])
+    net = geo_net or tiny_net()
+    ac = P.ActorCritic(geo, net, master_seed=seed)
+    n = obs.vector.shape[0]
+    g = torch.Generator().manual_seed(seed + 100)
+    u = torch.rand(n, generator=g)
+    with torch.no_grad():
+        d = ac.dist(obs)
+        a = d.sample(u)
+        lp = d.log_prob(a)
+    nl = obs.mask.sum(-1)
+    noise = torch.randn(n, generator=g) * perturb * (nl > 1)
+    adv = torch.randn(n, generator=g)
+    ret = torch.randn(n, generator=g)
+    data = P.TensorData(obs, a, lp + noise, adv, ret, labels=[f"cycle {i // 4} slot {i % 4}" for i in range(n)])
+    return geo, net, data
+
+
+def _grads(geo, net, data, ppo, seed=0, order=None):
+    ac = P.ActorCritic(geo, net, master_seed=seed)
+    acc = P._Acc(1)
+    idx = np.arange(data.n) if order is None else order
+    P.accumulate_batch(ac, data, idx, ppo, 0.01, 0.02, acc, debug=True)
+    return ac, {k: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for k, p in ac.named_parameters()}
+
+
+def _maxdiff(a, b):
+    """Largest difference relative to each tensor's scale (floored at 1): float32 sums in a
+    different order differ by ~1e-7 relative, so a gradient of magnitude 10 differs by ~1e-6
+    in absolute terms with nothing wrong [M: 1.0e-5 on a stem weight of max 9.7]."""
+    return max(float((a[k] - b[k]).abs().max()) / max(1.0, float(b[k].abs().max())) for k in a)
+
+
+def _reference_grads(geo, net, data, ppo, mode, seed=0):
+    """The full-batch loss written out directly (spec 9.5 / 18.1), one backward."""
+    ac = P.ActorCritic(geo, net, master_seed=seed)
+    m = data.gather(np.arange(data.n))
+    d = ac.dist(m.obs)
+    obj = P.clipped_surrogate(torch.exp(d.log_prob(m.action) - m.log_prob), m.adv, ppo.clip_range, ppo.dual_clip_c)
+    ent, ent2 = d.entropy(), d.noop_entropy()
+    ch = m.n_legal > 1
+    if mode == "critic_only_choice_mean":
+        actor = -obj[ch].mean() - 0.01 * ent[ch].mean() - 0.02 * ent2[ch].mean()
+    else:
+        actor = -obj.mean() - 0.01 * ent.mean() - 0.02 * ent2.mean()
+    (actor + ppo.vf_coef * ((ac.value(m.obs) - m.ret) ** 2).mean()).backward()
+    return {k: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for k, p in ac.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", P.FORCED_ROWS)
+def test_accumulated_gradient_equals_the_full_batch_gradient(mode):
+    geo, net, data = make_data()
+    nl = data.n_legal
+    assert (nl == 1).any() and (nl > 1).any(), "the sample must hold both forced and choice rows"
+    N = data.n
+    full = P.PPOArgs(forced_rows=mode, batch_size=N, minibatch_size=N)
+    small = P.PPOArgs(forced_rows=mode, batch_size=N, minibatch_size=9)   # N is not a multiple of 9
+    assert N % 9
+    _, g_full = _grads(geo, net, data, full)
+    _, g_small = _grads(geo, net, data, small, order=np.random.default_rng(1).permutation(N))
+    ref = _reference_grads(geo, net, data, full, mode)
+    assert _maxdiff(g_small, g_full) < 1e-5
+    assert _maxdiff(g_small, ref) < 1e-5
+    assert max(float(v.abs().max()) for v in ref.values()) > 1e-3   # the comparison is not of zeros
+
+
+def test_critic_only_gives_the_same_gradient_as_all_because_forced_rows_carry_none():
+    geo, net, data = make_data()
+    _, g_all = _grads(geo, net, data, P.PPOArgs(forced_rows="all", batch_size=data.n, minibatch_size=16))
+    _, g_co = _grads(geo, net, data, P.PPOArgs(forced_rows="critic_only", batch_size=data.n, minibatch_size=16))
+    assert _maxdiff(g_all, g_co) < 1e-5
+
+
+def test_the_dual_clip_binds_only_for_negative_advantages():
+    r = torch.tensor([0.1, 1.0, 1.1, 5.0, 100.0])
+    pos = P.clipped_surrogate(r, torch.ones(5), 0.2, 3.0)
+    neg = P.clipped_surrogate(r, -torch.ones(5), 0.2, 3.0)
+    assert pos.tolist() == pytest.approx([0.1, 1.0, 1.1, 1.2, 1.2])       # plain PPO clip, no floor
+    assert neg.tolist() == pytest.approx([-0.8, -1.0, -1.1, -3.0, -3.0])  # floored at c * A = -3
+    plain = torch.min(r * -1, r.clamp(0.8, 1.2) * -1)
+    assert (neg != plain).tolist() == [False, False, False, True, True]
+
+
+def test_ratio_one_gives_exactly_minus_mean_advantage():
+    adv = torch.randn(257, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(-P.clipped_surrogate(torch.ones(257), adv, 0.2, 3.0).mean(), -adv.mean())
+    # and through the update: old log-probs equal to the model's own, one batch, no entropy
+    geo, net, data = make_data(perturb=0.0)
+    ppo = P.PPOArgs(forced_rows="all", batch_size=data.n, minibatch_size=data.n, n_epochs=1)
+    ac = P.ActorCritic(geo, net, master_seed=0)
+    acc = P._Acc(1)
+    assert P.ratio_invariant(ac, data, np.arange(data.n), data.n, check=True, atol=0.0) == 0.0
+    P.accumulate_batch(ac, data, np.arange(data.n), ppo, 0.0, 0.0, acc)
+    assert float(acc.s["policy_obj_all"]) / data.n == pytest.approx(float(data.adv.mean()), abs=1e-6)
+
+
+def test_mask_asserts_fire_on_a_mismatched_mask():
+    geo, net, data = make_data(perturb=0.0)
+    ppo = P.PPOArgs(forced_rows="all", batch_size=data.n, minibatch_size=8)
+    forced = np.flatnonzero(data.n_legal == 1)
+    bad = P.TensorData(data.obs, data.action.clone(), data.log_prob, data.adv, data.ret, labels=data.labels)
+    bad.action[forced[0]] = int(torch.nonzero(~data.obs.mask[forced[0]])[0])   # an action its mask forbids
+    with pytest.raises(P.StoredActionIllegal, match=data.labels[forced[0]]):
+        P.accumulate_batch(P.ActorCritic(geo, net, 0), bad, np.arange(data.n), ppo, 0.0, 0.0, P._Acc(1))
+    wrong = data.n_legal_t.clone()
+    wrong[forced[0]] += 1
+    bad2 = P.TensorData(data.obs, data.action, data.log_prob, data.adv, data.ret, n_legal=wrong, labels=data.labels)
+    with pytest.raises(P.MaskCountMismatch, match=data.labels[forced[0]]):
+        P.accumulate_batch(P.ActorCritic(geo, net, 0), bad2, np.arange(data.n), ppo, 0.0, 0.0, P._Acc(1))
+    lp = data.log_prob.clone()
+    lp[3] = float("-inf")
+    bad3 = P.TensorData(data.obs, data.action, lp, data.adv, data.ret, labels=data.labels)
+    with pytest.raises(P.NonFiniteLogProb, match=data.labels[3]):
+        P.accumulate_batch(P.ActorCritic(geo, net, 0), bad3, np.arange(data.n), ppo, 0.0, 0.0, P._Acc(1))
+
+
+def test_the_ratio_invariant_fires_naming_the_worst_sample():
+    geo, net, data = make_data(perturb=0.0)
+    choice = int(np.flatnonzero(data.n_legal > 1)[0])
+    lp = data.log_prob.clone()
+    lp[choice] -= 0.5
+    bad = P.TensorData(data.obs, data.action, lp, data.adv, data.ret, labels=data.labels)
+    perm = np.random.default_rng(0).permutation(data.n)
+    with pytest.raises(P.RatioInvariantError, match=re.escape(data.labels[choice])):
+        P.ratio_invariant(P.ActorCritic(geo, net, 0), bad, perm, data.n, check=True, atol=1e-4)
+    # measured and returned, not raised, outside the checked iterations
+    dev = P.ratio_invariant(P.ActorCritic(geo, net, 0), bad, perm, data.n, check=False, atol=1e-4)
+    assert dev == pytest.approx(math.exp(0.5) - 1, rel=1e-4)
+    # and through the update, before any step, whatever forced_rows is
+    for mode in P.FORCED_ROWS:
+        ppo = P.PPOArgs(forced_rows=mode, batch_size=data.n, minibatch_size=data.n)
+        ac = P.ActorCritic(geo, net, 0)
+        oa, oc = P.make_optimizers(ac, ppo)
+        with pytest.raises(P.RatioInvariantError):
+            P.ppo_update(ac, oa, oc, bad, ppo, ent_coef=0.0, ent_coef_noop=0.0, master_seed=0, iteration=0,
+                         debug=True, check_ratio=True, ratio_atol=1e-4)
+
+
+def test_the_backoff_fires_after_exactly_patience_breaches():
+    b = P.LrBackoff(P.LrBackoffArgs(kl_threshold=0.02, patience=3, factor=0.5, lr_min=2e-5), 1e-4, 2e-4)
+    fired = [b.observe(k) for k in [0.03, 0.03, 0.01, 0.03, 0.03, 0.03, 0.03, 0.03, 0.03]]
+    assert fired == [False, False, False, False, False, True, False, False, True]
+    assert b.lr_actor == 2.5e-5 and b.lr_critic == 5e-5
+    for _ in range(9):
+        b.observe(1.0)
+    assert b.lr_actor == 2e-5 and b.lr_critic == 2e-5   # floored
+
+
+@pytest.mark.parametrize("mode", P.FORCED_ROWS)
+def test_an_update_drops_nothing_steps_once_per_batch_and_moves_the_actor(mode):
+    geo, net, data = make_data(perturb=0.0)
+    ppo = P.PPOArgs(forced_rows=mode, batch_size=16, minibatch_size=8, n_epochs=2, lr_actor=1e-3, lr_critic=1e-3)
+    ac = P.ActorCritic(geo, net, master_seed=0)
+    oa, oc = P.make_optimizers(ac, ppo)
+    out = P.ppo_update(ac, oa, oc, data, ppo, ent_coef=0.01, ent_coef_noop=0.02, master_seed=1, iteration=0,
+                       debug=True, check_ratio=True, ratio_atol=1e-4)
+    assert out["ppo/optimizer_steps"] == 2 * math.ceil(data.n / 16)
+    n_choice = int((data.n_legal > 1).sum())
+    assert out["ppo/actor_rows"] == (data.n if mode == "all" else n_choice) * 2
+    assert out["ppo/forced_frac"] == pytest.approx(1 - n_choice / data.n)
+    assert out["ppo/ratio_max_abs_dev"] <= 1e-4
+    assert out["ppo/update_magnitude_actor"] > 0 and out["ppo/kl"] > 0
+    assert all(math.isfinite(v) for v in out.values())
+    assert oa.state[ac.actor_parameters()[0]]["step"] == out["ppo/optimizer_steps"]
+
+
+def test_schedules_are_in_env_steps():
+    lin = P.Schedule("linear", 0.01, 0.003, 1000)
+    geo = P.Schedule("geometric", 0.997, 0.999, 1000)
+    assert lin.value(0) == 0.01 and lin.value(500) == pytest.approx(0.0065) and lin.value(5000) == 0.003
+    assert geo.value(1000) == pytest.approx(0.999) and geo.value(500) == pytest.approx(math.sqrt(0.997 * 0.999))
+    assert P.Schedule("constant", 0.2, 9.0, 1).value(1e9) == 0.2
+
+
+# --- 7. iteration invariants --------------------------------------------------------------------
+
+
+def _healthy_iteration(T=6, R=4):
+    return dict(rounds=T, expected_rounds=T, trainable=np.ones((T, R), bool), timesteps_per_iteration=T * R,
+                log_prob=np.full((T, R), -1.0, np.float32), action_legal=np.ones((T, R), bool),
+                deploy_status=np.zeros((T, R), np.int8), episode_end=np.zeros((T, R), bool),
+                group=np.full((T, R), -1, np.int8), discarded_rows_frac=0.0, expected_discarded_frac=0.0,
+                action=np.ones((T, R), np.int16), n_legal=np.full((T, R), 5))
+
+
+@pytest.mark.parametrize("exc,change", [
+    (P.RoundsMissing, dict(rounds=5)),
+    (P.TrainableRowsShort, dict(timesteps_per_iteration=1000)),
+    (P.NonFiniteLogProb, dict(log_prob=np.where(np.eye(6, 4, dtype=bool), np.nan, -1.0))),
+    (P.StoredActionIllegal, dict(action_legal=~np.eye(6, 4, dtype=bool))),
+    (P.DeployRefused, dict(deploy_status=np.eye(6, 4, dtype=np.int8))),
+    (P.EpisodesUnpaired, dict(episode_end=np.eye(6, 4, dtype=bool))),
+    (P.MixtureDrifted, dict(discarded_rows_frac=0.2)),
+    (P.AssignmentInsideEpisode, dict(group=np.where(np.arange(6)[:, None] >= 3, 0, -1).repeat(4, 1).astype(np.int8))),
+    (P.ForcedRowInconsistent, dict(n_legal=np.where(np.eye(6, 4, dtype=bool), 1, 5))),
+])
+def test_each_iteration_invariant_raises_its_named_exception_with_the_cell(exc, change):
+    P.check_iteration(**_healthy_iteration())   # the healthy one passes
+    with pytest.raises(exc) as ei:
+        P.check_iteration(**{**_healthy_iteration(), **change})
+    if exc not in (P.RoundsMissing, P.TrainableRowsShort, P.MixtureDrifted):
+        assert "cycle" in str(ei.value) and "slot" in str(ei.value)
+    # a group change right after an episode end is legal
+    ok = _healthy_iteration()
+    ok["episode_end"][2, :] = True
+    ok["group"][3:, :] = 0
+    P.check_iteration(**ok)
+
+
+# --- 8. arguments and profiles ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag,nearest", [
+    ("--master-sed", "--master-seed"),
+    ("--ppo.clip-rang", "--ppo.clip-range"),
+    ("--ppo.lr-backoff.patiense", "--ppo.lr-backoff.patience"),
+    ("--ppo.ent-coef.strat", "--ppo.ent-coef.start"),
+    ("--ladder.gate.champion-gamez", "--ladder.gate.champion-games"),
+])
+def test_a_cli_typo_is_refused_at_every_depth_naming_the_nearest_flag(flag, nearest):
+    with pytest.raises(P.ConfigError) as ei:
+        P.parse_args(["--profile", "smoke", flag, "1"])
+    assert repr(flag) in str(ei.value) and repr(nearest) in str(ei.value)
+
+
+@pytest.mark.parametrize("doc,key,nearest", [
+    ({"master_sed": 1}, "master_sed", "master_seed"),
+    ({"ppo": {"clip_rang": 0.1}}, "ppo.clip_rang", "clip_range"),
+    ({"ppo": {"lr_backoff": {"patiense": 2}}}, "ppo.lr_backoff.patiense", "patience"),
+    ({"ladder": {"gate": {"champion_gamez": 2}}}, "ladder.gate.champion_gamez", "champion_games"),
+])
+def test_a_config_file_typo_is_refused_at_every_depth_naming_the_key(tmp_path, doc, key, nearest):
+    f = tmp_path / "run.json"
+    f.write_text(json.dumps(doc))
+    with pytest.raises(P.ConfigError) as ei:
+        P.parse_args(["--config", str(f)])
+    assert repr(key) in str(ei.value) and nearest in str(ei.value) and str(f) in str(ei.value)
+
+
+def test_config_round_trips_through_canonical_json_and_flags_override_the_profile(tmp_path):
+    a = P.parse_args(["--profile", "cpu", "--ppo.lr-actor", "3e-4", "--net.no-coord-conv"])
+    assert a.ppo.lr_actor == 3e-4 and a.net.coord_conv is False and a.net.channels == P.profile_args("cpu").net.channels
+    f = tmp_path / "run.json"
+    f.write_bytes(P.config_json(a))
+    b = P.parse_args(["--config", str(f)])
+    assert P.config_json(b) == P.config_json(a)
+    c = P.parse_args(["--config", str(f), "--ppo.n-epochs", "5"])   # a flag beats the file
+    assert c.ppo.n_epochs == 5 and c.ppo.lr_actor == 3e-4
+    f.write_text(json.dumps({"profile": "smoke", "ppo": {"n_epochs": 4}}))   # a partial file: its profile's preset
+    d = P.parse_args(["--config", str(f)])
+    assert d.profile == "smoke" and d.net.channels == P.profile_args("smoke").net.channels and d.ppo.n_epochs == 4
+
+
+def _leaves(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+@pytest.mark.parametrize("name", P.PROFILES)
+def test_every_profile_is_consistent_and_the_big_ones_differ_only_in_numbers(name):
+    a = P.profile_args(name)
+    P.check_consistency(a)
+    base, mine = _leaves(P.args_to_dict(P.profile_args("laptop"))), _leaves(P.args_to_dict(a))
+    assert set(base) == set(mine)
+    diff = {k for k in base if base[k] != mine[k]} - {"profile"}
+    assert diff or name == "laptop"
+    if name in ("workstation", "many_core"):
+        assert all(isinstance(mine[k], (int, float)) and not isinstance(mine[k], bool) for k in diff), diff
+
+
+@pytest.mark.parametrize("name", ["cpu", "smoke"])
+def test_the_cpu_profiles_are_sized_so_the_actor_moves(name):
+    """DESIGN.md section 3: 4 optimizer steps an iteration at adam_eps 1e-5 never moved the
+    actor; 24 steps, lr 5e-4, adam_eps 1e-8 did."""
+    p = P.profile_args(name).ppo
+    steps = p.n_epochs * math.ceil(p.timesteps_per_iteration / p.batch_size)
+    assert steps >= 12 and p.adam_eps == 1e-8 and p.lr_actor >= 5e-4
+    assert P.profile_args(name).net.device == "cpu"
+
+
+def test_refusals_that_need_two_fields():
+    with pytest.raises(P.ConfigError, match="separate_trunks"):
+        P.parse_args(["--profile", "smoke", "--net.no-separate-trunks"])
+    P.parse_args(["--profile", "smoke", "--net.no-separate-trunks", "--ppo.forced-rows", "all"])
+    with pytest.raises(P.ConfigError, match="overlap"):
+        P.parse_args(["--profile", "smoke", "--rollout.overlap"])
+    with pytest.raises(P.ConfigError, match="unknown profile 'laptp'.*'laptop'"):
+        P.parse_args(["--profile", "laptp"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_a_cuda_profile_without_cuda_names_the_cpu_profile():
+    with pytest.raises(P.ConfigError, match="--profile cpu"):
+        P.resolve_device(P.profile_args("laptop"))
+    assert P.resolve_device(P.profile_args("cpu")).type == "cpu"
+
+
+# --- 9. run identity -----------------------------------------------------------------------------------
+
+
+def _facts(**kw):
+    eb = P.EngineBuild("RustEngine", "cal", "build", "cat", None, [], "bin")
+    d = dict(engine_build=eb, env_spec_digest="env", obs_digest="obs", action_digest="act", codec_version=1,
+             codec_table_digest="tab", royalegym_version="0.x")
+    d.update(kw)
+    return P.EnvFacts(**d)
+
+
+def _rid(args, facts=None, device="cpu", arch="arch", T=10, R=8):
+    return P.run_id(P.make_identity(args, facts or _facts(), arch=arch, T=T, R=R, device=device))
+
+
+INCLUDED = {
+    "master_seed": 7, "rollout.workers": 2, "rollout.games_per_worker": 5, "rollout.shards_per_worker": 2,
+    "ppo.timesteps_per_iteration": 999, "determinism.tier": "throughput", "ppo.clip_range": 0.1,
+    "ppo.forced_rows": "all", "ppo.adam_eps": 1e-5, "advantage.gae_lambda": 0.95, "net.autocast_dtype": "bfloat16",
+    "obs.frame_stack": 2, "ladder.pfsp_power": 1.0,
+}
+EXCLUDED = {
+    "run_name": "other", "runs_dir": "elsewhere", "metrics.wandb": True, "metrics.wandb_project": "x",
+    "metrics.console_full_row": True, "checkpoint.keep": 3, "alarms.kl_high": 0.5,
+    "alarms.noop_collapse_severe": 1.0, "alarms.clip_pinned": 0.9,
+}
+
+
+@pytest.mark.parametrize("path,value", list(INCLUDED.items()))
+def test_each_identity_included_field_changes_run_id(path, value):
+    a, b = P.profile_args("smoke"), P.profile_args("smoke")
+    P._set(b, path, value)
+    assert _rid(a) != _rid(b)
+
+
+@pytest.mark.parametrize("path,value", list(EXCLUDED.items()))
+def test_each_identity_excluded_field_leaves_run_id_alone(path, value):
+    a, b = P.profile_args("smoke"), P.profile_args("smoke")
+    P._set(b, path, value)
+    assert _rid(a) == _rid(b)
+
+
+def test_env_facts_device_arch_and_geometry_change_run_id_and_the_diff_names_them():
+    a = P.profile_args("smoke")
+    base = _rid(a)
+    eb = P.EngineBuild("RustEngine", "cal", "build", "cat", None, [], "OTHER")
+    assert _rid(a, facts=_facts(engine_build=eb)) != base
+    assert _rid(a, facts=_facts(codec_table_digest="t2")) != base
+    assert _rid(a, arch="arch2") != base and _rid(a, T=11) != base and _rid(a, device="meta") != base
+    i1 = P.make_identity(a, _facts(), arch="arch", T=10, R=8, device="cpu")
+    i2 = P.make_identity(a, _facts(engine_build=eb, obs_digest="o2"), arch="arch", T=10, R=8, device="cpu")
+    diff = P.identity_diff(i1, i2)
+    assert any(d.startswith("engine_build.binary_sha256") for d in diff) and any(d.startswith("obs_digest") for d in diff)
+    assert len(base) == 16 and int(base, 16) >= 0
+
+
+def test_engine_build_is_read_off_the_real_env_config():
+    from royalegym import RustEngine
+    from royalegym.env import ClashParallelEnv
+    cfg = ClashParallelEnv(engine=RustEngine()).config()
+    eb = P.engine_build_from_config(cfg, "RustEngine")
+    assert eb.calibration_digest == cfg["calibration_digest"] and eb.build_digest == cfg["build_digest"]
+    assert eb.binary_sha256 == cfg["engine"]["params"]["engine_binary_sha256"]
+
+
+# --- 10. checkpoints ----------------------------------------------------------------------------------
+
+
+def _trained(seed=0):
+    geo, net, data = make_data(perturb=0.0)
+    ppo = P.PPOArgs(forced_rows="critic_only", batch_size=32, minibatch_size=16, n_epochs=1)
+    ac = P.ActorCritic(geo, net, master_seed=seed)
+    oa, oc = P.make_optimizers(ac, ppo)
+    P.ppo_update(ac, oa, oc, data, ppo, ent_coef=0.01, ent_coef_noop=0.0, master_seed=0, iteration=0,
+                 debug=True, check_ratio=False, ratio_atol=1e-4)
+    sc = P.WelfordReturnScaler()
+    sc.update(np.arange(10.0))
+    return geo, net, ppo, ac, oa, oc, sc
+
+
+def _manifest_fields(digest):
+    return dict(run_id="r", run_name="n", identity={}, config={}, config_hash="h", iteration=1,
+                cumulative_env_steps=100, cumulative_timesteps=200, cumulative_model_updates=2, wall_seconds=1.0,
+                created_unix_ns=0, state_digest=digest, component_versions={"learner": 1})
+
+
+def test_a_checkpoint_round_trips_the_learner_byte_for_byte(tmp_path):
+    geo, net, ppo, ac, oa, oc, sc = _trained()
+    sched = {"gamma": 0.997, "lr_actor": 2e-4, "backoff": {"count": 1}}
+    digest = P.state_digest(ac, [oa, oc], sc, sched)
+    files = P.learner_files(ac, oa, oc, sc, sched, P.capture_rng(1, 1), {"cumulative_model_updates": 2})
+    P.write_checkpoint(tmp_path / "000000000100", files, _manifest_fields(digest))
+    assert not (tmp_path / "000000000100.partial").exists()
+    man, got = P.read_checkpoint(tmp_path / "000000000100")
+    ac2 = P.ActorCritic(geo, net, master_seed=99)
+    oa2, oc2 = P.make_optimizers(ac2, ppo)
+    sc2 = P.WelfordReturnScaler()
+    assert P.state_digest(ac2, [oa2, oc2], sc2, sched) != digest
+    sched2, rng, misc = P.load_learner(got, ac2, oa2, oc2, sc2)
+    assert P.state_digest(ac2, [oa2, oc2], sc2, sched2) == digest == man.state_digest
+    assert misc == {"cumulative_model_updates": 2} and rng.iteration == 1
+    for rel in man.files:   # nothing we wrote is a pickle (protocol marker) or a torch zip
+        head = (tmp_path / "000000000100" / rel).read_bytes()[:2]
+        assert head[:1] != b"\x80" and head != b"PK", rel
+    with pytest.raises(P.CheckpointFormatError, match="never overwritten"):
+        P.write_checkpoint(tmp_path / "000000000100", files, _manifest_fields(digest))
+
+
+def test_a_flipped_byte_in_a_checkpoint_is_detected_naming_the_file(tmp_path):
+    _, _, _, ac, oa, oc, sc = _trained()
+    files = P.learner_files(ac, oa, oc, sc, {}, P.capture_rng(1, 1), {})
+    d = tmp_path / "ck"
+    P.write_checkpoint(d, files, _manifest_fields("x"))
+    victim = d / "actor_critic" / "actor.safetensors"
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(P.CheckpointFormatError, match="actor.safetensors"):
+        P.read_checkpoint(d)
+    (d / "rng" / "rng.json").unlink()
+    victim.write_bytes(files["actor_critic/actor.safetensors"])
+    with pytest.raises(P.CheckpointFormatError, match="rng.json is listed in the manifest but missing"):
+        P.read_checkpoint(d)
+
+
+def test_a_checkpoint_from_another_architecture_is_refused_before_loading(tmp_path):
+    _, _, _, ac, oa, oc, sc = _trained()
+    files = P.learner_files(ac, oa, oc, sc, {}, P.capture_rng(1, 1), {})
+    geo, _ = env_sample("spell_aim")
+    other = P.ActorCritic(geo, tiny_net(), master_seed=0)
+    o1, o2 = P.make_optimizers(other, P.PPOArgs())
+    with pytest.raises(P.ArchMismatch, match="geometry.spatial_shape"):
+        P.load_learner(files, other, o1, o2, P.WelfordReturnScaler())
+
+
+def test_rng_state_capture_and_restore_continue_the_global_torch_stream():
+    st = P.capture_rng(5, 3)
+    a = torch.rand(4, generator=None)
+    P.restore_rng(msgspec_roundtrip(st))
+    b = torch.rand(4, generator=None)
+    assert torch.equal(a, b)
+
+
+def msgspec_roundtrip(st):
+    import msgspec
+    return msgspec.json.decode(msgspec.json.encode(st), type=P.RngState)
+
+
+# --- the whole source -------------------------------------------------------------------------------------
+
+GLOBAL_RNG = [
+    (re.compile(r"np\.random\.(?!Generator\b|PCG64\b|SeedSequence\b|default_rng\b)\w+"), "numpy global RNG"),
+    (re.compile(r"(?<![\w.])random\.\w+"), "python's global random"),
+    (re.compile(r"torch\.(rand|randn|randint|randperm|normal|bernoulli|multinomial)\((?![^)]*generator=)"),
+     "unseeded torch draw"),
+]
+
+
+def test_a_source_scan_finds_no_global_rng():
+    scripts = sorted(ROOT.glob("*.py"))
+    assert ROOT / "ppo_clash.py" in scripts
+    found = []
+    for path in scripts:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            for pat, what in GLOBAL_RNG:
+                if pat.search(code):
+                    found.append(f"{path.name}:{n}: {what}: {line.strip()}")
+    assert not found, "\n".join(found)
+    # the scan itself can fail: it catches each pattern it exists for
+    for bad in ("x = np.random.rand(3)", "random.shuffle(xs)", "torch.randn(3, 4)"):
+        assert any(p.search(bad) for p, _ in GLOBAL_RNG), bad
+    assert not any(p.search("np.random.Generator(np.random.PCG64(s))") for p, _ in GLOBAL_RNG)
+
+
+@pytest.mark.parametrize("mode", P.FORCED_ROWS)
+def test_a_second_update_on_fresh_log_probs_passes_the_ratio_check(mode):
+    """Regression: the check once ran inside the first batch whose actor ran; under critic_only a
+    first batch without choice rows had already stepped Adam, whose momentum moved the actor, and
+    iteration 2 of the smoke profile failed at 3.5e-4 with nothing wrong."""
+    geo, net, data = make_data(perturb=0.0)
+    ppo = P.PPOArgs(forced_rows=mode, batch_size=4, minibatch_size=4, n_epochs=1, lr_actor=1e-3)
+    ac = P.ActorCritic(geo, net, master_seed=0)
+    oa, oc = P.make_optimizers(ac, ppo)
+    kw = dict(ent_coef=0.01, ent_coef_noop=0.02, master_seed=0, debug=True, check_ratio=True, ratio_atol=1e-4)
+    P.ppo_update(ac, oa, oc, data, ppo, iteration=0, **kw)
+    with torch.no_grad():   # "collect" again with the updated weights
+        lp = ac.dist(data.obs).log_prob(data.action)
+    fresh = P.TensorData(data.obs, data.action, lp, data.adv, data.ret, labels=data.labels)
+    out = P.ppo_update(ac, oa, oc, fresh, ppo, iteration=1, **kw)
+    assert out["ppo/ratio_max_abs_dev"] <= 1e-4
+
+
+# --- 11. the loop's pieces -------------------------------------------------------------------------------
+
+
+def test_a_one_row_unpack_equals_that_row_of_a_batch():
+    """The codec's B = k = 1 odd-stride case with an explicit frame axis, on real packed rows."""
+    import codec
+    geo, batches = env_sample("default")
+    from royalegym.obs import SpatialObsBuilder
+    from royalegym import RustEngine
+    from royalegym.env import ClashParallelEnv, ClashSelfPlayVecEnv
+    vec = ClashSelfPlayVecEnv(2, functools.partial(ClashParallelEnv, engine=RustEngine(), obs_builder=SpatialObsBuilder()), viser=None)
+    table = codec.decide_table(vec.single_observation_space, vec.envs[0].obs_builder.spatial_layout(), batches[:8])
+    vec.close()
+    out = np.zeros((4, table.row_bytes), np.uint8)
+    codec.Packer(table).pack(batches[6], out, 0)
+    statics = torch.as_tensor(codec.static_planes(table, batches[0]))
+    seat = torch.tensor([0, 1, 0, 1])
+    whole = codec.unpack(table, torch.as_tensor(out[:, None]), statics, seat, None)
+    one = codec.unpack(table, torch.as_tensor(out[1:2, None]), statics, seat[1:2], None)
+    assert one.vector.shape[0] == 1
+    assert torch.equal(one.spatial[0], whole.spatial[1]) and torch.equal(one.mask[0], whole.mask[1])
+    assert torch.equal(one.vector[0], whole.vector[1])
+
+
+def test_frame_stack_rows_and_liveness():
+    """k = 2: the stack of cycle t is rows t, t+1 (cycle t's observation is row t+k-1); a frame
+    from before the episode's first cycle is dead (zeroed at unpack)."""
+    k = 2
+    assert P.frame_stack_rows(np.array([0, 5]), k).tolist() == [[0, 1], [5, 6]]
+    last_start = np.zeros((6 + k, 2), np.int64)
+    last_start[k - 1 + 3, 0] = 3        # slot 0: an episode began at cycle 3
+    fv = P.frame_valid(last_start, np.array([3, 2, 3]), np.array([0, 0, 1]), k)
+    assert fv.tolist() == [[False, True], [True, True], [True, True]]
+    assert P.frame_valid(np.zeros((1 + k, 1), np.int64), np.array([0]), np.array([0]), k).tolist() == [[False, True]]
+
+
+def test_latest_checkpoint_reads_manifests_and_survives_strays(tmp_path):
+    ck = tmp_path / "checkpoints"
+    for steps in (64, 1280, 128):
+        d = ck / f"{steps:012d}"
+        d.mkdir(parents=True)
+        (d / "manifest.json").write_text(json.dumps({"cumulative_env_steps": steps}))
+    (ck / "000000009999.partial").mkdir()
+    (ck / "notes.txt").write_text("stray")
+    (ck / "000000099999").mkdir()   # no manifest: a write that never finished
+    assert P.latest_checkpoint(tmp_path).name == "000000001280"
+
+
+# --- 11. the loop, end to end ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_smoke_run_of_three_iterations_end_to_end(tmp_path):
+    """The smoke profile on the inline farm: three rows, nothing non-finite, no illegal action,
+    the ratio invariant checked every iteration (debug window), and a final checkpoint whose
+    manifest verifies and carries the last row's state_digest."""
+    args = P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path)])
+    run = P.train(args, quiet=True)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["run/iteration"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["health/illegal_action_rate"] == 0.0
+        assert r["health/buffer_fill_frac"] == 1.0 and r["health/samples_unused_frac"] == 0.0
+        assert r["ppo/ratio_max_abs_dev"] <= args.ppo.ratio_atol_fp32
+        nums = {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        assert all(math.isfinite(v) for v in nums.values()), {k: v for k, v in nums.items() if not math.isfinite(v)}
+    assert rows[-1]["run/cumulative_timesteps"] >= args.timestep_limit
+    (ck,) = sorted((run / "checkpoints").iterdir())
+    man, files = P.read_checkpoint(ck)
+    assert man.state_digest == rows[-1]["run/state_digest"] and man.iteration == 3
+    assert json.loads((run / "config.json").read_text())["profile"] == "smoke"
+    assert run.name.endswith(P.run_id(P.msgspec.json.decode((run / "identity.json").read_bytes(), type=P.RunIdentity)))
+    # the schema is the single source of truth: every emitted key in it, every unconditional key emitted
+    for r in rows:
+        assert [k for k in r if P.schema_entry(k) is None] == []
+        assert [k for k, v in P.SCHEMA.items() if not v[3] and not k.endswith("*") and k not in r] == []
+        assert [k for k, v in r.items() if v is None and not P.schema_entry(k)[3]] == []
+
+
+def test_alarms_fire_after_exactly_patience_and_a_missing_key_counts_nothing():
+    args = P.profile_args("smoke")
+    aset = P.AlarmSet(P.alarm_table(args))
+    hits = []
+    for cpm in [2.0, 2.0, None, 2.0, 2.0, 2.0, 9.0, 2.0]:
+        row = {"policy/cards_per_match": cpm, "ppo/kl": 0.01}
+        hits.append(sorted(a.name for a, _ in aset.evaluate(row)))
+    assert hits[5] == ["noop_collapse", "noop_collapse_severe"]          # the fifth breach, skipping the null
+    assert hits[:5] == [[]] * 5 and hits[6:] == [[], []]                   # a healthy row resets the count
+    fired = P.AlarmSet([]).evaluate({"ppo/value_loss": float("nan")})
+    assert [(a.name, a.severity, a.key) for a, _ in fired] == [("nonfinite", "halt", "ppo/value_loss")]
+
+
+@pytest.mark.slow
+def test_a_halt_leaves_its_row_checkpoint_and_bundle(tmp_path):
+    args = P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path), "--alarms.ratio-invariant-multiple", "-1"])
+    with pytest.raises(P.AlarmHalt, match="ratio_invariant") as ei:
+        P.train(args, quiet=True)
+    (run,) = tmp_path.iterdir()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["run/iteration"] for r in rows] == [1]                      # the halting row is on disk
+    (ck,) = (run / "checkpoints").iterdir()
+    man, _ = P.read_checkpoint(ck)
+    assert man.state_digest == rows[0]["run/state_digest"]                # the learner that row describes
+    halt = json.loads((run / "bundles" / "1" / "halt.json").read_text())
+    assert halt["alarm"] == "ratio_invariant" and halt["metric"] == "ppo/ratio_max_abs_dev"
+    assert halt["last_values"] == [rows[0]["ppo/ratio_max_abs_dev"]] and halt["checkpoint"] == str(ck)
+    assert halt["resume"] == f"python ppo_clash.py --resume {run} --checkpoint {ck}" and str(ck) in str(ei.value)
+    alarm_rows = [json.loads(x) for x in (run / "alarms.jsonl").read_text().splitlines()]
+    assert {"alarm": "ratio_invariant", "severity": "halt"}.items() <= alarm_rows[0].items()
+
+
+WALL_CLOCK = ("time/", "throughput/", "run/wall_seconds")
+
+
+@pytest.mark.slow
+def test_a_resumed_run_reproduces_the_original_rows_in_a_fresh_process(tmp_path):
+    """Spec 5.4 / 12.4: every episode is truncated after T decisions (obs.max_steps = T), so each
+    checkpoint falls on an episode boundary for every battle; a fresh process resumed from the
+    iteration-2 checkpoint reproduces rows 3 and 4 field for field (wall-clock fields aside),
+    state_digest included, and reaches the iteration-4 checkpoint with the same learner."""
+    import subprocess
+    import sys
+    flags = ["--profile", "smoke", "--runs-dir", str(tmp_path), "--ppo.timesteps-per-iteration", "48",
+             "--obs.max-steps", "8", "--checkpoint.every-env-steps", "64", "--timestep-limit", "192"]
+    run = P.train(P.parse_args(flags), quiet=True)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["run/iteration"] for r in rows] == [1, 2, 3, 4]
+    assert [r["run/cumulative_timesteps"] for r in rows] == [48, 96, 144, 192]   # T = 8, 6 learner rows
+    assert all(r["env/episodes_completed"] > 0 for r in rows)                    # every iteration ends episodes
+    cks = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert cks == ["000000000064", "000000000128"]
+    proc = subprocess.run([sys.executable, str(ROOT / "ppo_clash.py"), "--resume", str(run), "--checkpoint",
+                           str(run / "checkpoints" / "000000000064")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["run/iteration"] for r in after] == [1, 2, 3, 4, 3, 4]
+    for orig, again in zip(rows[2:], after[4:]):
+        keep = lambda r: {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)}  # noqa: E731
+        assert keep(orig) == keep(again)
+        assert orig["run/state_digest"] == again["run/state_digest"]
+    # a changed identity is refused by name
+    proc = subprocess.run([sys.executable, str(ROOT / "ppo_clash.py"), "--resume", str(run), "--master-seed", "5"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "master_seed: 20260921 -> 5" in proc.stderr
+    # ... and accepted under --allow-identity-drift, which writes drift.json and marks later rows
+    proc = subprocess.run([sys.executable, str(ROOT / "ppo_clash.py"), "--resume", str(run), "--master-seed", "5",
+                           "--allow-identity-drift", "--timestep-limit", "240"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "master_seed: 20260921 -> 5" in (run / "drift.json").read_text()
+    assert "resume: config differs from the checkpoint's: timestep_limit: 192 -> 240" in proc.stdout
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["run/iteration"] == 5 and last["run/resumed_with_drift"] is True
+
+
+def test_pruning_keeps_the_newest_by_manifest_and_leaves_strays(tmp_path):
+    ck = tmp_path / "checkpoints"
+    for steps in (64, 1280, 128, 640):
+        d = ck / f"{steps:012d}"
+        d.mkdir(parents=True)
+        (d / "manifest.json").write_text(json.dumps({"cumulative_env_steps": steps}))
+    (ck / "000000000001.partial").mkdir()
+    (ck / "notes.txt").write_text("stray")
+    removed = P.prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in removed) == ["000000000064", "000000000128"]
+    assert sorted(p.name for p in ck.iterdir()) == ["000000000001.partial", "000000000640", "000000001280", "notes.txt"]
+
+
+def test_the_sentinel_file_is_read_once_and_removed(tmp_path):
+    assert P._sentinel(tmp_path, quiet=True) == ""
+    (tmp_path / "control").write_text("q\n")
+    assert P._sentinel(tmp_path, quiet=True) == "q" and not (tmp_path / "control").exists()
+    (tmp_path / "control").write_text("c")
+    assert P._sentinel(tmp_path, quiet=True) == "c"
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_collecting_leaves_an_emergency_checkpoint_of_the_last_boundary(tmp_path, monkeypatch):
+    import farm
+    real = farm.InlineFarm.next_round
+
+    def interrupted(self, *a, **kw):
+        if self.iteration == 1 and self._cycle == 3:
+            raise KeyboardInterrupt
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(farm.InlineFarm, "next_round", interrupted)
+    args = P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path)])
+    with pytest.raises(KeyboardInterrupt):
+        P.train(args, quiet=True)
+    (run,) = tmp_path.iterdir()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["run/iteration"] for r in rows] == [1]
+    (ck,) = (run / "checkpoints").iterdir()
+    man, files = P.read_checkpoint(ck)
+    assert man.iteration == 1 and man.state_digest == rows[0]["run/state_digest"]
+    assert man.cumulative_env_steps == rows[0]["run/cumulative_env_steps"]
+
+
+@pytest.mark.slow
+def test_frame_stack_two_with_episodes_ending_mid_iteration_keeps_the_ratio_invariant(tmp_path):
+    """k = 2 and an episode end every 20 decisions: the rollout's stacks (history zeroed before an
+    episode's first cycle, carried across the iteration boundary) are exactly the update's, or the
+    ratio check of the debug window raises."""
+    args = P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path), "--obs.frame-stack", "2",
+                         "--obs.max-steps", "20"])
+    run = P.train(args, quiet=True, max_iterations=2)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["env/episodes_completed"] > 0 for r in rows)
+    assert all(r["ppo/ratio_max_abs_dev"] <= 1e-4 for r in rows)
+    geo_in = P.ActorCritic(P.geometry_from_env(*_space_and_builder(), frame_stack=2), args.net, 0).actor_trunk.in_channels
+    S, P_ = _space_and_builder()[0]["spatial"].shape[0], _space_and_builder()[0]["mask_planes"].shape[0]
+    assert geo_in == 2 * (S + P_) + 2 + args.net.vector_embed
+
+
+@functools.lru_cache(maxsize=None)
+def _space_and_builder():
+    from royalegym import RustEngine
+    from royalegym.env import ClashParallelEnv, ClashSelfPlayVecEnv
+    from royalegym.obs import SpatialObsBuilder
+    b = SpatialObsBuilder()
+    vec = ClashSelfPlayVecEnv(1, functools.partial(ClashParallelEnv, engine=RustEngine(), obs_builder=b), viser=None)
+    space = vec.single_observation_space
+    vec.close()
+    return space, b
+
+
+def test_the_viewer_datagram_sends_nothing_before_a_hello_then_the_whole_status():
+    """Plays the viewer with a plain socket (spec 13.1); imports nothing from royaleviser."""
+    import socket
+    import msgspec
+    sink = P.ViserSink("127.0.0.1", 0)
+    viewer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    viewer.bind(("127.0.0.1", 0))
+    viewer.settimeout(0.3)
+    try:
+        row = {"run/iteration": 7, "ppo/kl": 0.004, "ppo/policy_loss": -0.01, "policy/cards_per_match": None}
+        sink.write(row, "run-x")
+        with pytest.raises(socket.timeout):
+            viewer.recvfrom(65536)                    # detached: nothing on the wire
+        viewer.sendto(b"royaleviser 1", sink.address)
+        sink.pump()                                   # a fresh hello re-sends the last status
+        msg = msgspec.msgpack.decode(viewer.recvfrom(65536)[0])
+        assert msg["learning"]["iteration"] == 7 and msg["learning"]["kl"] == 0.004 and msg["learning"]["run"] == "run-x"
+        assert msg["learning"]["extra"]["cards_per_match"] == "-" and msg["learning"]["elo"] is None
+        sink.write({**row, "run/iteration": 8}, "run-x")   # attached: each row is sent
+        assert msgspec.msgpack.decode(viewer.recvfrom(65536)[0])["learning"]["iteration"] == 8
+    finally:
+        sink.close()
+        viewer.close()
