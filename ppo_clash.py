@@ -11,10 +11,14 @@ better policy, and writes what a run leaves on disk.
     python ppo_clash.py --resume runs/<dir> [--checkpoint DIR] [--allow-identity-drift]
 
 Reads:  the env's own spaces and layouts (through farm.preflight and NetGeometry, section 2);
-        codec.Obs minibatches; farm's name-addressed seeding; ladder's matchmaker.
+        codec.Obs minibatches; farm's name-addressed seeding; ladder's matchmaker, pool, gate,
+        rater, evaluation runner and probe (sections 12-13).
 Writes: <runs_dir>/<run_name>-<run_id>/ config.json (canonical JSON of the resolved Args),
         identity.json, metrics.jsonl, episodes.jsonl, checkpoints/<env_steps:012d>/ (section 10):
-        safetensors for tensors, JSON for everything else, a manifest with a sha256 per file.
+        safetensors for tensors, JSON for everything else, a manifest with a sha256 per file
+        (ladder/state.json in it: matchmaker, pool, ratings, resident table, cadence positions);
+        ladder/ (through ladder.py): eval_env.json, eval_seeds.json, snapshots/<sha16>/,
+        pool.json, gates/<candidate>.json, ratings.json, games.jsonl (eval, train, probe).
         Nothing pickled.
 
 Spec sections implemented here (../shared/spec/harness-spec.txt):
@@ -22,10 +26,14 @@ Spec sections implemented here (../shared/spec/harness-spec.txt):
   6   arguments (tyro dataclasses, profiles)     8.1-8.4 networks, MaskedCategorical
   9.3 GAE, 9.4 return scaler, 9.5 update, 9.6 ratio invariant     12 checkpoints
   14.1 the loop's order and its invariants, as named exceptions   18.1 ppo.forced_rows
+  11   the ladder in the loop: v0 admitted free, matchmaker plans, pool seats acted here by
+       their snapshots, the gate every candidate_every_env_steps, floor admits, refits,
+       hall-of-fame eviction, the probe, kind="train" results, the ladder/* keys of 13.2
+  snapshot_policy_builder(run_dir, device) is what `python ladder.py eval|gate` plays snap: with.
 
 NOT yet here (issue 4): most of spec 13.2's metric list (the row carries about sixty keys, and
-the alarms whose keys are not emitted are absent), the viewer datagram and wandb, the gate and
-snapshot opponents in the loop (it refuses a snapshot group), the VRAM probe (7.7 step 12),
+the alarms whose keys are not emitted are absent), wandb, ladder/elo_readout and
+ladder/rating_above_v0 (no learner rating exists, spec 11.9), the gate_starved alarm, the VRAM probe (7.7 step 12),
 frame liveness on the final-obs critic path when frame_stack > 1. The sentinel file is acted on
 at iteration boundaries, not once per round.
 
@@ -35,7 +43,8 @@ Sections:
   3. The masked distribution (8.3)      9. Run identity (spec 5.3)
   4. Networks (8.1, 8.2, 8.4)          10. Checkpoints (spec 12)
   5. GAE and reward scaling (9.3, 9.4) 11. Metrics schema and alarms (spec 13)
-  6. PPO update (spec 9.5, 9.6, 18.1)  12. The loop (spec 14.1, 7.5, 9.1, 5.4)
+  6. PPO update (spec 9.5, 9.6, 18.1)  12. Snapshots and the ladder's side of the loop (11)
+                                       13. The loop (spec 14.1, 7.5, 9.1, 5.4)
 """
 from __future__ import annotations
 
@@ -1294,7 +1303,19 @@ def profile_args(name: str) -> Args:
                      "ppo.ent_coef": Schedule("constant", 0.003, 0.003, 1.0),
                      "ppo.ent_coef_noop": Schedule("linear", 0.02, 0.0, 2e6),
                      "ppo.critic_chunk": 512,
-                     "ladder.candidate_every_env_steps": 100_000 if smoke else 500_000,
+                     # [A] cpu: 2,736 game-steps an iteration at about 46 s [M, the cpu profile on this
+                     # 2-core machine, 2026-11-29], so 100k game-steps is 37 iterations, about 28 min:
+                     # the first gate lands inside the first hour. Its battles (80 + 2x40 anchor, 2x40
+                     # for v0's anchor record once, 2x20 stratified) at 0.13-0.31 s each [M, ladder.py
+                     # section 10] are one to two minutes. [M] 2026-11-29, this 2-core machine with
+                     # another cpu run training on it: the first gate (240 battles: 80 champion, 2x40
+                     # anchors, 2x40 for v0's anchor record) took 208 s (time/gate), ~0.9 s a battle;
+                     # `ppo_clash.py --profile cpu --ladder.candidate-every-env-steps 2000
+                     # --timestep-limit 4096`. smoke never gates unless a test asks.
+                     "ladder.candidate_every_env_steps": 100_000,
+                     "ladder.floor_admit_every_env_steps": 100_000_000 if smoke else 2_000_000,
+                     "ladder.probe_every_iterations": 0 if smoke else 20,
+                     "ladder.probe_games": 8 if smoke else 20,
                      "ladder.eval_seed_count": 8 if smoke else 40,
                      "ladder.gate": GateArgs(champion_games=16 if smoke else 80, anchor_games=8 if smoke else 40,
                                              stratified_snapshots=1 if smoke else 2,
@@ -1904,6 +1925,38 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "policy/cards_per_match": ("cards", "learner seats' cards per finished episode (about 22 healthy)", (8.0, 40.0), True),
     "policy/noop_rate": ("", "trainable actions that were the no-op", None, True),
     "env/win_rate_vs_scripted": ("", "learner seats' win share against scripted opponents", None, True),
+    # the ladder (spec 13.2, 11.8, 11.9): absent, never 0, while undefined (no fit, no gate, no probe)
+    "ladder/rating/*": ("Elo", "fitted rating per pool member and the anchor (scripted:noop = 0)", None, True),
+    "ladder/rating_se/*": ("Elo", "its standard error (inverse observed Fisher information)", None, True),
+    "ladder/rating_ci95_lo/*": ("Elo", "rating - 1.96 se", None, True),
+    "ladder/rating_ci95_hi/*": ("Elo", "rating + 1.96 se", None, True),
+    "ladder/champion_id": ("", "the current champion (v0 until a gate promotes)", None, True),
+    "ladder/champion_step": ("game-steps", "the champion's env step", None, True),
+    "ladder/pool_size": ("count", "admitted snapshots (v0 included)", None, False),
+    "ladder/sampler_size": ("count", "members the matchmaker may draw (after eviction)", None, False),
+    "ladder/gate_attempts": ("count", "candidates gated so far", None, False),
+    "ladder/gate_passes": ("count", "candidates admitted (promoted or as a cycle)", None, False),
+    "ladder/gate_observed_rate": ("", "the last gate's score against the champion", None, True),
+    "ladder/gate_lower_bound": ("", "its Wilson 95% lower bound (passes at >= 0.52)", None, True),
+    "ladder/gate_failed_condition": ("", "the last gate's failed conditions, comma separated", None, True),
+    "ladder/gate_seconds_frac": ("", "wall clock spent in gates since the process started", None, False),
+    "ladder/transitivity_residual": ("", "pairs whose score contradicts the fit by > 2 se (> 0.1: scalar rating lies)", (0.0, 0.1), True),
+    "ladder/paired_rho": ("", "the last gate's correlation of a seed's two sides", None, True),
+    "ladder/draw_rate_eval": ("", "draws among evaluation games", None, True),
+    "ladder/eval_games_total": ("count", "kind=eval games in the fit", None, True),
+    "ladder/evictions": ("count", "members evicted from the sampler (hall of fame)", None, False),
+    "ladder/pfsp_effective": ("bool", "1: the plan's PFSP used a rated stand-in; 0: uniform fallback", None, False),
+    "ladder/pfsp_learner_step": ("game-steps", "the stand-in's env step", None, True),
+    "ladder/probe_seconds_frac": ("", "wall clock spent in probes since the process started", None, False),
+    "ladder/role_counts/*": ("episodes", "training battle episodes that ended, by what they played", None, False),
+    "ladder/score_vs_noop": ("", "probe: the live policy's score against scripted:noop", None, True),
+    "ladder/score_vs_random_legal": ("", "probe: against scripted:random_legal", None, True),
+    "ladder/score_vs/*": ("", "probe: score against a rung", None, True),
+    "ladder/score_vs_n/*": ("seeds", "probe: seeds played (each from both sides)", None, True),
+    "ladder/score_vs_ci95_lo/*": ("", "probe: bootstrap 95% interval over seeds, low end", None, True),
+    "ladder/score_vs_ci95_hi/*": ("", "probe: high end", None, True),
+    "time/probe": ("s", "the probe this iteration", None, True),
+    "time/gate": ("s", "the gate this iteration", None, True),
 }
 
 
@@ -2073,17 +2126,296 @@ def learning_status(row: dict[str, Any], run_name: str) -> dict[str, Any]:
             "env_steps_per_s": g("throughput/collected_steps_per_second"), "engine_ticks_per_s": None,
             "episode_ticks": None, "crowns_per_episode": g("env/crowns_for"), "towers_per_episode": None,
             "illegal_rate": g("health/illegal_action_rate"), "elixir_wasted": None, "elo": None,
-            "win_rate": g("env/win_rate_vs_scripted"), "pool_size": None, "games_vs_pool": None,
+            "win_rate": g("env/win_rate_vs_scripted"), "pool_size": g("ladder/pool_size"), "games_vs_pool": None,
             "extra": {"cards_per_match": g("policy/cards_per_match") if g("policy/cards_per_match") is not None else "-",
-                      "forced_frac": g("ppo/forced_frac"), "gate": "not built"}}
+                      "forced_frac": g("ppo/forced_frac"),
+                      "gate": g("ladder/gate_failed_condition") if g("ladder/gate_attempts") else "none yet"}}
 
 
-# --- 12. The loop (spec 14.1, 7.5, 9.1, 5.4), first cut ----------------------------------------
+# --- 12. Snapshots and the ladder's players (spec 11.6, 11.3, D7) ------------------------------
+# A snapshot is the ACTOR alone (actor trunk + pointer head), fp16 in safetensors, with a
+# ladder.SnapshotSpec naming the arch/obs/codec digests it was built for. Two ways it plays:
+#   - in training (pool seats, group >= 0), from the rectangle's packed rows exactly like the
+#     learner's rows (codec.unpack of the same rows), one batched forward per group;
+#   - in evaluation (ladder.EvalRunner), from raw env observations: packed with the run's codec
+#     table and unpacked again, so it sees exactly what it saw as the learner (codec's
+#     pack(unpack_numpy(x)) == x, farm.py section 3). The static planes are taken from the
+#     observation's own rows (the ActFn is not told the seat), which is what static_planes holds.
+
+ACTOR_PREFIXES = ("actor_trunk.", "policy.")
+"""The state-dict keys a snapshot keeps: what acting needs. The critic never plays."""
+
+
+def actor_tensors(model: ActorCritic) -> dict[str, np.ndarray]:
+    """The actor's tensors as float32 numpy (SnapshotStore.save stores floats as fp16)."""
+    return {k: v.detach().to("cpu").numpy() if not v.is_floating_point() else v.detach().to("cpu", torch.float32).numpy()
+            for k, v in model.state_dict().items() if k.startswith(ACTOR_PREFIXES)}
+
+
+def write_snapshot(run: Path, model: ActorCritic, *, obs_digest: str, action_digest: str,
+                   codec_table_digest: str, step: int, context: str, run_id_: str) -> str:
+    """Store the live actor under ladder/snapshots/<sha16>/; returns the pool id "snap:<sha16>".
+    obs_digest is the EVALUATION env's (frame_stack 1), which EvalRunner.check_pair compares."""
+    geo, net = model.geo, model.net
+    spec = ladder.SnapshotSpec(
+        arch_digest=arch_digest(geo, net), obs_digest=obs_digest, action_digest=action_digest,
+        codec_version=codec.CODEC_VERSION, codec_table_digest=codec_table_digest, frame_stack=geo.frame_stack,
+        num_cards=geo.card_vocab(), vector_size=geo.vector_size, step=int(step), context=context, run_id=run_id_,
+        arch={"geometry": msgspec.to_builtins(geo), "net": dataclasses.asdict(net)})
+    return ladder.snapshot_player_id(ladder.SnapshotStore(run).save(actor_tensors(model), spec))
+
+
+def actor_from_snapshot(spec: Any, tensors: dict[str, np.ndarray], device: torch.device | str) -> ActorCritic:
+    """Build the network spec.arch describes and load its actor (fp16 -> float32). The rebuilt
+    arch_digest must equal the spec's, else refused naming both (a builder that drifted)."""
+    geo = msgspec.convert(spec.arch["geometry"], NetGeometry)
+    net = msgspec.convert(spec.arch["net"], NetArgs)
+    if arch_digest(geo, net) != spec.arch_digest:
+        raise ladder.SnapshotMismatch(f"snapshot arch_digest is {spec.arch_digest} but its arch rebuilds to "
+                                      f"{arch_digest(geo, net)}: ppo_clash.py's network changed since it was saved")
+    model = ActorCritic(geo, net, 0)
+    want = {k for k in model.state_dict() if k.startswith(ACTOR_PREFIXES)}
+    if want != set(tensors):
+        raise ladder.SnapshotMismatch(f"snapshot tensors differ from the actor's: missing {sorted(want - set(tensors))[:4]}, "
+                                      f"unexpected {sorted(set(tensors) - want)[:4]}")
+    sd = model.state_dict()
+    model.load_state_dict({**sd, **{k: torch.as_tensor(np.asarray(v)).to(sd[k].dtype) for k, v in tensors.items()}})
+    return model.to(device).eval()
+
+
+def raw_obs_act(model: ActorCritic, table: Any, device: torch.device | str) -> Any:
+    """A ladder.ActFn over raw env observations: pack with the run's codec table, unpack, sample
+    MaskedCategorical with the caller's uniforms (one per seat, from that seat's own stream)."""
+    packer = codec.Packer(table)
+    st = list(table.static_index)
+
+    def act(obs: dict[str, np.ndarray], u: np.ndarray) -> np.ndarray:
+        B = int(np.asarray(u).shape[0])
+        rows = np.zeros((B, table.row_bytes), np.uint8)
+        packer.pack(obs, rows, 0)
+        statics = torch.as_tensor(np.asarray(obs["spatial"])[:, st].astype(np.float32), device=device)
+        with torch.inference_mode():
+            o = codec.unpack(table, torch.as_tensor(rows, device=device), statics,
+                             torch.arange(B, device=device), None)
+            a = model.dist(o).sample(torch.as_tensor(np.asarray(u), dtype=torch.float32, device=device))
+        return a.cpu().numpy()
+    return act
+
+
+def run_codec_table(run: Path) -> Any:
+    """The codec table of a run's evaluation env (ladder/eval_env.json), as EvalRunner decides it."""
+    env, _ = ladder.read_run_env(run)
+    seed = int(json.loads((run / "config.json").read_bytes()).get("master_seed", 0)) if (run / "config.json").exists() else 0
+    return ladder._eval_preflight(msgspec.json.encode(ladder.eval_env_spec(env)), seed)[1]
+
+
+def snapshot_policy_builder(run_dir: str | Path, device: str = "cpu", table: Any = None) -> Any:
+    """ladder.PolicyBuilder for a run: snapshot_id -> act(obs_batch, uniforms) -> actions. The
+    snapshot is loaded from <run>/ladder/snapshots/<id>/ and refused (by field) if its codec table
+    is not the run's. `table`: the training run's own (in-process); else read off the run."""
+    run = Path(run_dir)
+    tab = table if table is not None else run_codec_table(run)
+    store = ladder.SnapshotStore(run)
+
+    def build(snapshot_id: str) -> Any:
+        spec, tensors = store.load(snapshot_id, {"codec_table_digest": tab.digest()})
+        return raw_obs_act(actor_from_snapshot(spec, tensors, device), tab, device)
+    return build
+
+
+class LadderLoop:
+    """The ladder's side of the training loop (spec 14.1): the matchmaker and the pool, the stable
+    table of resident snapshots the farm's group ids index, the gate on its cadence, floor admits,
+    refits, eviction, the probe, the kind="train" results and the ladder/* keys of the row.
+
+    Why a stable resident table: an Assignment carries its opponent's GROUP id for the whole
+    episode, and an episode spans iteration boundaries, while Matchmaker.plan redraws the resident
+    set every iteration. So group g means self.slots[g] for the run, a slot is reused only once no
+    live assignment points at it, and SlotPlan.resident_snapshots is this table (bare sha16 ids:
+    the farm names the seat "snap:" + entry)."""
+
+    def __init__(self, args: Args, run: Path, rid: str, seed: int, n_battles: int, env_spec: Any, table: Any,
+                 device: torch.device) -> None:
+        self.args, self.run, self.rid, self.seed, self.device, self.table = args, run, rid, seed, device, table
+        self.env_spec = env_spec
+        L = args.ladder
+        self.mm = ladder.Matchmaker(seed, n_battles, ladder.MatchConfig(
+            mix=tuple(L.mix), max_resident_opponents=L.max_resident_opponents, pfsp_power=L.pfsp_power,
+            pfsp_uniform_floor=L.pfsp_uniform_floor, scripted_opponents=tuple(L.scripted_opponents)))
+        self.pool = ladder.Pool()
+        self.ratings: ladder.RatingTable | None = None
+        self.slots: list[str] = []
+        self.gate_attempts = self.gate_passes = self.evictions = 0
+        self.last_gate: ladder.GateDecision | None = None
+        self.last_candidate_step = self.last_floor_step = 0
+        self.seconds_gate = self.seconds_probe = 0.0
+        # frozen per run: a resumed run keeps its set even under --allow-identity-drift of the seed
+        self.seeds = (ladder.read_run_seeds(run) if (ladder.ladder_dir(run) / "eval_seeds.json").exists()
+                      else ladder.load_or_create_eval_seeds(run, seed, L.eval_seed_count))
+        ladder.write_eval_env(run, env_spec)
+        es, _, _ = ladder._eval_preflight(msgspec.json.encode(ladder.eval_env_spec(env_spec)), seed)
+        self.eval_obs_digest = es.obs_digest
+        self.context = ladder.eval_context(es.env_value_digest, es.obs_digest, es.engine_build_digest)
+        self.log = ladder.ResultLog(run)
+        self.store = ladder.SnapshotStore(run)
+        self.cache = ladder.LoadedPolicyCache(
+            self.store, lambda spec, t: actor_from_snapshot(spec, t, device), L.max_resident_opponents + 2,
+            {"obs_digest": self.eval_obs_digest, "codec_table_digest": table.digest()})
+        self.gate_cfg = ladder.GateConfig(**{k: v for k, v in dataclasses.asdict(L.gate).items()
+                                             if k in ladder.GateConfig.__struct_fields__})
+
+    # -- snapshots and the pool --
+    def snapshot(self, model: ActorCritic, step: int, action_digest: str) -> str:
+        return write_snapshot(self.run, model, obs_digest=self.eval_obs_digest, action_digest=action_digest,
+                              codec_table_digest=self.table.digest(), step=step, context=self.context,
+                              run_id_=self.rid)
+
+    def admit(self, pid: str, step: int, promote: bool, cycle: bool = False) -> None:
+        self.pool.admit(ladder.PoolMember(id=pid, step=int(step), cycle=cycle), promote=promote)
+        self.evictions += len(ladder.hall_of_fame_evict(self.pool, self.ratings, self.args.ladder.pool_working_size))
+        ladder.write_pool(self.run, self.pool)
+
+    # -- the plan --
+    def _slot(self, pid: str, live: set[int]) -> int:
+        sid = pid.removeprefix("snap:")
+        if sid in self.slots:
+            return self.slots.index(sid)
+        for g, s in enumerate(self.slots):   # reuse a slot nobody resident or playing points at
+            if g not in live and f"snap:{s}" not in self.mm.residents:
+                self.slots[g] = sid
+                return g
+        if len(self.slots) >= 127:
+            raise RuntimeError("resident table is full (127 int8 group ids are live); this cannot happen with "
+                               f"max_resident_opponents={self.args.ladder.max_resident_opponents}")
+        self.slots.append(sid)
+        return len(self.slots) - 1
+
+    def remap(self, a: Any) -> Any:
+        """The matchmaker's Assignment with its resident index turned into this table's slot."""
+        if a.group[0] >= 0 or a.group[1] >= 0:
+            g = self.slots.index(a.opponent_id.removeprefix("snap:"))
+            a = msgspec.structs.replace(a, group=tuple(g if x >= 0 else x for x in a.group))
+        return a
+
+    def assign(self, battle: int, ordinal: int) -> Any:
+        return self.remap(self.mm.assign(battle, ordinal))
+
+    def plan(self, iteration: int, ordinals: Sequence[int], current: Sequence[Any] | None) -> Any:
+        """The iteration's SlotPlan: the matchmaker draws this iteration's residents and weights;
+        a battle mid-episode keeps its current assignment (spec 7.5), so the table is `current`
+        when the farm has one, else the matchmaker's opening table."""
+        p = self.mm.plan(iteration, ordinals, self.pool, self.ratings)
+        live = {int(g) for a in (current or ()) if a is not None for g in a.group if g >= 0}
+        for pid in self.mm.residents:
+            self._slot(pid, live)
+        table = tuple(current) if current is not None and all(a is not None for a in current) else \
+            tuple(self.remap(a) for a in p.assignment)
+        return farm.SlotPlan(iteration=iteration, n_battles=p.n_battles, n_slots=p.n_slots, assignment=table,
+                             resident_snapshots=tuple(self.slots))
+
+    def policy(self, g: int) -> ActorCritic:
+        return self.cache.get(self.slots[g])
+
+    # -- results, cadences, metrics --
+    def record_train(self, episodes: Sequence[Any], iteration: int, env_steps: int) -> None:
+        """kind="train" (never fitted): one result per learner seat of a non-mirror episode."""
+        wall = ladder.utc_now()
+        games = [ladder.GameResult(a=f"learner@{env_steps}", b=e.opponent_id,
+                                   score_a=ladder.WINNER_SCORE[int(e.outcome)], seed_index=-1,
+                                   side_a=ladder.SIDES[e.seat], context=self.context, kind="train",
+                                   run_id=self.rid, iteration=iteration, wall=wall)
+                 for e in episodes if e.policy_id == "learner" and e.bucket != "mirror"]
+        if games:
+            self.log.append(games)
+
+    def refit(self) -> None:
+        _, view = ladder.eval_view(self.log.read().games, self.context)
+        self.ratings = ladder.fit_ratings(view) if view else None
+        if self.ratings is not None:
+            ladder.write_ratings(self.run, self.ratings)
+
+    def _runner(self, iteration: int) -> Any:
+        r = self.args.rollout
+        return ladder.EvalRunner(self.env_spec, self.seeds, run_dir=self.run, run_id=self.rid,
+                                 policy_builder=snapshot_policy_builder(self.run, str(self.device), table=self.table),
+                                 battles_at_once=r.eval_workers * r.eval_games_per_worker, iteration=iteration,
+                                 workers=r.eval_workers, table=self.table)
+
+    def gate(self, model: ActorCritic, iteration: int, env_steps: int, action_digest: str) -> Any:
+        """Spec 11.4: snapshot the learner, play the WilsonGate on its own farm, apply the outcome."""
+        import time
+        t0 = time.perf_counter()
+        cand = self.snapshot(model, env_steps, action_digest)
+        self.refit()   # condition 3 reads the champion's fitted rating
+        with self._runner(iteration) as r:
+            r.comparison_prefix = f"gate/{cand}/"
+            _, history = ladder.eval_view(self.log.read().games, r.context)
+            dec, _ = ladder.WilsonGate(self.gate_cfg, self.seed, self.seeds.sha256).evaluate(
+                cand, self.pool.champion, list(self.pool.sampler), self.ratings, r, history)
+        ladder.write_gate_decision(self.run, dec)
+        self.gate_attempts += 1
+        self.last_gate = dec
+        if dec.admit:
+            self.gate_passes += 1
+            self.admit(cand, env_steps, promote=dec.promote, cycle=dec.cycle)
+        self.last_candidate_step = env_steps
+        self.refit()
+        self.seconds_gate += time.perf_counter() - t0
+        return dec
+
+    def floor(self, model: ActorCritic, env_steps: int, action_digest: str) -> None:
+        """A plateau cannot starve the pool: a snapshot admitted without the gate (never champion)."""
+        pid = self.snapshot(model, env_steps, action_digest)
+        if all(m.id != pid for m in self.pool.members):
+            self.admit(pid, env_steps, promote=False)
+        self.last_floor_step = env_steps
+
+    def probe(self, model: ActorCritic, iteration: int, env_steps: int) -> dict[str, Any]:
+        import time
+        t0 = time.perf_counter()
+        with self._runner(iteration) as r:
+            _, m = ladder.run_probe(r, raw_obs_act(model, self.table, self.device), env_steps,
+                                    probe_games=self.args.ladder.probe_games,
+                                    resamples=self.args.ladder.gate.bootstrap_resamples)
+        self.seconds_probe += time.perf_counter() - t0
+        return m
+
+    def metrics(self, wall: float) -> dict[str, Any]:
+        m = ladder.ladder_metrics(self.ratings, self.pool, self.mm, self.last_gate, self.gate_attempts,
+                                  self.gate_passes, self.evictions)
+        m["ladder/gate_seconds_frac"] = self.seconds_gate / max(wall, 1e-9)
+        m["ladder/probe_seconds_frac"] = self.seconds_probe / max(wall, 1e-9)
+        return m
+
+    # -- the checkpoint --
+    def state(self, assignment: Sequence[Any]) -> dict[str, Any]:
+        return {"matchmaker": msgspec.to_builtins(self.mm.state()), "pool": msgspec.to_builtins(self.pool),
+                "ratings": msgspec.to_builtins(self.ratings) if self.ratings is not None else None,
+                "slots": list(self.slots), "assignment": [msgspec.to_builtins(a) for a in assignment],
+                "gate_attempts": self.gate_attempts, "gate_passes": self.gate_passes, "evictions": self.evictions,
+                "last_gate": msgspec.to_builtins(self.last_gate) if self.last_gate is not None else None,
+                "last_candidate_step": self.last_candidate_step, "last_floor_step": self.last_floor_step,
+                "seconds_gate": self.seconds_gate, "seconds_probe": self.seconds_probe}
+
+    def load(self, st: dict[str, Any]) -> list[Any]:
+        """Restore; returns the saved assignment table (the resumed farm's opening plan)."""
+        self.mm = ladder.Matchmaker.from_state(msgspec.convert(st["matchmaker"], ladder.MatchmakerState))
+        self.pool = msgspec.convert(st["pool"], ladder.Pool)
+        self.ratings = msgspec.convert(st["ratings"], ladder.RatingTable) if st["ratings"] is not None else None
+        self.slots = list(st["slots"])
+        self.gate_attempts, self.gate_passes, self.evictions = st["gate_attempts"], st["gate_passes"], st["evictions"]
+        self.last_gate = msgspec.convert(st["last_gate"], ladder.GateDecision) if st["last_gate"] is not None else None
+        self.last_candidate_step, self.last_floor_step = st["last_candidate_step"], st["last_floor_step"]
+        self.seconds_gate, self.seconds_probe = st["seconds_gate"], st["seconds_probe"]
+        return [msgspec.convert(a, farm.Assignment) for a in st["assignment"]]
+
+
+# --- 13. The loop (spec 14.1, 7.5, 9.1, 5.4, 11) --------------------------------------------
 # One iteration: T cycles of rounds from the farm with one batched forward for the learner's rows
 # (ascending slot order, uniforms from act/iteration/{i}/cycle/{t}), then the invariants, the
 # critic pass, GAE and the update, one metric row, a checkpoint on its cadence. Built on farm.py's
-# documented API (its module docstring) and ladder.Matchmaker. NOT yet here: alarms, the gate and
-# snapshot opponents, the sentinel file, the viewer datagram, wandb (see the module docstring).
+# documented API (its module docstring) and section 12's LadderLoop (matchmaker, pool seats, gate,
+# refits, probe). NOT yet here: wandb (see the module docstring).
 
 
 def apply_determinism(args: Args) -> None:
@@ -2209,9 +2541,9 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
         mix=tuple(args.ladder.mix), max_resident_opponents=args.ladder.max_resident_opponents,
         pfsp_power=args.ladder.pfsp_power, pfsp_uniform_floor=args.ladder.pfsp_uniform_floor,
         scripted_opponents=tuple(args.ladder.scripted_opponents)))
-    pool = ladder.Pool()
-    plan0 = mm.plan(0, [0] * n_battles, pool, None)
-    learner_rows = ladder.learner_rows(plan0)
+    # sizing only (the roles are the run's, so the count does not depend on the pool): the loop's
+    # plans come from LadderLoop below
+    learner_rows = ladder.learner_rows(mm.plan(0, [0] * n_battles, ladder.Pool(), None))
     T = -(-args.ppo.timesteps_per_iteration // learner_rows)
 
     model = ActorCritic(geo, args.net, seed).to(device)
@@ -2224,11 +2556,15 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
                                                               "hand_size": geo.hand_size})),
                      codec_version=codec.CODEC_VERSION, codec_table_digest=table.digest(),
                      royalegym_version=_pkg_version("royalegym"))
+    # the frozen evaluation seed set is drawn from the master seed alone (spec 11.5), so its sha
+    # enters ladder_digest before the run directory (named by the identity) exists
+    seed_sha = ladder.draw_eval_seeds(seed, args.ladder.eval_seed_count).sha256
     identity = make_identity(args, facts, arch=arch_digest(geo, args.net), T=T, R=R, device=device,
-                             user_code=user_code_digest())
+                             eval_seed_set_sha=seed_sha, user_code=user_code_digest())
     rid = run_id(identity)
     start = {"iteration": 0, "env_steps": 0, "timesteps": 0, "updates": 0}
     start_ordinals = None
+    ladder_saved: dict[str, Any] | None = None
     if resume is None:
         run = _run_dir(args, rid)
         run.mkdir(parents=True, exist_ok=False)
@@ -2254,9 +2590,18 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
         start = {"iteration": int(pos["iteration"]), "env_steps": int(pos["env_steps"]),
                  "timesteps": int(pos["timesteps"]), "updates": int(pos["updates"])}
         start_ordinals = json.loads(files["rollout/state.json"])["ordinals"]
+        ladder_saved = json.loads(files["ladder/state.json"]) if "ladder/state.json" in files else None
         rid = man.run_id
         if not quiet:
             print(f"resumed {resume} at iteration {start['iteration']}; state_digest {man.state_digest[:16]}")
+    # The ladder (spec 11): eval env and frozen seeds written into the run, the pool restored, or
+    # v0 (the initial actor) admitted free as the first champion so the pool and the gauge exist
+    lad = LadderLoop(args, run, rid, seed, n_battles, spec, table, device)
+    opening: list[Any] | None = None
+    if ladder_saved is not None:
+        opening = lad.load(ladder_saved)
+    else:
+        lad.admit(lad.snapshot(model, start["env_steps"], facts.action_digest), start["env_steps"], promote=True)
     metrics_f = open(run / "metrics.jsonl", "ab")
     episodes_f = open(run / "episodes.jsonl", "ab")
     alarms_f = open(run / "alarms.jsonl", "ab")
@@ -2276,7 +2621,7 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
                            max_restarts_per_worker=args.rollout.max_restarts_per_worker,
                            viewer=args.rollout.source == "process" and args.metrics.viser,
                            start_ordinals=start_ordinals)
-    source = Source(fcfg, table, mm.assign)
+    source = Source(fcfg, table, lad.assign)
     # last_start[c + k - 1, r]: the first cycle of the episode running at cycle c (frame liveness)
     last_start = np.zeros((T + k, R), np.int64)
     view = _ObsView(source.rect, table, statics, k, last_start, device)
@@ -2287,16 +2632,18 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
     every = max(args.checkpoint.every_env_steps, 1)
     sched_pos: dict[str, Any] = {}
     phase, boundary_ordinals = "boundary", [int(x) for x in source.ordinals]
+    boundary_ladder: dict[str, Any] = {}
     try:
         while timesteps < args.timestep_limit and (max_iterations is None or iteration < max_iterations):
             t_it = time.perf_counter()
             boundary_ordinals, phase = [int(x) for x in source.ordinals], "collect"
             gamma = args.advantage.gamma.value(env_steps)
             ent_coef, ent_noop = args.ppo.ent_coef.value(env_steps), args.ppo.ent_coef_noop.value(env_steps)
-            plan = plan0 if iteration == 0 else mm.plan(iteration, source.ordinals, pool, None)
+            plan = lad.plan(iteration, source.ordinals, opening if iteration == first_iteration else source.assignment)
             if iteration > first_iteration:
                 last_start[:k] = last_start[T:T + k] - T   # cycles renumber: cycle T is cycle 0 now
             source.begin_iteration(plan)
+            boundary_ladder = lad.state(list(plan.assignment))
             action = np.zeros((T, R), np.int64)
             log_prob = np.zeros((T, R), np.float32)
             group = np.full((T, R), farm.GROUP_DEAD, np.int8)
@@ -2320,8 +2667,15 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
                     acts = np.zeros(len(sl), np.int64)
                     group[t, sl] = rnd.group
                     rows = np.flatnonzero(rnd.group == farm.GROUP_LEARNER)   # ascending slot order
-                    if (rnd.group >= 0).any():
-                        raise NotImplementedError("snapshot opponents are not wired into the loop yet (no gate)")
+                    # pool seats: one batched forward per resident group, groups ascending, rows
+                    # in ascending slot order, the same cycle uniforms; not trainable, no log-prob
+                    for g in sorted({int(x) for x in rnd.group if x >= 0}):
+                        prow = np.flatnonzero(rnd.group == g)
+                        ps = sl[prow].astype(np.int64)
+                        with torch.inference_mode():
+                            pa = lad.policy(g).dist(view.obs(np.full(prow.size, t), ps)).sample(u[ps])
+                        acts[prow] = pa.cpu().numpy()
+                        action[t, ps] = acts[prow]
                     if rows.size:
                         ss = sl[rows].astype(np.int64)
                         a, lp = model.act(view.obs(np.full(rows.size, t), ss), u[ss])
@@ -2416,6 +2770,27 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
             updates += int(upd["ppo/optimizer_steps"])
             eps = source.episodes
             mine = [e for e in eps if e.policy_id == "learner"]
+            # the ladder's work (spec 14.1 order): train results, the gate, floor, refit, probe
+            lad.record_train(eps, iteration, env_steps)
+            lad_row: dict[str, Any] = {}
+            if env_steps - lad.last_candidate_step >= max(args.ladder.candidate_every_env_steps, 1):
+                t0 = time.perf_counter()
+                dec = lad.gate(model, iteration, env_steps, facts.action_digest)
+                lad_row["time/gate"] = time.perf_counter() - t0
+                if not quiet:
+                    print(f"gate {dec.candidate} vs {dec.champion}: {dec.outcome}"
+                          + (f" (failed: {', '.join(dec.failed)})" if dec.failed else ""), flush=True)
+            if env_steps - lad.last_floor_step >= max(args.ladder.floor_admit_every_env_steps, 1):
+                lad.floor(model, env_steps, facts.action_digest)
+            if args.ladder.refit_every_iterations and iteration % args.ladder.refit_every_iterations == 0:
+                lad.refit()
+            if args.ladder.probe_every_iterations and iteration % args.ladder.probe_every_iterations == 0:
+                lad_row.update(lad.probe(model, iteration, env_steps))
+            ended = {(e.battle, e.ordinal): e for e in eps}
+            lad_row.update(ladder.role_count_metrics(
+                [farm.Assignment(battle=b, ordinal=o, role={"mirror": farm.ROLE_MIRROR, "pool": farm.ROLE_POOL}.get(
+                    e.bucket, farm.ROLE_SCRIPTED), opponent_id=None, group=(-1, -1), learner_seat=-1)
+                 for (b, o), e in sorted(ended.items())], lad.mm.roles))
             sched_pos = {"gamma": gamma, "ent_coef": ent_coef, "ent_coef_noop": ent_noop,
                          "backoff": backoff.state(), "iteration": iteration, "env_steps": env_steps,
                          "timesteps": timesteps, "updates": updates}
@@ -2448,7 +2823,7 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
                 "policy/noop_rate": float((action[trainable] == 0).mean()) if trainable.any() else None,
                 "env/win_rate_vs_scripted": (float(np.mean([e.outcome > 0 for e in mine if e.bucket == "scripted"]))
                                              if any(e.bucket == "scripted" for e in mine) else None),
-                **adv_stats, **upd,
+                **adv_stats, **upd, **lad.metrics(time.perf_counter() - t_start), **lad_row,
             }
             phase = "boundary"
             metrics_f.write(msgspec.json.encode(row) + b"\n")
@@ -2473,22 +2848,26 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
             halts = [(a, v) for a, v in fired if a.severity == "halt"]
             if halts:
                 ck = _save(run, args, identity, rid, model, opt_a, opt_c, scaler, sched_pos, iteration,
-                           env_steps, timesteps, updates, source.ordinals, t_start)
+                           env_steps, timesteps, updates, source.ordinals, t_start,
+                           lad.state(list(source.assignment)))
                 bundle = write_bundle(run, iteration, halts[0][0], halts[0][1], tail, ck, args, identity)
                 raise AlarmHalt(f"halted at iteration {iteration} by {halts[0][0].name} "
                                 f"({halts[0][0].key} = {halts[0][1]:.4g}); checkpoint {ck}; bundle {bundle}; "
                                 f"resume: python ppo_clash.py --resume {run} --checkpoint {ck}")
             ctl = _sentinel(run, quiet)
-            if env_steps // every > (env_steps - T * n_battles) // every or ctl in ("c", "q"):
+            # spec 11.4: a checkpoint at every candidate too, whatever the gate decided
+            if env_steps // every > (env_steps - T * n_battles) // every or ctl in ("c", "q") or "time/gate" in lad_row:
                 _save(run, args, identity, rid, model, opt_a, opt_c, scaler, sched_pos, iteration,
-                      env_steps, timesteps, updates, source.ordinals, t_start)
+                      env_steps, timesteps, updates, source.ordinals, t_start,
+                           lad.state(list(source.assignment)))
                 last_saved = env_steps
                 prune_checkpoints(run, args.checkpoint.keep)
             if ctl == "q":
                 break
         if last_saved != env_steps:   # the limit: save on the way out unless the last save holds it
             _save(run, args, identity, rid, model, opt_a, opt_c, scaler, sched_pos, iteration,
-                  env_steps, timesteps, updates, source.ordinals, t_start)
+                  env_steps, timesteps, updates, source.ordinals, t_start,
+                           lad.state(list(source.assignment)))
     except (Exception, KeyboardInterrupt) as exc:
         # Emergency save (spec 14.4): only a learner that sits on an iteration boundary can be
         # resumed, so save while collecting (the learner is the last boundary's) or after the row,
@@ -2497,7 +2876,8 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
             try:
                 ords = boundary_ordinals if phase == "collect" else [int(x) for x in source.ordinals]
                 ck = _save(run, args, identity, rid, model, opt_a, opt_c, scaler, sched_pos, iteration,
-                           env_steps, timesteps, updates, ords, t_start)
+                           env_steps, timesteps, updates, ords, t_start,
+                           boundary_ladder if phase == "collect" else lad.state(list(source.assignment)))
                 print(f"emergency checkpoint {ck} after {type(exc).__name__}; resume: python ppo_clash.py "
                       f"--resume {run} --checkpoint {ck}", file=sys.stderr)
             except Exception as e2:  # the save must not hide the original failure
@@ -2590,11 +2970,13 @@ def _console(row: dict[str, Any], full: bool = False) -> None:
 
 def _save(run: Path, args: Args, identity: RunIdentity, rid: str, model: ActorCritic, opt_a, opt_c,
           scaler: WelfordReturnScaler, sched_pos: dict[str, Any], iteration: int, env_steps: int, timesteps: int,
-          updates: int, ordinals: Sequence[int], t_start: float) -> Path:
+          updates: int, ordinals: Sequence[int], t_start: float, ladder_state: dict[str, Any] | None = None) -> Path:
     import time
     files = learner_files(model, opt_a, opt_c, scaler, sched_pos,
                           capture_rng(args.master_seed, iteration), {"cumulative_model_updates": updates})
     files["rollout/state.json"] = canonical_json({"ordinals": [int(x) for x in ordinals]})
+    if ladder_state is not None:   # matchmaker, pool, ratings, resident table, cadence positions
+        files["ladder/state.json"] = canonical_json(ladder_state)
     d = run / "checkpoints" / f"{env_steps:012d}"
     digest = state_digest(model, [opt_a, opt_c], scaler, sched_pos)
     if d.exists():   # a resumed run reaching a step the original saved: it must be the same learner
@@ -2608,7 +2990,7 @@ def _save(run: Path, args: Args, identity: RunIdentity, rid: str, model: ActorCr
         config_hash=sha256_hex(config_json(args)), iteration=iteration, cumulative_env_steps=env_steps,
         cumulative_timesteps=timesteps, cumulative_model_updates=updates,
         wall_seconds=time.perf_counter() - t_start, created_unix_ns=time.time_ns(),
-        state_digest=digest, component_versions={"learner": 1, "rollout": 1}))
+        state_digest=digest, component_versions={"learner": 1, "rollout": 1, "ladder": 1}))
     return d
 
 

@@ -1082,3 +1082,202 @@ def test_the_viewer_datagram_sends_nothing_before_a_hello_then_the_whole_status(
     finally:
         sink.close()
         viewer.close()
+
+
+# --- 12-13. snapshots and the ladder in the loop (issue 5 item 8) ----------------------------------
+
+
+def test_a_snapshot_stores_the_actor_alone_and_rebuilds_it_to_fp16_and_refuses_a_drifted_arch(tmp_path):
+    geo, _ = env_sample("default")
+    model = P.ActorCritic(geo, tiny_net(), 5)
+    pid = P.write_snapshot(tmp_path, model, obs_digest="o" * 8, action_digest="a" * 8, codec_table_digest="c" * 8,
+                           step=123, context="ctx", run_id_="rid")
+    assert pid.startswith("snap:") and len(pid) == len("snap:") + 16
+    store = P.ladder.SnapshotStore(tmp_path)
+    spec, tensors = store.load(pid.removeprefix("snap:"))
+    assert spec.step == 123 and spec.arch_digest == P.arch_digest(geo, model.net) and spec.run_id == "rid"
+    assert set(tensors) == {k for k in model.state_dict() if k.startswith(P.ACTOR_PREFIXES)}
+    assert not any(k.startswith(("critic_trunk.", "value_head.")) for k in tensors)
+    back = P.actor_from_snapshot(spec, tensors, "cpu")
+    for k, v in model.state_dict().items():
+        if k.startswith(P.ACTOR_PREFIXES) and v.is_floating_point():
+            assert torch.equal(back.state_dict()[k], v.half().float()), k
+    # a codec table other than the run's is refused by field, before anything is built
+    with pytest.raises(P.ladder.SnapshotMismatch, match="codec_table_digest"):
+        store.load(pid.removeprefix("snap:"), {"codec_table_digest": "d" * 8})
+    bad = P.msgspec.structs.replace(spec, arch={**spec.arch, "net": {**spec.arch["net"], "channels": 16}})
+    with pytest.raises(P.ladder.SnapshotMismatch, match="arch_digest"):
+        P.actor_from_snapshot(bad, tensors, "cpu")
+
+
+def test_raw_obs_act_samples_what_the_network_samples_on_the_packed_rows():
+    """The evaluation ActFn packs raw observations with the codec table and unpacks them: its
+    actions equal MaskedCategorical.sample on the learner's own decoding of the same rows, and
+    every one is legal."""
+    import codec
+    import farm
+    spec = farm.default_env_spec()
+    _, table = farm.preflight(spec, frame_stack=1, master_seed=3)
+    geo, obs_list = env_sample("default")
+    model = P.ActorCritic(geo, tiny_net(), 9)
+    obs = {k: np.concatenate([o[k] for o in obs_list[:6]]) for k in obs_list[0]}
+    obs = {k: v for k, v in obs.items() if k in ("spatial", "vector", "action_mask", "mask_planes", "card_ids")}
+    u = np.random.default_rng(0).random(len(obs["vector"]))
+    a = P.raw_obs_act(model, table, "cpu")(obs, u)
+    assert obs["action_mask"][np.arange(len(a)), a].all()
+    rows = np.zeros((len(a), table.row_bytes), np.uint8)
+    codec.Packer(table).pack(obs, rows, 0)
+    statics = torch.as_tensor(codec.static_planes(table, obs))
+    seat = torch.as_tensor(np.arange(len(a)) % 2)
+    want = model.dist(codec.unpack(table, torch.as_tensor(rows), statics, seat)).sample(torch.as_tensor(u, dtype=torch.float32))
+    assert np.array_equal(a, want.numpy())
+
+
+@pytest.fixture(scope="module")
+def gated_run(tmp_path_factory):
+    """One smoke run whose ladder cadences are shrunk so a gate runs at iteration 3 (172 game-steps
+    an iteration [A]: T=43 cycles x 4 battles), with check_iteration and the snapshot policies
+    wrapped to record what the loop did. Shared by the slow tests below (one run, ~40 s loaded)."""
+    seen: dict[str, list] = {"trainable": [], "group": [], "legal": [], "dists": []}
+    real_check, real_policy = P.check_iteration, P.LadderLoop.policy
+
+    def check(**kw):
+        seen["trainable"].append(kw["trainable"].copy())
+        seen["group"].append(kw["group"].copy())
+        seen["legal"].append(kw["action_legal"].copy())
+        return real_check(**kw)
+
+    class Rec:
+        def __init__(self, sid, net):
+            self.sid, self.net = sid, net
+
+        def dist(self, obs):
+            d = self.net.dist(obs)
+            seen["dists"].append((self.sid, obs, d.logp.detach().clone()))
+            return d
+
+    def policy(self, g):
+        return Rec(self.slots[g], real_policy(self, g))
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(P, "check_iteration", check)
+    mp.setattr(P.LadderLoop, "policy", policy)
+    try:
+        args = P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path_factory.mktemp("gate")),
+                             "--ladder.candidate-every-env-steps", "400", "--ladder.refit-every-iterations", "1",
+                             "--ladder.gate.champion-games", "8", "--ladder.gate.anchor-games", "4",
+                             "--ladder.gate.bootstrap-resamples", "100", "--ladder.probe-every-iterations", "3",
+                             "--ladder.probe-games", "4"])
+        run = P.train(args, quiet=True)
+    finally:
+        mp.undo()
+    return args, run, seen
+
+
+@pytest.mark.slow
+def test_every_cycle_collects_exactly_the_planned_learner_rows_and_pool_seats_are_acted_by_their_snapshot(gated_run):
+    args, run, seen = gated_run
+    n = args.rollout.workers * args.rollout.games_per_worker
+    mirror, pool, _ = P.ladder.role_counts(args.ladder.mix, n)
+    assert pool >= 1   # the smoke geometry has a pool battle, so this test can see one
+    for trainable, group, legal in zip(seen["trainable"], seen["group"], seen["legal"]):
+        assert (trainable.sum(axis=1) == n + mirror).all()          # every cycle, exactly
+        snap = group >= 0
+        assert snap.sum() == trainable.shape[0] * pool                # v0 is resident from iteration 0
+        assert not (trainable & snap).any() and legal[snap].all()     # not trained on; legal actions
+    # the parent acted them with the snapshot's own network: rebuilt from the store, same log-probs
+    store = P.ladder.SnapshotStore(run)
+    assert seen["dists"]
+    sid, obs, logp = seen["dists"][0]
+    spec, tensors = store.load(sid)
+    net = P.actor_from_snapshot(spec, tensors, "cpu")
+    with torch.inference_mode():   # obs was decoded under the loop's inference_mode
+        assert torch.equal(net.dist(obs).logp, logp)
+    assert spec.step == 0   # v0: the initial actor, admitted free as the first champion
+    assert f"snap:{sid}" == json.loads((run / "ladder" / "pool.json").read_text())["v0"]
+    assert {s for s, _, _ in seen["dists"]} == {sid}   # the only resident before any admission
+
+
+@pytest.mark.slow
+def test_a_smoke_run_with_tiny_cadences_gates_end_to_end(gated_run):
+    args, run, _ = gated_run
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["ladder/gate_attempts"] for r in rows] == [0, 0, 1]    # 172, 344, 516 game-steps vs 400
+    assert all(r["ladder/pool_size"] >= 1 for r in rows) and [r["ladder/champion_step"] for r in rows[:2]] == [0, 0]
+    last = rows[-1]
+    (gate_file,) = (run / "ladder" / "gates").iterdir()
+    dec = json.loads(gate_file.read_text())
+    assert dec["outcome"] in ("admit+promote", "admit-as-cycle", "discard")
+    assert last["ladder/gate_passes"] == int(dec["admit"])
+    assert last["ladder/gate_failed_condition"] == ",".join(dec["failed"])
+    assert "time/gate" in last and "time/gate" not in rows[0]
+    games = [json.loads(x) for x in (run / "ladder" / "games.jsonl").read_text().splitlines()]
+    kinds = {g["kind"] for g in games}
+    assert kinds == {"eval", "train", "probe"}
+    assert any(g["a"] == dec["candidate"] for g in games if g["kind"] == "eval")
+    pool = json.loads((run / "ladder" / "pool.json").read_text())
+    assert len(pool["members"]) == 1 + int(dec["admit"]) and pool["v0"] == dec["champion"]
+    ratings = json.loads((run / "ladder" / "ratings.json").read_text())
+    assert ratings["rating"]["scripted:noop"] == 0.0 and dec["champion"] in ratings["rating"]
+    assert f"ladder/rating/{dec['champion']}" in last and last["ladder/eval_games_total"] == ratings["n_total"]
+    # absent, never 0, while undefined: no gate before iteration 3, a probe on iteration 3 only
+    assert "ladder/gate_observed_rate" not in rows[0]
+    assert not any(k.startswith("ladder/score_vs") for r in rows[:2] for k in r)
+    probe = [g for g in games if g["kind"] == "probe"]
+    assert {g["a"] for g in probe} == {"learner@516"} and len(probe) == 2 * 4    # 2 rungs x 4 battles
+    assert last["ladder/score_vs_n/scripted:noop"] == 2 and last["ladder/score_vs_noop"] == \
+        last["ladder/score_vs/scripted:noop"] and "ladder/score_vs_random_legal" in last and "time/probe" in last
+    for r in rows:
+        assert [k for k in r if P.schema_entry(k) is None] == []
+        assert [k for k, v in P.SCHEMA.items() if not v[3] and not k.endswith("*") and k not in r] == []
+    # role counts: one per battle episode that ended in the iteration, by what it played
+    eps = [json.loads(x) for x in (run / "episodes.jsonl").read_text().splitlines()]
+    at = 0
+    for r in rows:
+        mine, at = eps[at:at + r["env/episodes_completed"]], at + r["env/episodes_completed"]
+        for x in ("mirror", "pool", "scripted"):
+            want = len({(e["battle"], e["ordinal"]) for e in mine if e["bucket"] == x})
+            assert r[f"ladder/role_counts/{x}"] == want, (r["run/iteration"], x)
+        assert r["ladder/role_counts/pool_fallback"] == 0   # v0 is resident from the start
+    # the checkpoint carries the ladder: the pool and the cadence position
+    (ck,) = sorted((run / "checkpoints").iterdir())
+    st = json.loads(P.read_checkpoint(ck)[1]["ladder/state.json"])
+    assert st["last_candidate_step"] == 516 and st["gate_attempts"] == 1 and st["pool"]["v0"] == dec["champion"]
+
+
+@pytest.mark.slow
+def test_ladder_py_eval_plays_a_snapshot_through_snapshot_policy_builder(gated_run):
+    import subprocess
+    import sys
+    _, run, _ = gated_run
+    sid = json.loads((run / "ladder" / "pool.json").read_text())["v0"]
+    proc = subprocess.run([sys.executable, str(ROOT / "ladder.py"), "eval", "--run", str(run), "--a", sid,
+                           "--b", "scripted:noop", "--seeds", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{sid} vs scripted:noop: score" in proc.stdout and "over 2 seeds (4 battles)" in proc.stdout
+    games = [json.loads(x) for x in (run / "ladder" / "games.jsonl").read_text().splitlines()]
+    cli = [g for g in games if g["a"] == sid and g["b"] == "scripted:noop" and g["kind"] == "eval"
+           and g["iteration"] == -1]
+    assert len(cli) == 4
+
+
+def test_the_resident_table_keeps_a_live_episodes_group_and_reuses_only_free_slots():
+    """Group ids index LadderLoop.slots for the run: a slot is reused only when no live assignment
+    and no current resident points at it, so an episode's group means one snapshot to its end."""
+    from types import SimpleNamespace
+    lad = P.LadderLoop.__new__(P.LadderLoop)
+    lad.args, lad.slots = P.profile_args("smoke"), []
+    lad.mm = SimpleNamespace(residents=("snap:a", "snap:b"))
+    assert [lad._slot("snap:a", set()), lad._slot("snap:b", set())] == [0, 1]
+    assert lad._slot("snap:a", set()) == 0                       # known: same slot
+    lad.mm = SimpleNamespace(residents=("snap:c",))
+    assert lad._slot("snap:c", {0}) == 1       # slot 0 is live (a mid-episode); slot 1 is free: reused
+    assert lad.slots == ["a", "c"]
+    lad.mm = SimpleNamespace(residents=("snap:c", "snap:d"))
+    assert lad._slot("snap:d", {0}) == 2       # 0 live, 1 resident: appended
+    a = P.farm.Assignment(battle=3, ordinal=2, role=P.farm.ROLE_POOL, opponent_id="snap:d", group=(1, -1),
+                          learner_seat=1)
+    assert lad.remap(a).group == (2, -1)       # the matchmaker's resident index -> the table's slot
+    m = P.farm.Assignment(battle=0, ordinal=0, role=P.farm.ROLE_MIRROR, opponent_id=None, group=(-1, -1),
+                          learner_seat=-1)
+    assert lad.remap(m) is m
