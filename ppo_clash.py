@@ -1921,6 +1921,15 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "env/elixir_count_exact_frac": ("", "episode-seats whose count of the opponent's elixir stayed exact", (0.99, 1.0), True),
     "policy/legal_actions_mean": ("actions", "legal actions per trainable cell", None, True),
     "health/buffer_fill_frac": ("", "valid cells over T x R: exactly 1 in a healthy rectangle", (1.0, 1.0), False),
+    # the farm's own counters (farm.stats, spec 7.2, 7.6): run totals for the health keys
+    "health/obs_codec_clipped": ("count", "uint8 values clipped by the codec, run total: non-zero is a bug report against a declared bound", (0.0, 0.0), False),
+    "health/obs_codec_rounded": ("count", "non-integral values rounded into a uint8 plane, run total: the table's sample was unrepresentative", (0.0, 0.0), False),
+    "health/worker_restarts": ("count", "rollout worker restarts, run total", (0.0, 0.0), False),
+    "health/rows_dropped_dead_worker": ("cells", "(cycle, slot) cells lost to a dead worker this iteration", (0.0, 0.0), False),
+    "time/env": ("s", "the workers' vec.step time summed over shard-rounds (worker CPU, can exceed collection with several workers)", None, False),
+    "time/codec": ("s", "the workers' codec.pack time summed over shard-rounds", None, False),
+    "throughput/parent_wait_frac": ("", "share of collection the parent was blocked on workers that had not published", None, False),
+    "throughput/boundary_mb_per_second": ("MB/s", "bytes the workers wrote across the process boundary per second of collection", None, False),
     "health/samples_unused_frac": ("", "trainable samples the update never saw: exactly 0", (0.0, 0.0), False),
     "policy/cards_per_match": ("cards", "learner seats' cards per finished episode (about 22 healthy)", (8.0, 40.0), True),
     "policy/noop_rate": ("", "trainable actions that were the no-op", None, True),
@@ -2001,6 +2010,8 @@ def alarm_table(args: Args) -> list[Alarm]:
         Alarm("noop_entropy_floor", "ppo/noop_entropy", "<", al.noop_entropy_floor, 5, "warn", "the leading indicator of no-op collapse"),
         Alarm("reward_clipped", "ppo/reward_clip_frac", ">", 0.0, 1, "warn", "a clipped step breaks the potential shaping's telescoping"),
         Alarm("buffer_overflow", "health/buffer_fill_frac", ">", 1.0, 1, "halt", "a rectangle cell written twice: an invariant is broken"),
+        Alarm("obs_codec_clipped", "health/obs_codec_clipped", ">", 0.0, 1, "warn",
+              "a uint8 plane exceeded its declared bound and was clipped (spec 7.2): report it against the builder"),
         Alarm("elixir_count_inexact", "env/elixir_count_exact_frac", "<", 0.99, 3, "warn",
               "the observation's enemy-elixir field was an estimate; read identity.json engine_build first"),
     ]
@@ -2685,6 +2696,7 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
                     source.submit(acts, gamma)
                     rounds += 1
             t_collect = time.perf_counter() - t_it
+            fst = source.stats()              # the farm's counters for this iteration (spec 7.6, 13.2)
             failures = source.drain_failures()
             sc = source.scalars
             flags = sc["flags"]
@@ -2818,6 +2830,12 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
                 "env/elixir_count_exact_frac": float(np.mean([e.elixir_count_exact for e in eps])) if eps else None,
                 "policy/legal_actions_mean": float(n_legal_c[trainable].mean()) if trainable.any() else None,
                 "health/buffer_fill_frac": float(valid.sum()) / (T * R),
+                "health/obs_codec_clipped": fst["obs_codec_clipped"], "health/obs_codec_rounded": fst["obs_codec_rounded"],
+                "health/worker_restarts": fst["worker_restarts"],
+                "health/rows_dropped_dead_worker": fst["rows_dropped_dead_worker"],
+                "time/env": fst["env_ms"] / 1e3, "time/codec": fst["codec_ms"] / 1e3,
+                "throughput/parent_wait_frac": fst["parent_wait_frac"],
+                "throughput/boundary_mb_per_second": fst["bytes_out"] / 1e6 / max(t_collect, 1e-9),
                 "health/samples_unused_frac": 1.0 - upd["ppo/actor_rows_seen"] / max(int(trainable.sum()) * args.ppo.n_epochs, 1),
                 "policy/cards_per_match": float(np.mean([e.cards_played for e in mine])) if mine else None,
                 "policy/noop_rate": float((action[trainable] == 0).mean()) if trainable.any() else None,
