@@ -32,6 +32,7 @@ and mask_planes (rebuilt at unpack from the stored mask: they are action_mask[1:
 from __future__ import annotations
 
 import hashlib
+import importlib
 import math
 import sys
 from typing import Any, NamedTuple, Sequence
@@ -341,12 +342,17 @@ class Obs(NamedTuple):
     card_ids: Any  # (B, k*c, H, W) int64, or None
 
 
+def _torch() -> Any:
+    """torch, imported on first use and only here: the pack path runs in rollout workers, which
+    must never load it (spec D7; tests/test_codec.py checks it in a fresh interpreter)."""
+    return importlib.import_module("torch")
+
+
 def _bytes_as_half(x: Any) -> Any:
     """Reinterpret the last dimension's bytes as float16. A fresh copy, not .contiguous(): a
     slice whose other dimensions have size 1 counts as contiguous to torch and keeps its odd
     stride (row_bytes is odd whenever ceil(A/8) is), and view(float16) refuses that stride."""
-    import torch  # already imported by unpack; here it is a dictionary lookup
-
+    torch = _torch()
     return x.clone(memory_format=torch.contiguous_format).view(torch.float16)
 
 
@@ -359,8 +365,7 @@ def unpack(table: CodecTable, raw: Any, statics: Any, seat: Any, frame_valid: An
     seat:        int64 (B,), 0 blue / 1 red: which seat's static planes to scatter in.
     frame_valid: optional bool (B, k); False zeroes that frame (history from before the
                  episode began, so a new episode never sees the previous one's board)."""
-    import torch
-
+    torch = _torch()
     if raw.dtype != torch.uint8:
         raise TypeError(f"unpack expects uint8 rows, got {raw.dtype}")
     if raw.dim() == 2:
