@@ -44,7 +44,10 @@ same; ProcessFarm additionally takes env_spec= to refuse a worker on other space
 
     for each iteration i:
         farm.begin_iteration(plan)           # SlotPlan. Iteration 0: the opening table. Later:
-                                             # must equal farm.assignment (spec 7.5), else raises
+                                             # must equal farm.assignment (spec 7.5), else raises.
+                                             # Writes the plan area (farm.plan_table(), PLAN_DTYPE
+                                             # per slot) and sends every shard PLAN; returns once
+                                             # each worker applied it (spec 7.3/7.4)
         for cycle t in 0..T, for shard j in 0..J-1 (this order; J = K * S):
             rnd = farm.next_round(timeout_s) # RolloutRound, see the class
             if t < T:
@@ -58,6 +61,9 @@ same; ProcessFarm additionally takes env_spec= to refuse a worker on other space
     farm.drain_failures() -> [WorkerFailure]   # a dead worker's slots arrive valid=False,
     farm.restart(w)                            # group -3; restart rejoins at begin_iteration
     farm.close()                               # idempotent, registered atexit
+    farm.spaces(w) -> dict                     # SPACES: worker w re-reads its spaces and engine
+                                               # binary without stepping (the handshake report);
+                                               # between iterations; refused on a mismatch
     farm.stats (or farm.stats())               # this iteration's env_ms, wait_ms, codec_ms,
                                                # parent_wait_frac, bytes_out,
                                                # rows_dropped_dead_worker; run totals
@@ -78,7 +84,10 @@ scalars and the records are unchanged (tested); bench_mask_only() measures what 
 
 The assignment protocol (spec 7.5): assign_fn(battle, ordinal) -> Assignment is called by the
 parent inside next_round for every battle whose episode ended on that round (ascending battle
-order), its groups are folded into rnd.group, and the worker is told on that round's submit.
+order), its groups are folded into rnd.group, and the worker is told on that round's submit (the
+STEP's assign entries); the iteration's opening table reaches it by PLAN at begin_iteration
+(which also carries an assignment drawn on the previous iteration's last round, cycle T, which
+has no submit). The byte layout a worker in another language implements: section 7.
 Without an assign_fn the caller passes submit(actions, gamma, assignments=[...]) with exactly one
 Assignment (ordinal = farm.ordinals[b]) per battle in rnd.ended_battles. The worker never draws.
 
@@ -732,21 +741,80 @@ def _eval_idle_seed(master_seed: int, battle: int, ordinal: int) -> int:
 
 
 # --- 7. The byte layout (spec 7.3): the cross-language contract ---------------------------------
-# Segment A "rlb-<tag>-<pid>-<n>": a 128-byte header, then the rectangle, (T + frame_stack) rows
-# of R slots of codec row_bytes; cycle t's observation of slot r is at row t + frame_stack - 1.
-# Segment B "rlc-<tag>-<pid>-<w>", one per worker: a 4 KiB handshake area, then per shard:
-#   control 64 B | error 512 B | scalars n*32 B | finals n*row_bytes | actions n*2 B (pad 8) |
-#   assign n*4 B (pad 8) | episodes n*EPISODE_BYTES_PER_SLOT (u32 length + msgspec JSON)
+# Everything a worker in another language (a Rust worker) must implement is here; every offset
+# is computed from the EnvSpec and FarmConfig, none is a literal of the env:
+#   row_bytes = codec.CodecTable (decided from EnvSpec.obs_space).row_bytes; T = cycles;
+#   k = frame_stack; R = n_slots = 2 * workers * games_per_worker; S = shards_per_worker;
+#   n = 2 * games_per_worker / S slots per shard. Global shard j = w * S + s holds battles
+#   j * n/2 .. (j+1) * n/2 - 1 and slots j * n .. (j+1) * n - 1 (slot = 2 * battle + seat,
+#   seat 0 blue, 1 red); "local slot i" below is slot j * n + i. All integers little-endian.
+#
+# Segment A "rlb-<pid>-<n>" (one per farm; the parent creates it, workers write rows):
+#   0     header HEADER_DTYPE, 128 B: magic "CLASHRLB" | layout_version u32 | codec_version u32 |
+#         cycles u32 | frame_stack u32 | n_slots u32 | row_bytes u32 | obs_offset u64 (= 128) | pad
+#   128   the rectangle, (T + k) * R * row_bytes: row (q, r) at 128 + (q * R + r) * row_bytes;
+#         cycle t's observation of slot r is row q = t + k - 1 (rows 0..k-2: previous frames).
+# Segment B "rlc-<pid>-<n>-<w>" (one per worker; offsets from segment_b_bytes / shard_layout):
+#   0     handshake, HANDSHAKE_BYTES: u32 length, then a JSON report (worker_report: "spaces"
+#         signature, "engine_binary", "threads", "torch_loaded", "pid"), written at start-up
+#         and again on SPACES; the length is written last.
+#   4096 + s * shard_layout(n, row_bytes)["total"]: shard s's block, its regions in order:
+#     control  CONTROL_DTYPE 64 B. Child -> parent: state u32 (ST_*), n_slots u32, cycle i64
+#              (the cycle just published), err_code u32 (ERR_*), err_len u32, t_env_ns u64 (this
+#              round's vec.step), pub_seq u64 (= the cmd_seq answered). Parent -> child: cmd_seq
+#              u64 (written LAST), cmd_kind u16 (CMD_*), cmd_flags u16 (0), cmd_row u32 (STEP:
+#              the rect row to write, cycle + k - 1), gamma f64 (STEP: the schedule's gamma).
+#     error    512 B   the child's traceback, utf-8, its last 512 bytes; err_len says how many
+#     scalars  n * 32 B SCALAR_DTYPE per local slot: the transition the last STEP's action made
+#     finals   n * row_bytes (pad 8): local slot i's packed final observation, valid where
+#              scalars.flags has F_FINAL (a truncated transition: the bootstrap's observation)
+#     actions  n * 2 B (pad 8): i16 per local slot, parent -> child (scripted seats ignored)
+#     assign   n * 4 B (pad 8): ASSIGN_DTYPE per local slot, parent -> child; present = 1 only
+#              for the slots of battles whose episode started on the previous round (spec 7.5)
+#     episodes n * EPISODE_BYTES_PER_SLOT: u32 length + a msgspec JSON list, one object per seat
+#              whose episode ended on this round (the EpisodeRecord fields the worker counts;
+#              the parent adds policy_id, opponent_id, bucket)
+#     stats    STATS_DTYPE 64 B: codec_ns, bytes_out (this round), clipped, rounded (cumulative)
+#   plan_offset(n, S, row_bytes) = 4096 + S * block: the plan area, S * n * 24 B, PLAN_DTYPE per
+#     slot of the worker (shard s's n entries at + s * n * 24): the iteration's opening table.
+#
+# Signalling, per (worker, shard): two semaphores, obs_ready (child -> parent) and
+# actions_ready (parent -> child); each released once per command or answer, after the word.
+# The parent writes a command's data, then cmd_kind (and cmd_row, gamma), then cmd_seq += 1,
+# then releases actions_ready. The child answers by writing its data, then pub_seq = cmd_seq,
+# then releasing obs_ready. The commands (spec 7.4's STEP | PLAN | SPACES | CLOSE; SET_STATE and
+# DEFER are not built):
+#   start-up (no command): reset every battle (seeds env/battle/{b}/ordinal/{k}), pack the
+#     first observations into rect row k - 1, zero scalars (flags F_VALID, group), episodes
+#     length 0, stats, write the handshake, then state = ST_READY on every shard.
+#   CMD_STEP   read assign (present entries) and actions, fill scripted seats, step the vec env,
+#     write scalars, finals, episodes, stats, t_env_ns and rect row cmd_row for the shard's
+#     slots; cycle = cmd_row - (k - 1); answer.
+#   CMD_PLAN   (begin_iteration, to every shard in order, before the iteration's first STEP)
+#     apply the shard's plan entries: seat every battle whose seats the worker does not hold
+#     for its running episode; check every entry's ordinal and seed against the worker's own
+#     and refuse a mid-episode reseat (FarmError: out of step); answer. Nothing is stepped.
+#   CMD_SPACES (ProcessFarm.spaces(w), between iterations, on the worker's first shard) re-read
+#     spaces and engine binary off the live env, rewrite the handshake; answer. Nothing stepped.
+#   CMD_CLOSE  state = ST_CLOSED on every shard and exit; no pub_seq (the parent joins).
+# An exception in the child: error text, err_code = ERR_EXCEPTION, state = ST_FAILED on every
+# shard, obs_ready released on every shard, exit 1. A hard crash writes nothing: the parent
+# sees a dead process with state != ST_FAILED (WorkerFailure kind "crash"); ERR_CRASH (spec
+# 7.3's err_code 2) is reserved for a worker that can report one and is not written today.
+#
 # Deviations from spec 7.3, on purpose: one buffer per shard, not two parities (rollout.overlap
-# is refused, DESIGN.md 4, so a second parity would never be written); no plan area (the
-# opening table reaches the worker as assign entries on the first Step, which is the one path
-# an assignment takes, so there is one way to do it); finals are indexed by the slot within the
-# shard (n_trunc_max = n: every slot can truncate on one round); the episode area is added (an
-# EpisodeRecord crosses the boundary once per finished episode, spec 7.4); a 64-byte stats block
-# ends each shard's block (layout version 2): what the round cost the worker (codec ns, bytes
-# written) and the packer's cumulative clip/round counters (health/obs_codec_clipped, spec 7.2).
+# is refused, DESIGN.md 4, so a second parity would never be written); the plan area follows
+# the shard blocks (one per worker, as the spec's; its entries carry learner_seat in the spec's
+# pad byte and the episode's reset ordinal in the stride's last 8 bytes, so the worker checks it
+# is in step); finals are indexed by the slot within the shard (n_trunc_max = n: every slot can
+# truncate on one round); the episode area is added (an EpisodeRecord crosses the boundary once
+# per finished episode, spec 7.4); a 64-byte stats block ends each shard's block (layout version
+# 2): what the round cost the worker (codec ns, bytes written) and the packer's cumulative
+# clip/round counters (health/obs_codec_clipped, spec 7.2). Layout version 3 added the plan area
+# and CMD_PLAN / CMD_SPACES (before it, the opening table travelled as the first STEP's assign
+# entries).
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 MAGIC = b"CLASHRLB"
 HEADER_BYTES = 128
 HANDSHAKE_BYTES = 4096
@@ -757,6 +825,7 @@ ACTION_BYTES = 2
 ASSIGN_BYTES = 4
 EPISODE_BYTES_PER_SLOT = 16384
 STATS_BYTES = 64
+PLAN_BYTES = 24
 
 HEADER_DTYPE = np.dtype({
     "names": ["magic", "layout_version", "codec_version", "cycles", "frame_stack", "n_slots",
@@ -789,6 +858,17 @@ ASSIGN_DTYPE = np.dtype({
     "names": ["group", "opponent_ix", "learner_seat", "present"],
     "formats": ["i1", "i1", "i1", "u1"], "offsets": [0, 1, 2, 3], "itemsize": ASSIGN_BYTES})
 
+PLAN_DTYPE = np.dtype({
+    # One entry per slot of the iteration's opening table (spec 7.3's 24 B stride): role, group,
+    # opponent_ix as spec 7.3; learner_seat in the spec's pad byte (the assign entry carries it
+    # too); seed = the episode seed of the episode the slot's battle is playing (training:
+    # derive_int(master_seed, "env/battle/{b}/ordinal/{k}"); evaluation: EvalEpisode.seed, as
+    # u64), the spec's "seed hash"; ordinal = that episode's reset ordinal k, filling the stride's
+    # last 8 bytes. The worker checks seed and ordinal against its own (out of step -> FarmError).
+    "names": ["role", "group", "opponent_ix", "learner_seat", "pad", "seed", "ordinal"],
+    "formats": ["i1", "i1", "i1", "i1", "V4", "<u8", "<i8"],
+    "offsets": [0, 1, 2, 3, 4, 8, 16], "itemsize": PLAN_BYTES})
+
 # scalars.flags bits
 F_TERMINATED, F_TRUNCATED, F_VALID, F_FINAL = 1, 2, 4, 8
 # episode_end: 0 none, 1 win, 2 loss, 3 draw (spec 4.1), 4 ended with no winner (a truncation,
@@ -796,14 +876,14 @@ F_TERMINATED, F_TRUNCATED, F_VALID, F_FINAL = 1, 2, 4, 8
 END_NONE, END_WIN, END_LOSS, END_DRAW, END_NO_RESULT = 0, 1, 2, 3, 4
 # control.state
 ST_STARTING, ST_READY, ST_FAILED, ST_CLOSED = 0, 1, 2, 3
-# control.cmd_kind
-CMD_STEP, CMD_CLOSE = 1, 2
+# control.cmd_kind (parent -> child; see the command table above)
+CMD_STEP, CMD_CLOSE, CMD_PLAN, CMD_SPACES = 1, 2, 3, 4
 # control.err_code (spec 7.3)
 ERR_NONE, ERR_EXCEPTION, ERR_CRASH = 0, 1, 2
 
 assert HEADER_DTYPE.itemsize == HEADER_BYTES and CONTROL_DTYPE.itemsize == CONTROL_BYTES
 assert SCALAR_DTYPE.itemsize == SCALAR_BYTES and ASSIGN_DTYPE.itemsize == ASSIGN_BYTES
-assert STATS_DTYPE.itemsize == STATS_BYTES
+assert STATS_DTYPE.itemsize == STATS_BYTES and PLAN_DTYPE.itemsize == PLAN_BYTES
 
 
 def _pad8(n: int) -> int:
@@ -824,8 +904,21 @@ def shard_layout(n: int, row_bytes: int) -> dict[str, tuple[int, int]]:
     return out
 
 
-def segment_b_bytes(n: int, shards: int, row_bytes: int) -> int:
+def plan_offset(n: int, shards: int, row_bytes: int) -> int:
+    """Offset of the worker's plan area in segment B: after the handshake and every shard block.
+    Shard s's n entries start at plan_offset + s * n * PLAN_BYTES (its slots, ascending)."""
     return HANDSHAKE_BYTES + shards * shard_layout(n, row_bytes)["total"][1]
+
+
+def segment_b_bytes(n: int, shards: int, row_bytes: int) -> int:
+    return plan_offset(n, shards, row_bytes) + shards * n * PLAN_BYTES
+
+
+def shard_io(buf: Any, n: int, shards: int, row_bytes: int, s: int) -> "ShardIO":
+    """The views of shard s's block in a worker's segment B, its plan entries included."""
+    lay = shard_layout(n, row_bytes)["total"][1]
+    return ShardIO(buf, HANDSHAKE_BYTES + s * lay, n, row_bytes,
+                   plan_base=plan_offset(n, shards, row_bytes) + s * n * PLAN_BYTES)
 
 
 def segment_a_bytes(cycles: int, frame_stack: int, n_slots: int, row_bytes: int) -> int:
@@ -835,7 +928,8 @@ def segment_a_bytes(cycles: int, frame_stack: int, n_slots: int, row_bytes: int)
 class ShardIO:
     """numpy views of one shard's block in segment B (shared memory or, inline, a bytearray)."""
 
-    def __init__(self, buf: Any, base: int, n: int, row_bytes: int) -> None:
+    def __init__(self, buf: Any, base: int, n: int, row_bytes: int,
+                 plan_base: int | None = None) -> None:
         lay = shard_layout(n, row_bytes)
 
         def view(name, dtype, count):
@@ -849,6 +943,9 @@ class ShardIO:
         self.assign = view("assign", ASSIGN_DTYPE, n)
         self.episodes = view("episodes", np.uint8, n * EPISODE_BYTES_PER_SLOT)
         self.stats = view("stats", STATS_DTYPE, 1)
+        # the shard's entries of the worker's plan area (None when built without plan_base)
+        self.plan = (None if plan_base is None else
+                     np.ndarray((n,), dtype=PLAN_DTYPE, buffer=buf, offset=plan_base))
 
     def write_text(self, text: str) -> None:
         raw = text.encode("utf-8")[-(ERROR_BYTES):]
@@ -1030,6 +1127,7 @@ class ShardRunner:
         self.row_bytes = table.row_bytes
         self.group = np.full(self.n, GROUP_LEARNER, np.int8)
         self.opp_ix = np.full(self.n, -1, np.int8)
+        self.asg_ordinal = np.full(M, -1, np.int64)        # the ordinal each battle's seats are for
         self.scripted: list[Any] = [None] * self.n
         self.rngs = [derive_generator(cfg.master_seed,
                                       f"scripted/worker/{w}/slot/{self.slot0 + i}/gen/{gen}")
@@ -1117,12 +1215,65 @@ class ShardRunner:
     def _apply_assignments(self, assign: np.ndarray) -> None:
         if self.plan is not None:
             return                              # the evaluation mode seats from its plan
-        present = np.flatnonzero(assign["present"])
+        self._seat(np.flatnonzero(assign["present"]), assign["group"], assign["opponent_ix"])
+
+    def episode_seed(self, g: int) -> int:
+        """The seed (as u64) of the episode battle g is playing: the plan entry's `seed`."""
+        if self.plan is not None:
+            i = int(self.eval_ix[g])
+            seed = (int(self.plan[i].seed) if i >= 0 else
+                    _eval_idle_seed(self.cfg.master_seed, self.battle0 + g, int(self.ordinal[g])))
+        else:
+            seed = _battle_seed(self.cfg.master_seed, self.battle0, g, int(self.ordinal[g]))
+        return seed & 0xFFFF_FFFF_FFFF_FFFF
+
+    def apply_slot_plan(self, plan: np.ndarray) -> None:
+        """The PLAN command (spec 7.4): the iteration's opening table for this shard's slots
+        (PLAN_DTYPE, n entries). A battle whose seats the worker does not hold for its running
+        episode yet (a fresh or restarted worker; an episode that started on the previous
+        iteration's last round) is seated from it; for every other battle the entry must repeat
+        what the worker holds. Ordinal and seed must match the worker's own episode: a plan that
+        disagrees means parent and worker are out of step, and that is an error, not a choice."""
+        where = f"worker {self.w} shard {self.s}"
+        take = []
+        for g in range(self.n // 2):
+            e = plan[2 * g: 2 * g + 2]
+            slot = self.slot0 + 2 * g
+            if self.plan is not None:           # evaluation: the worker seats from eval_plan
+                idle_p, idle_w = bool((e["group"] == GROUP_IDLE).all()), bool(self.eval_ix[g] < 0)
+                if idle_p != idle_w:
+                    raise FarmError(f"{where} slot {slot}: the plan says idle={idle_p}, the worker's "
+                                    f"queue says idle={idle_w} (evaluation farm out of step)")
+                if idle_w:
+                    continue                    # a stopped battle's ordinals are the worker's own
+            k = int(e["ordinal"][0])
+            if k != int(self.ordinal[g]) or int(e["seed"][0]) != self.episode_seed(g):
+                raise FarmError(
+                    f"{where} slot {slot}: the plan is for ordinal {k} seed {int(e['seed'][0])}, "
+                    f"the battle plays ordinal {int(self.ordinal[g])} seed {self.episode_seed(g)}; "
+                    "parent and worker are out of step (restart the run from its checkpoint)")
+            if self.plan is not None or self.asg_ordinal[g] == k:
+                if not (np.array_equal(e["group"], self.group[2 * g: 2 * g + 2]) and
+                        (self.plan is not None or
+                         np.array_equal(e["opponent_ix"], self.opp_ix[2 * g: 2 * g + 2]))):
+                    raise FarmError(
+                        f"{where} slot {slot}: the plan seats groups {e['group'].tolist()} "
+                        f"opponents {e['opponent_ix'].tolist()} mid-episode (ordinal {k}); the "
+                        f"worker holds {self.group[2 * g: 2 * g + 2].tolist()} "
+                        f"{self.opp_ix[2 * g: 2 * g + 2].tolist()} (spec 7.5: no reassignment "
+                        "mid-episode)")
+            else:
+                take += [2 * g, 2 * g + 1]
+        self._seat(np.asarray(take, np.int64), plan["group"], plan["opponent_ix"])
+
+    def _seat(self, present: np.ndarray, group: np.ndarray, opp_ix: np.ndarray) -> None:
+        """Seat slots `present` (shard-local) from an assign or plan area: group, scripted player."""
         for i in present:
-            self.group[i] = assign["group"][i]
-            self.opp_ix[i] = assign["opponent_ix"][i]
+            self.group[i] = group[i]
+            self.opp_ix[i] = opp_ix[i]
             self.scripted[i] = (make_scripted(SCRIPTED_NAMES[self.opp_ix[i]])
                                 if self.group[i] == GROUP_SCRIPTED else None)
+            self.asg_ordinal[int(i) // 2] = self.ordinal[int(i) // 2]
         if self.cfg.scripted_mask_only:
             # An assignment arrives with its episode's first action, after the episode's first
             # observation was built; from the next one on a scripted seat is built mask-only
@@ -1426,6 +1577,46 @@ class _FarmCore:
         for w in sorted(self._pending_restart):
             self._do_restart(w)
         self._pending_restart.clear()
+        self._deliver_plan()
+
+    def plan_table(self) -> np.ndarray:
+        """PLAN_DTYPE (R,): the opening table as it crosses to the workers, from the farm's own
+        assignments (equal to the caller's SlotPlan, except where a restart moved a battle on)."""
+        out = np.zeros(self.R, PLAN_DTYPE)
+        for b, a in enumerate(self.assignment):
+            k = int(self.ordinals[b])
+            if self.cfg.eval_plan is not None:
+                i = self.eval_map.get((b, k), -1)
+                seed = (int(self.cfg.eval_plan[i].seed) if i >= 0
+                        else _eval_idle_seed(self.cfg.master_seed, b, k))
+            else:
+                seed = derive_int(self.cfg.master_seed, f"env/battle/{b}/ordinal/{k}")
+            for seat in (0, 1):
+                r = 2 * b + seat
+                out[r]["role"], out[r]["learner_seat"] = a.role, a.learner_seat
+                out[r]["group"], out[r]["opponent_ix"] = self.group[r], self.opp_ix[r]
+                out[r]["seed"], out[r]["ordinal"] = seed & 0xFFFF_FFFF_FFFF_FFFF, k
+        return out
+
+    def _deliver_plan(self) -> None:
+        """Write the plan area of every live worker and send each of its shards PLAN (spec 7.4),
+        then wait for every answer: the worker has applied it before the iteration's first STEP.
+        The assign entries of that first STEP then carry nothing the plan already delivered."""
+        table = self.plan_table()
+        sent = []
+        for j in range(self.J):
+            w, _ = self.shard_of(j)
+            if self.dead[w]:
+                continue
+            sl = self.shard_slots(j)
+            self._io(j).plan[:] = table[sl]
+            self._send_plan(j)
+            sent.append(j)
+        for j in sent:
+            if self.dead[self.shard_of(j)[0]]:
+                continue                        # failed on an earlier shard's PLAN: reported once
+            if self._await_plan(j, self.cfg.round_timeout_s):
+                self._new_assign[self.shard_slots(j)] = False
 
     def _set_assignment(self, a: Assignment) -> None:
         self.assignment[a.battle] = a
@@ -1681,6 +1872,8 @@ class _FarmCore:
 
     # subclass hooks
     def _io(self, j: int) -> ShardIO: ...
+    def _send_plan(self, j: int) -> None: ...
+    def _await_plan(self, j: int, timeout_s: float) -> bool: ...
     def _kick(self, j: int, cycle: int, gamma: float) -> None: ...
     def _wait(self, j: int, cycle: int, timeout_s: float) -> bool: ...
     def _start_worker(self, w: int) -> None: ...
@@ -1726,12 +1919,11 @@ class InlineFarm(_FarmCore):
         self._seg_b: list[bytearray] = []
         self._ios: list[ShardIO] = []
         self._runners: list[ShardRunner | None] = [None] * self.J
-        lay = shard_layout(self.n_shard, self.row_bytes)["total"][1]
         for w in range(cfg.workers):
             buf = bytearray(segment_b_bytes(self.n_shard, cfg.shards_per_worker, self.row_bytes))
             self._seg_b.append(buf)
             for s in range(cfg.shards_per_worker):
-                self._ios.append(ShardIO(buf, HANDSHAKE_BYTES + s * lay, self.n_shard, self.row_bytes))
+                self._ios.append(shard_io(buf, self.n_shard, cfg.shards_per_worker, self.row_bytes, s))
         for w in range(cfg.workers):
             self._start_worker(w)
 
@@ -1760,6 +1952,20 @@ class InlineFarm(_FarmCore):
 
     def _wait(self, j: int, cycle: int, timeout_s: float) -> bool:
         return not self.dead[self.shard_of(j)[0]]
+
+    def _send_plan(self, j: int) -> None:
+        try:
+            self._runners[j].apply_slot_plan(self._ios[j].plan)
+        except Exception:
+            self._fail(self.shard_of(j)[0], j, 0, "exception", traceback.format_exc())
+
+    def _await_plan(self, j: int, timeout_s: float) -> bool:
+        return not self.dead[self.shard_of(j)[0]]
+
+    def spaces(self, w: int, timeout_s: float | None = None) -> dict[str, Any]:
+        """SPACES, in process: worker w's report re-read off its live env (as ProcessFarm's)."""
+        S = self.cfg.shards_per_worker
+        return worker_report(self._runners[w * S: (w + 1) * S])
 
     def close(self) -> None:
         if self._closed:
@@ -1808,6 +2014,28 @@ class _SpawnEnv:
                 del self._main.__spec__
 
 
+def worker_report(runners: list[ShardRunner]) -> dict[str, Any]:
+    """What a worker reports at start-up and on SPACES: its spaces signature and engine binary
+    (re-read off the live env), thread variables, whether torch is loaded, its pid."""
+    vec = runners[0].vec
+    return {
+        "spaces": spaces_signature(vec.single_observation_space, vec.single_action_space.n),
+        "engine_binary": engine_binary(vec.envs[0].config()),
+        "threads": {v: os.environ.get(v) for v in THREAD_VARS},
+        "torch_loaded": "torch" in sys.modules, "pid": os.getpid(),
+    }
+
+
+def _write_handshake(hand: np.ndarray, runners: list[ShardRunner]) -> None:
+    """u32 length, then the report as JSON utf-8; the length last, so a reader never sees half."""
+    raw = json.dumps(worker_report(runners)).encode()
+    if len(raw) + 4 > hand.size:
+        raise FarmError(f"worker report of {len(raw)} bytes exceeds HANDSHAKE_BYTES={hand.size}")
+    hand[:4] = 0
+    hand[4:4 + len(raw)] = np.frombuffer(raw, np.uint8)
+    hand[:4] = np.frombuffer(struct.pack("<I", len(raw)), np.uint8)
+
+
 def _worker_entry(cfg_json: bytes, table_json: bytes, w: int, gen: int, ordinals: list[list[int]],
                   seg_a: str, seg_b: str, obs_sems: list[Any], act_sems: list[Any]) -> None:
     """The child. Its environment already carries the thread variables (set at exec by
@@ -1823,24 +2051,14 @@ def _worker_entry(cfg_json: bytes, table_json: bytes, w: int, gen: int, ordinals
     a = shared_memory.SharedMemory(name=seg_a)
     b = shared_memory.SharedMemory(name=seg_b)
     rect = rect_view(a.buf, T, k, R, rb)
-    lay = shard_layout(n, rb)["total"][1]
-    ios = [ShardIO(b.buf, HANDSHAKE_BYTES + s * lay, n, rb) for s in range(S)]
+    ios = [shard_io(b.buf, n, S, rb, s) for s in range(S)]
     hand = np.ndarray((HANDSHAKE_BYTES,), np.uint8, buffer=b.buf, offset=0)
     cur = 0
     try:
         runners = [ShardRunner(cfg, table, w, s, gen, ordinals[s]) for s in range(S)]
         for s, r in enumerate(runners):
             r.reset(ios[s], rect[k - 1])
-        vec = runners[0].vec
-        report = {
-            "spaces": spaces_signature(vec.single_observation_space, vec.single_action_space.n),
-            "engine_binary": engine_binary(vec.envs[0].config()),
-            "threads": {v: os.environ.get(v) for v in THREAD_VARS},
-            "torch_loaded": "torch" in sys.modules, "pid": os.getpid(),
-        }
-        raw = json.dumps(report).encode()
-        hand[4:4 + len(raw)] = np.frombuffer(raw, np.uint8)
-        hand[:4] = np.frombuffer(struct.pack("<I", len(raw)), np.uint8)
+        _write_handshake(hand, runners)
         for s in range(S):
             ios[s].control["state"] = ST_READY
         seen = [0] * S
@@ -1862,10 +2080,23 @@ def _worker_entry(cfg_json: bytes, table_json: bytes, w: int, gen: int, ordinals
                 ctl = io.control
                 seq = int(ctl["cmd_seq"][0])
                 seen[s] = seq
-                if int(ctl["cmd_kind"][0]) == CMD_CLOSE:
+                kind = int(ctl["cmd_kind"][0])
+                if kind == CMD_CLOSE:
                     for x in range(S):
                         ios[x].control["state"] = ST_CLOSED
                     return
+                if kind in (CMD_PLAN, CMD_SPACES):
+                    if kind == CMD_PLAN:
+                        runners[s].apply_slot_plan(io.plan)
+                        due = (s + 1) % S           # PLAN goes to every shard in turn, then STEP
+                    else:
+                        _write_handshake(hand, runners)
+                    ctl["pub_seq"] = seq
+                    obs_sems[s].release()
+                    break
+                if kind != CMD_STEP:
+                    raise FarmError(f"worker {w} shard {s}: unknown command kind {kind} "
+                                    f"(cmd_seq {seq}); parent and worker disagree on the layout")
                 row = int(ctl["cmd_row"][0])
                 runners[s].step(io, rect[row], float(ctl["gamma"][0]))
                 ctl["cycle"] = row - (k - 1)
@@ -1911,14 +2142,14 @@ class ProcessFarm(_FarmCore):
         self.rect[:] = 0
         self._shm_b = []
         self._ios: list[ShardIO] = []
-        lay = shard_layout(self.n_shard, self.row_bytes)["total"][1]
         for w in range(cfg.workers):
             shm = shared_memory.SharedMemory(
                 create=True, size=segment_b_bytes(self.n_shard, cfg.shards_per_worker, self.row_bytes),
                 name=f"rlc-{tag}-{w}")
             self._shm_b.append(shm)
             for s in range(cfg.shards_per_worker):
-                self._ios.append(ShardIO(shm.buf, HANDSHAKE_BYTES + s * lay, self.n_shard, self.row_bytes))
+                self._ios.append(shard_io(shm.buf, self.n_shard, cfg.shards_per_worker,
+                                          self.row_bytes, s))
         self._obs_sems = [self._ctx.Semaphore(0) for _ in range(self.J)]
         self._act_sems = [self._ctx.Semaphore(0) for _ in range(self.J)]
         self._seq = [0] * self.J
@@ -1982,9 +2213,16 @@ class ProcessFarm(_FarmCore):
                 raise WorkerTimeout(f"worker {w} did not finish start-up within "
                                     f"{self.cfg.startup_timeout_s} s (startup_timeout_s)")
             time.sleep(0.01)
+        self._check_report(w, self._read_handshake(w))
+
+    def _read_handshake(self, w: int) -> dict[str, Any]:
+        hand = np.ndarray((HANDSHAKE_BYTES,), np.uint8, buffer=self._shm_b[w].buf, offset=0)
         n = struct.unpack("<I", bytes(hand[:4]))[0]
         report = json.loads(bytes(hand[4:4 + n]))
         self.handshakes[w] = report
+        return report
+
+    def _check_report(self, w: int, report: dict[str, Any]) -> None:
         if self._expect is not None:
             problems = []
             vec_sig = report["spaces"]
@@ -2002,20 +2240,53 @@ class ProcessFarm(_FarmCore):
     def _expect_sig(self) -> str:
         return _sig_from_keyspecs(self._expect.obs_space, self._expect.n_actions)
 
-    def _kick(self, j: int, cycle: int, gamma: float) -> None:
+    def _command(self, j: int, kind: int) -> None:
         ctl = self._ios[j].control
-        ctl["cmd_kind"] = CMD_STEP
-        ctl["cmd_row"] = cycle + self.k - 1
-        ctl["gamma"] = gamma
+        ctl["cmd_kind"] = kind
         self._seq[j] += 1
         ctl["cmd_seq"] = self._seq[j]         # the word last, then the token
         self._act_sems[j].release()
 
+    def _kick(self, j: int, cycle: int, gamma: float) -> None:
+        ctl = self._ios[j].control
+        ctl["cmd_row"] = cycle + self.k - 1
+        ctl["gamma"] = gamma
+        self._command(j, CMD_STEP)
+
+    def _send_plan(self, j: int) -> None:
+        self._command(j, CMD_PLAN)
+
+    def _await_plan(self, j: int, timeout_s: float) -> bool:
+        return self._await_answer(j, 0, timeout_s, "the PLAN command")
+
+    def spaces(self, w: int, timeout_s: float | None = None) -> dict[str, Any]:
+        """The SPACES command (spec 7.4): worker w re-reads its spaces and engine binary off its
+        live env without stepping and answers like the start-up handshake; refused (FarmError,
+        the worker is stopped) on a mismatch with env_spec, as at start-up. Only between
+        iterations (before the first begin_iteration, or after cycle T was read), when no STEP is
+        outstanding on the worker's control words."""
+        if self._closed or self.dead[w] or self._procs[w] is None:
+            raise FarmError(f"spaces({w}): worker {w} is not running")
+        if self.iteration >= 0 and (self._cycle, self._shard) != (self.T + 1, 0):
+            raise FarmError(f"spaces({w}) mid-iteration (cycle {self._cycle}, shard {self._shard}): "
+                            "a STEP may be outstanding; ask between iterations")
+        j = self._shards(w)[0]
+        self._command(j, CMD_SPACES)
+        timeout = self.cfg.round_timeout_s if timeout_s is None else timeout_s
+        if not self._await_answer(j, 0, timeout, "the SPACES command"):
+            raise FarmError(f"worker {w} failed answering SPACES: {self._failures[-1].message}")
+        report = self._read_handshake(w)
+        self._check_report(w, report)
+        return report
+
     def _wait(self, j: int, cycle: int, timeout_s: float) -> bool:
+        if cycle == 0:
+            return True                       # the reset publication, checked at start-up
+        return self._await_answer(j, cycle, timeout_s, f"cycle {cycle}")
+
+    def _await_answer(self, j: int, cycle: int, timeout_s: float, what: str) -> bool:
         w, s = self.shard_of(j)
         ctl = self._ios[j].control
-        if self._seq[j] == 0:
-            return True                       # the reset publication, checked at start-up
         deadline = time.monotonic() + timeout_s
         spin_s = self.cfg.spin_us * 1e-6
         new = lambda: int(ctl["pub_seq"][0]) == self._seq[j] or int(ctl["state"][0]) == ST_FAILED
@@ -2029,7 +2300,7 @@ class ProcessFarm(_FarmCore):
             if time.monotonic() > deadline:
                 codes = {i: (q.exitcode if q is not None else None) for i, q in enumerate(self._procs)}
                 raise WorkerTimeout(
-                    f"worker {w} shard {s} (global shard {j}) did not answer cycle {cycle} within "
+                    f"worker {w} shard {s} (global shard {j}) did not answer {what} within "
                     f"{timeout_s} s (round_timeout_s); alive={p.is_alive()}, exit codes {codes}")
         if int(ctl["state"][0]) == ST_FAILED or int(ctl["err_code"][0]) != ERR_NONE:
             text = ""

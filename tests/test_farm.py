@@ -250,9 +250,16 @@ def test_the_schedule_s_gamma_reaches_the_reward_during_collection(kind):
 
 def test_layout_golden_record():
     # The contract a Rust worker implements: any change here is a LAYOUT_VERSION bump.
-    assert farm.LAYOUT_VERSION == 2
+    assert farm.LAYOUT_VERSION == 3
     assert (farm.HEADER_BYTES, farm.CONTROL_BYTES, farm.ERROR_BYTES, farm.SCALAR_BYTES,
-            farm.ACTION_BYTES, farm.ASSIGN_BYTES, farm.STATS_BYTES) == (128, 64, 512, 32, 2, 4, 64)
+            farm.ACTION_BYTES, farm.ASSIGN_BYTES, farm.STATS_BYTES,
+            farm.PLAN_BYTES) == (128, 64, 512, 32, 2, 4, 64, 24)
+    assert (farm.CMD_STEP, farm.CMD_CLOSE, farm.CMD_PLAN, farm.CMD_SPACES) == (1, 2, 3, 4)
+    assert {n: farm.PLAN_DTYPE.fields[n][1] for n in farm.PLAN_DTYPE.names} == {
+        "role": 0, "group": 1, "opponent_ix": 2, "learner_seat": 3, "pad": 4, "seed": 8,
+        "ordinal": 16}
+    assert {n: farm.ASSIGN_DTYPE.fields[n][1] for n in farm.ASSIGN_DTYPE.names} == {
+        "group": 0, "opponent_ix": 1, "learner_seat": 2, "present": 3}
     assert {n: farm.STATS_DTYPE.fields[n][1] for n in farm.STATS_DTYPE.names} == {
         "codec_ns": 0, "bytes_out": 8, "clipped": 16, "rounded": 24, "pad": 32}
     assert {n: farm.SCALAR_DTYPE.fields[n][1] for n in farm.SCALAR_DTYPE.names} == {
@@ -265,13 +272,22 @@ def test_layout_golden_record():
         "control": (0, 64), "error": (64, 512), "scalars": (576, 128), "finals": (704, 400),
         "actions": (1104, 8), "assign": (1112, 16), "episodes": (1128, 65536),
         "stats": (66664, 64), "total": (0, 66728)}
-    assert farm.segment_b_bytes(4, 2, 100) == 4096 + 2 * 66728
+    # the plan area follows the shard blocks: shard s's n entries at plan_offset + s * n * 24
+    assert farm.plan_offset(4, 2, 100) == 4096 + 2 * 66728
+    assert farm.segment_b_bytes(4, 2, 100) == 4096 + 2 * 66728 + 2 * 4 * 24
+    seg = bytearray(farm.segment_b_bytes(4, 2, 100))
+    io1 = farm.shard_io(seg, 4, 2, 100, 1)
+    io1.plan[2] = (2, -2, 5, 1, bytes(4), 2**63 + 3, 9)
+    off = 4096 + 2 * 66728 + (4 + 2) * 24
+    assert bytes(seg[off: off + 24]) == struct.pack("<bbbb4xQq", 2, -2, 5, 1, 2**63 + 3, 9)
+    io1.control["cmd_kind"] = farm.CMD_PLAN
+    assert struct.unpack_from("<H", seg, 4096 + 66728 + 48)[0] == 3
     assert farm.segment_a_bytes(16, 2, 8, 100) == 128 + 18 * 8 * 100
     buf = bytearray(farm.segment_a_bytes(3, 2, 4, 10))
     farm.write_header(buf, 3, 2, 4, 10)
     import codec
     assert bytes(buf[:40]) == b"CLASHRLB" + struct.pack(
-        "<IIIIIIQ", 2, codec.CODEC_VERSION, 3, 2, 4, 10, 128)
+        "<IIIIIIQ", 3, codec.CODEC_VERSION, 3, 2, 4, 10, 128)
     assert bytes(buf[40:128]) == bytes(88)
     rect = farm.rect_view(buf, 3, 2, 4, 10)
     rect[1, 2, 3] = 9                                  # index(t, r) = t * R + r
@@ -390,6 +406,55 @@ def test_a_battle_s_assignment_changes_only_after_its_episode_ended(inline_run):
     assert changes > 0
 
 
+def test_the_plan_command_seats_the_opening_table_and_refuses_an_out_of_step_plan(short_env):
+    """Spec 7.3/7.4: begin_iteration writes the plan area and sends PLAN; the worker is seated
+    before the first STEP, whose assign entries then carry nothing; a battle that reset on the
+    iteration's last round is seated by the next PLAN; a plan for another ordinal, or one that
+    reseats a battle mid-episode, is refused naming the slot."""
+    spec, _, table = short_env
+    cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, shards_per_worker=1,
+                          games_per_worker=2, cycles=20, frame_stack=2, viewer=False)
+    f = farm.InlineFarm(cfg, table, mixed_assign)
+    try:
+        r, io = f._runners[0], f._io(0)
+        assert (r.asg_ordinal == -1).all()
+        f.begin_iteration(opening_plan(cfg))
+        want = np.array([g for b in range(2) for g in mixed_assign(b, 0).group], np.int8)
+        assert io.plan["group"].tolist() == r.group.tolist() == want.tolist()
+        assert io.plan["seed"].tolist() == [farm.derive_int(MASTER, f"env/battle/{b}/ordinal/0")
+                                            for b in (0, 0, 1, 1)]
+        assert io.plan["opponent_ix"][2:].tolist().count(farm.SCRIPTED_NAMES.index("random_legal")) == 1
+        assert r.scripted[2 + (1 - mixed_assign(1, 0).learner_seat)] is not None
+        assert io.plan.tobytes() == f.plan_table().tobytes()
+        rnd = f.next_round(10)
+        f.submit(np.zeros(4, np.int64), 0.99)
+        assert not io.assign["present"].any()          # the plan delivered the opening table
+        # play to the iteration's end: 20 decisions truncate at cycle 20 (the last round), so
+        # the next episodes start there and their seats reach the worker by the next PLAN
+        for c in range(1, cfg.cycles + 1):
+            rnd = f.next_round(10)
+            if c < cfg.cycles:
+                f.submit(np.zeros(4, np.int64), 0.99)
+        assert rnd.ended_battles.tolist() == [0, 1] and (r.asg_ordinal == 0).all()
+        f.begin_iteration(farm.SlotPlan(1, 2, 4, tuple(f.assignment), ()))
+        assert (r.asg_ordinal == 1).all() and io.plan["ordinal"].tolist() == [1, 1, 1, 1]
+        want = np.array([g for b in range(2) for g in mixed_assign(b, 1).group], np.int8)
+        assert r.group.tolist() == want.tolist()
+        bad = f.plan_table()
+        bad["ordinal"][2:] = 5
+        with pytest.raises(farm.FarmError, match=r"worker 0 shard 0 slot 2: the plan is for "
+                                                 r"ordinal 5 .* out of step"):
+            r.apply_slot_plan(bad)
+        bad = f.plan_table()
+        bad["group"][0:2] = farm.GROUP_SCRIPTED
+        with pytest.raises(farm.FarmError, match=r"slot 0: the plan seats groups \[-2, -2\] .*mid-episode"):
+            r.apply_slot_plan(bad)
+        assert f.spaces(0)["spaces"] == farm.spaces_signature(
+            r.vec.single_observation_space, r.vec.single_action_space.n)
+    finally:
+        f.close()
+
+
 def test_alignment_the_return_sums_exactly_the_episode_s_own_rows(inline_run):
     """The 18.1 fix: a transition's reward and flags sit on the row of the action that caused
     it. With a 20-decision truncation and every battle starting at cycle 0, episode k of every
@@ -493,8 +558,17 @@ def test_process_farm_matches_inline_byte_for_byte(short_env):
         inline.close()
     proc = farm.ProcessFarm(cfg, table, mixed_assign, env_spec=env_spec)
     try:
+        # SPACES (spec 7.4): re-read without stepping -- the bytes below still match inline's
+        rep = proc.spaces(1)
+        assert rep["spaces"] == proc._expect_sig() and rep["engine_binary"] == env_spec.engine_binary
+        assert rep["pid"] == proc._procs[1].pid
         b = drive(proc, cfg, table, 2)
         assert proc.drain_failures() == []
+        assert proc.spaces(0)["pid"] == proc._procs[0].pid     # between iterations, too
+        proc._expect = msgspec.structs.replace(env_spec, engine_binary="0000000000000000")
+        with pytest.raises(farm.FarmError, match=r"worker 1 \(generation 0\) refused: engine "
+                                                 r"binary " + env_spec.engine_binary):
+            proc.spaces(1)
         st = proc.stats
         # the same bytes crossed the boundary; the parent really waited on the workers
         assert st["bytes_out"] == st_inline["bytes_out"] > 0
