@@ -14,7 +14,8 @@ Reads:  the env's own spaces and layouts (through farm.preflight and NetGeometry
         codec.Obs minibatches; farm's name-addressed seeding; ladder's matchmaker, pool, gate,
         rater, evaluation runner and probe (sections 12-13).
 Writes: <runs_dir>/<run_name>-<run_id>/ config.json (canonical JSON of the resolved Args),
-        identity.json, metrics.jsonl, episodes.jsonl, checkpoints/<env_steps:012d>/ (section 10):
+        identity.json, metrics.jsonl, episodes.jsonl, alarms.jsonl, bundles/<iteration>/ on a halt
+        (section 11), checkpoints/<env_steps:012d>/ (section 10):
         safetensors for tensors, JSON for everything else, a manifest with a sha256 per file
         (ladder/state.json in it: matchmaker, pool, ratings, resident table, cadence positions);
         ladder/ (through ladder.py): eval_env.json, eval_seeds.json, snapshots/<sha16>/,
@@ -31,9 +32,12 @@ Spec sections implemented here (../shared/spec/harness-spec.txt):
        hall-of-fame eviction, the probe, kind="train" results, the ladder/* keys of 13.2
   snapshot_policy_builder(run_dir, device) is what `python ladder.py eval|gate` plays snap: with.
 
-NOT yet here (issue 4): most of spec 13.2's metric list (the row carries about sixty keys, and
-the alarms whose keys are not emitted are absent), wandb, ladder/elo_readout and
-ladder/rating_above_v0 (no learner rating exists, spec 11.9), the gate_starved alarm, the VRAM probe (7.7 step 12),
+NOT yet here (issue 4): part of spec 13.2's metric list (tile_entropy, card_tile_top10_share,
+per-card play frequency and heatmaps, rollout_legal_actions, reward_terms/*, mean_elixir_at_decision, gpu_util_frac, the VRAM keys,
+rollout_capacity_ratio: with collection and update in series it reduces to t_update / t_collect,
+which says which side of this machine is slower, not whether the harness is the bottleneck), the
+alarms that read those keys (artefact_exploit, capacity_ratio, vram_spilling,
+shaping_dominates), the bundle's ratio outliers and replay trace (spec 13.4), wandb, the VRAM probe (7.7 step 12),
 frame liveness on the final-obs critic path when frame_stack > 1. The sentinel file is acted on
 at iteration boundaries, not once per round.
 
@@ -381,9 +385,16 @@ class ActorCritic(nn.Module):
     @torch.no_grad()
     def act(self, obs: Any, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rollout inference: actions from the caller's uniforms, and their log-probs to store."""
+        a, lp, _ = self.act_and_hold(obs, u)
+        return a, lp
+
+    @torch.no_grad()
+    def act_and_hold(self, obs: Any, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """act, plus each row's p(no-op): the rollout's own hold probability (spec 13.2's
+        policy/rollout_hold_*, measured on the policy that chose, not the one the update moved)."""
         d = self.dist(obs)
         a = d.sample(u)
-        return a, d.log_prob(a)
+        return a, d.log_prob(a), d.logp[:, 0].exp()
 
 
 def init_weights(model: ActorCritic, gen: torch.Generator) -> None:
@@ -1178,8 +1189,9 @@ class CheckpointArgs:
 
 @dataclass
 class MetricsArgs:
-    console_full_row: bool = False
-    """print the whole grouped row each iteration, not just the compact block. Not in the identity"""
+    console_full: bool = False
+    """after the compact block, print every key of the row grouped by prefix (run/, time/, ppo/,
+    ...): for reading a key the block leaves out without opening metrics.jsonl. Not in the identity"""
     wandb: bool = False
     """mirror rows to Weights & Biases (optional extra). Not in the identity"""
     wandb_project: str = "clash-ppo"
@@ -1858,7 +1870,8 @@ def load_learner(files: dict[str, bytes], ac: ActorCritic, opt_actor: torch.opti
 # One flat row per iteration. The schema is the single source of truth: key -> (unit, description,
 # healthy range or None, conditional). A test holds every emitted key to it and every
 # unconditional key to being emitted, so the documentation and the code cannot drift. A
-# conditional key is written as null when its population is empty (no episode ended, say).
+# conditional key whose population is empty (no episode ended, say) is never 0: the first env/ and
+# policy/ keys are written as null, every key added since is absent (spec 11.9's rule).
 
 SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "run/iteration": ("count", "iterations completed", None, False),
@@ -1966,7 +1979,94 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "ladder/score_vs_ci95_hi/*": ("", "probe: high end", None, True),
     "time/probe": ("s", "the probe this iteration", None, True),
     "time/gate": ("s", "the gate this iteration", None, True),
+    # issue 4 item 6: the rest of spec 13.2 the loop's data already holds. time/ and throughput/ are
+    # wall clock (the resume test skips them); every other key is a pure function of the run
+    "time/inference": ("s", "the parent's batched forwards while collecting (learner and pool seats); inside time/collection", None, False),
+    "time/checkpoint": ("s", "checkpoint writing since the previous row (a save follows its own row, so it is counted in the next)", None, False),
+    "time/residual": ("s", "time/iteration less collection, critic_pass, gae, update, gate, probe and checkpoint", None, False),
+    "throughput/overall_steps_per_second": ("game-steps/s", "env steps over time/iteration: what the run really makes", None, False),
+    "throughput/engine_ticks_per_second": ("ticks/s", "engine ticks advanced by the battles (the tick scalar's per-cycle deltas) over collection time", None, False),
+    "throughput/discarded_rows_frac": ("", "valid cells that are not trainable (opponent seats): (n_battles - mirror) / (2 n_battles) by construction (spec 11.3)", None, False),
+    "throughput/inference_ms_per_round": ("ms", "time/inference per shard-round", None, False),
+    "policy/forced_noop_frac": ("", "learner rollout cells with exactly one legal action (zero policy gradient); read against ppo/forced_frac", None, True),
+    "policy/rollout_choice_frac": ("", "learner rollout cells with more than the no-op legal: 1 - forced_noop_frac", None, True),
+    "policy/legal_actions_p05": ("actions", "legal actions per learner cell, 5th percentile", None, True),
+    "policy/legal_actions_p50": ("actions", "median", None, True),
+    "policy/legal_actions_p95": ("actions", "95th percentile", None, True),
+    "env/episode_steps_p05": ("decisions", "learner seats' episode length, 5th percentile", None, True),
+    "env/episode_steps_p50": ("decisions", "median", None, True),
+    "env/episode_steps_p95": ("decisions", "95th percentile", None, True),
+    "env/crown_diff": ("crowns", "learner seats' crowns less the opponent's, per episode", None, True),
+    "env/tower_hp_frac_end_own": ("", "learner seats' own tower hp fraction at the episode's end", None, True),
+    "env/tower_hp_frac_end_enemy": ("", "the opponent's tower hp fraction at the episode's end", None, True),
+    "env/win_rate_by_seat": ("", "blue's score (win 1, draw 0.5) in mirror battles, where both seats are the learner: near 0.5", (0.45, 0.55), True),
+    "env/win_rate_by_seat_ci95_lo": ("", "its Wilson 95% interval over the mirror episodes, low end (seat_bias reads it)", None, True),
+    "env/win_rate_by_seat_ci95_hi": ("", "high end", None, True),
+    "env/elixir_leak_frac": ("", "learner seats' decisions at full elixir (elixir_leak_steps / episode_steps), per episode", None, True),
+    "env/episode_steps_at_cap_frac": ("", "learner episodes that reached obs.max_steps; absent when no cap is set", None, True),
+    "policy/rollout_hold_rate": ("", "the rollout's p(no-op) on learner cells that had a choice", None, True),
+    "policy/rollout_hold_lift": ("", "p(no-op) x n_legal on those cells: 1.0 is a policy that learnt nothing about waiting; no band earned yet", None, True),
+    "policy/tile_top1_share": ("", "the learner's card plays on its single most used tile (tile_spam reads it)", (0.0, 0.25), True),
+    "ladder/elo_readout": ("Elo", "sequential Elo (k=32) of 'learner' over its kind=train games (spec 11.2 layer 1; never the gate)", None, True),
+    "ladder/rating_above_v0": ("Elo", "the champion's fitted rating less v0's (the learner itself is never fitted, spec 11.9)", None, True),
+    "ladder/gate_consecutive_discards": ("count", "gates discarded in a row since the last admission (gate_starved reads it)", None, False),
+    "health/rss_peak_mb": ("MB", "the process's peak resident memory (getrusage); machine-dependent like time/", None, False),
 }
+
+# Keys whose value depends on the machine or the clock rather than the run: the resume test
+# compares every other key byte for byte (spec 5.4, 12.4).
+NONDETERMINISTIC = ("time/", "throughput/", "run/wall_seconds", "health/rss_peak_mb")
+
+
+def episode_metrics(eps: Sequence[Any], cap: int = 0) -> dict[str, float]:
+    """The env/ keys read off this iteration's EpisodeRecords (farm.EpisodeRecord). The learner's
+    own seats are the population (spec 13.3: a mean over every seat could not see the learner
+    collapse); win_rate_by_seat is blue's score in mirror battles, where both seats are the learner,
+    so 0.5 is exact by symmetry and a deviation is the seat, not the opponent. A key whose
+    population is empty is absent, never 0. cap is obs.max_steps (0: no cap, no at_cap key)."""
+    mine = [e for e in eps if e.policy_id == "learner"]
+    m: dict[str, float] = {}
+    if mine:
+        steps = np.array([e.episode_steps for e in mine], np.float64)
+        for q in (5, 50, 95):
+            m[f"env/episode_steps_p{q:02d}"] = float(np.percentile(steps, q))
+        m["env/crown_diff"] = float(np.mean([e.own_crowns - e.enemy_crowns for e in mine]))
+        m["env/tower_hp_frac_end_own"] = float(np.mean([e.own_tower_hp_frac for e in mine]))
+        m["env/tower_hp_frac_end_enemy"] = float(np.mean([e.enemy_tower_hp_frac for e in mine]))
+        m["env/elixir_leak_frac"] = float(np.mean([e.elixir_leak_steps / max(e.episode_steps, 1) for e in mine]))
+        if cap > 0:
+            m["env/episode_steps_at_cap_frac"] = float(np.mean(steps >= cap))
+    blue = [{0: 1.0, 2: 0.5, 1: 0.0}[e.winner] for e in eps if e.bucket == "mirror" and e.seat == 0 and e.winner in (0, 1, 2)]
+    if blue:
+        p = float(np.mean(blue))
+        m["env/win_rate_by_seat"] = p
+        m["env/win_rate_by_seat_ci95_lo"], m["env/win_rate_by_seat_ci95_hi"] = ladder.wilson_interval(p, len(blue))
+    return m
+
+
+def rollout_policy_metrics(action: np.ndarray, n_legal: np.ndarray, p_noop: np.ndarray, geo: NetGeometry) -> dict[str, float]:
+    """policy/ keys of the learner's rollout cells (1-D arrays, one entry a cell). Hold: over the
+    cells that had a choice (n_legal > 1), p(no-op) as the rollout's forward gave it, and its lift
+    over that cell's uniform baseline 1/n_legal (1.0: nothing learnt about when to wait; spec 13.2).
+    Tiles: over the cells that played a card, the share on the single most used board tile, from
+    royalegym's encoding a = 1 + slot*H*W + y*W + x (PointerHead). Absent when the population is."""
+    m: dict[str, float] = {}
+    choice = n_legal > 1
+    if choice.any():
+        m["policy/rollout_hold_rate"] = float(p_noop[choice].mean())
+        m["policy/rollout_hold_lift"] = float((p_noop[choice] * n_legal[choice]).mean())
+    hw = geo.tiles[0] * geo.tiles[1]
+    play = (action >= 1) & (action < 1 + geo.hand_size * hw)
+    if play.any():
+        m["policy/tile_top1_share"] = float(np.bincount((action[play] - 1) % hw, minlength=hw).max() / play.sum())
+    return m
+
+
+def rss_peak_mb() -> float:
+    """Peak resident set of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    import resource
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r / 2**20 if sys.platform == "darwin" else r / 1024
 
 
 def schema_entry(key: str) -> tuple[str, str, tuple[float, float] | None, bool] | None:
@@ -1984,18 +2084,42 @@ class AlarmHalt(RuntimeError):
 
 @dataclass
 class Alarm:
+    """Fires when its predicate holds on `patience` consecutive rows. The predicate is `key op
+    threshold`; op "rose" compares the key with its value on the previous row (a run total that
+    went up); `test`, when given, replaces the comparison with a function of the whole row for
+    predicates over several keys, and returns None when a key it needs is absent. `reads` are
+    the keys halt.json shows the recent values of (default: the key)."""
     name: str
     key: str
-    op: Literal[">", "<"]
+    op: Literal[">", "<", "rose"]
     threshold: float
     patience: int
     severity: Literal["warn", "halt"]
     meaning: str
+    test: Any = None
+    reads: tuple[str, ...] = ()
+
+
+def _seat_bias(row: dict[str, Any]) -> bool | None:
+    lo, hi = row.get("env/win_rate_by_seat_ci95_lo"), row.get("env/win_rate_by_seat_ci95_hi")
+    return None if lo is None or hi is None else (hi < 0.45 or lo > 0.55)
+
+
+def _draw_equilibrium(row: dict[str, Any]) -> bool | None:
+    d, cap = row.get("env/draw_rate"), row.get("env/episode_steps_at_cap_frac")
+    return None if d is None or cap is None else (d > 0.5 and cap > 0.8)
+
+
+def _gate_starved(row: dict[str, Any]) -> bool | None:
+    # an event: only a row that gated can say it, so a starving run warns once per gate, not every row
+    return None if "time/gate" not in row else row.get("ladder/gate_consecutive_discards", 0) >= 5
 
 
 def alarm_table(args: Args) -> list[Alarm]:
     """Spec 13.3's table, the keys this row carries. Thresholds are config (excluded from the
-    identity: an alarm can stop a run, never change a number); patience and severity are not."""
+    identity: an alarm can stop a run, never change a number); patience and severity are not.
+    Not here: artefact_exploit (policy/card_tile_top10_share is not computed), vram_spilling (no VRAM readings), capacity_ratio (no honest
+    rollout_capacity_ratio without overlap: see the module docstring), shaping_dominates."""
     al = args.alarms
     return [
         Alarm("illegal_actions", "health/illegal_action_rate", ">", 0.0, 1, "halt", "a mask bug or a wrong action encoding"),
@@ -2014,6 +2138,20 @@ def alarm_table(args: Args) -> list[Alarm]:
               "a uint8 plane exceeded its declared bound and was clipped (spec 7.2): report it against the builder"),
         Alarm("elixir_count_inexact", "env/elixir_count_exact_frac", "<", 0.99, 3, "warn",
               "the observation's enemy-elixir field was an estimate; read identity.json engine_build first"),
+        Alarm("worker_failures", "health/worker_restarts", "rose", 0.0, 1, "warn",
+              "a rollout worker died and was restarted; its cells this iteration were dropped (read the failure line)"),
+        Alarm("worker_failures_persistent", "health/worker_restarts", "rose", 0.0, 3, "halt",
+              "workers died on three iterations running: the environment or the machine is failing, not one battle"),
+        Alarm("seat_bias", "env/win_rate_by_seat", "<", 0.0, 3, "warn",
+              "blue's mirror score's 95% interval excludes 0.45-0.55: an unseeded reset, a reward asymmetry or a mirror bug",
+              test=_seat_bias, reads=("env/win_rate_by_seat", "env/win_rate_by_seat_ci95_lo", "env/win_rate_by_seat_ci95_hi")),
+        Alarm("draw_equilibrium", "env/draw_rate", ">", 0.5, 5, "warn",
+              "draw_rate > 0.5 and episode_steps_at_cap_frac > 0.8: the turtle equilibrium",
+              test=_draw_equilibrium, reads=("env/draw_rate", "env/episode_steps_at_cap_frac")),
+        Alarm("gate_starved", "ladder/gate_consecutive_discards", ">", 4.0, 1, "warn",
+              "five gates in a row discarded: the plateau signal, stated as an event", test=_gate_starved),
+        Alarm("transitivity", "ladder/transitivity_residual", ">", 0.10, 3, "warn", "the scalar rating is lying"),
+        Alarm("tile_spam", "policy/tile_top1_share", ">", 0.25, 5, "warn", "a quarter of the learner's plays on one tile"),
     ]
 
 
@@ -2025,6 +2163,7 @@ class AlarmSet:
     def __init__(self, alarms: list[Alarm]) -> None:
         self.alarms = alarms
         self.count = {a.name: 0 for a in alarms}
+        self.prev: dict[str, Any] = {}   # the previous row's value per key, for op "rose"
 
     def evaluate(self, row: dict[str, Any]) -> list[tuple[Alarm, float]]:
         fired = []
@@ -2033,27 +2172,48 @@ class AlarmSet:
                 fired.append((Alarm("nonfinite", k, ">", 0.0, 1, "halt", "a loss, gradient or metric went non-finite"), v))
         for a in self.alarms:
             v = row.get(a.key)
-            if v is None:
+            if a.test is not None:
+                hit = a.test(row)
+            elif v is None:
+                hit = None
+            elif a.op == "rose":
+                p = self.prev.get(a.key)
+                hit = p is not None and v > p
+            else:
+                hit = v > a.threshold if a.op == ">" else v < a.threshold
+            if hit is None:
                 continue
-            hit = v > a.threshold if a.op == ">" else v < a.threshold
             self.count[a.name] = self.count[a.name] + 1 if hit else 0
             if hit and self.count[a.name] >= a.patience:
-                fired.append((a, float(v)))
+                fired.append((a, float(v) if isinstance(v, (int, float)) else float("nan")))
+        for a in self.alarms:
+            if a.key in row:
+                self.prev[a.key] = row[a.key]
         return fired
 
 
 def write_bundle(run: Path, iteration: int, alarm: Alarm, value: float, rows: list[dict[str, Any]],
-                 checkpoint: Path, args: Args, identity: RunIdentity) -> Path:
-    """Spec 13.4: everything needed to judge whether the stop was real, in one folder."""
+                 checkpoint: Path, args: Args, identity: RunIdentity, episodes: Sequence[Any] = (),
+                 alarm_rows: Sequence[dict[str, Any]] = ()) -> Path:
+    """Spec 13.4: everything needed to judge whether the stop was real, in one folder: halt.json
+    (the alarm, its threshold, the last five values of every key it reads, the state_digest, the
+    checkpoint and the resume command), the last fifty rows, this iteration's alarm rows, the last
+    twenty EpisodeRecords, the resolved config and the identity. Not yet: the ten worst ratio
+    outliers and a re-simulated replay trace of one offending episode."""
     b = run / "bundles" / str(iteration)
     b.mkdir(parents=True, exist_ok=True)
-    recent = [r.get(alarm.key) for r in rows[-5:]]
+    reads = alarm.reads or (alarm.key,)
+    recent = {k: [r.get(k) for r in rows[-5:]] for k in reads}
     halt = {"alarm": alarm.name, "metric": alarm.key, "predicate": f"{alarm.key} {alarm.op} {alarm.threshold}",
-            "threshold": alarm.threshold, "patience": alarm.patience, "value": value, "last_values": recent,
+            "threshold": alarm.threshold, "patience": alarm.patience, "value": value,
+            "last_values": recent[alarm.key] if alarm.key in recent else recent[reads[0]], "recent": recent,
             "meaning": alarm.meaning, "iteration": iteration, "checkpoint": str(checkpoint),
+            "state_digest": rows[-1].get("run/state_digest") if rows else None,
             "resume": f"python ppo_clash.py --resume {run} --checkpoint {checkpoint}"}
     (b / "halt.json").write_bytes(msgspec.json.format(canonical_json(halt)))
     (b / "metrics_tail.jsonl").write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in rows[-50:]))
+    (b / "alarms.jsonl").write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in alarm_rows))
+    (b / "episodes_tail.jsonl").write_bytes(b"".join(msgspec.json.encode(e) + b"\n" for e in list(episodes)[-20:]))
     (b / "config.json").write_bytes(config_json(args))
     (b / "identity.json").write_bytes(canonical_json(identity))
     return b
@@ -2134,9 +2294,10 @@ def learning_status(row: dict[str, Any], run_name: str) -> dict[str, Any]:
             "value_loss": g("ppo/value_loss"), "entropy": g("ppo/entropy"), "kl": g("ppo/kl"),
             "clip_frac": g("ppo/clip_fraction"), "explained_var": g("ppo/explained_variance"),
             "grad_norm": g("ppo/grad_norm_actor"), "learning_rate": g("run/lr_actor"),
-            "env_steps_per_s": g("throughput/collected_steps_per_second"), "engine_ticks_per_s": None,
+            "env_steps_per_s": g("throughput/collected_steps_per_second"),
+            "engine_ticks_per_s": g("throughput/engine_ticks_per_second"),
             "episode_ticks": None, "crowns_per_episode": g("env/crowns_for"), "towers_per_episode": None,
-            "illegal_rate": g("health/illegal_action_rate"), "elixir_wasted": None, "elo": None,
+            "illegal_rate": g("health/illegal_action_rate"), "elixir_wasted": g("env/elixir_leak_frac"), "elo": g("ladder/elo_readout"),
             "win_rate": g("env/win_rate_vs_scripted"), "pool_size": g("ladder/pool_size"), "games_vs_pool": None,
             "extra": {"cards_per_match": g("policy/cards_per_match") if g("policy/cards_per_match") is not None else "-",
                       "forced_frac": g("ppo/forced_frac"),
@@ -2260,6 +2421,10 @@ class LadderLoop:
         self.last_gate: ladder.GateDecision | None = None
         self.last_candidate_step = self.last_floor_step = 0
         self.seconds_gate = self.seconds_probe = 0.0
+        self.gate_discards_in_a_row = 0
+        # spec 11.2 layer 1: a sequential Elo over the kind="train" games, for the dashboard between
+        # refits. The learner is one player ("learner"), whatever its step; order = episode order
+        self.elo = ladder.EloReadout()
         # frozen per run: a resumed run keeps its set even under --allow-identity-drift of the seed
         self.seeds = (ladder.read_run_seeds(run) if (ladder.ladder_dir(run) / "eval_seeds.json").exists()
                       else ladder.load_or_create_eval_seeds(run, seed, L.eval_seed_count))
@@ -2336,6 +2501,8 @@ class LadderLoop:
                                    side_a=ladder.SIDES[e.seat], context=self.context, kind="train",
                                    run_id=self.rid, iteration=iteration, wall=wall)
                  for e in episodes if e.policy_id == "learner" and e.bucket != "mirror"]
+        for gm in games:
+            self.elo.update("learner", gm.b, gm.score_a)
         if games:
             self.log.append(games)
 
@@ -2366,6 +2533,7 @@ class LadderLoop:
         ladder.write_gate_decision(self.run, dec)
         self.gate_attempts += 1
         self.last_gate = dec
+        self.gate_discards_in_a_row = 0 if dec.admit else self.gate_discards_in_a_row + 1
         if dec.admit:
             self.gate_passes += 1
             self.admit(cand, env_steps, promote=dec.promote, cycle=dec.cycle)
@@ -2396,6 +2564,12 @@ class LadderLoop:
                                   self.gate_passes, self.evictions)
         m["ladder/gate_seconds_frac"] = self.seconds_gate / max(wall, 1e-9)
         m["ladder/probe_seconds_frac"] = self.seconds_probe / max(wall, 1e-9)
+        m["ladder/gate_consecutive_discards"] = self.gate_discards_in_a_row
+        if "learner" in self.elo.rating:
+            m["ladder/elo_readout"] = self.elo.rating["learner"]
+        champ, v0 = self.pool.champion, self.pool.v0
+        if self.ratings is not None and champ in self.ratings.rating and v0 in self.ratings.rating:
+            m["ladder/rating_above_v0"] = self.ratings.rating[champ] - self.ratings.rating[v0]
         return m
 
     # -- the checkpoint --
@@ -2406,7 +2580,8 @@ class LadderLoop:
                 "gate_attempts": self.gate_attempts, "gate_passes": self.gate_passes, "evictions": self.evictions,
                 "last_gate": msgspec.to_builtins(self.last_gate) if self.last_gate is not None else None,
                 "last_candidate_step": self.last_candidate_step, "last_floor_step": self.last_floor_step,
-                "seconds_gate": self.seconds_gate, "seconds_probe": self.seconds_probe}
+                "seconds_gate": self.seconds_gate, "seconds_probe": self.seconds_probe,
+                "gate_discards_in_a_row": self.gate_discards_in_a_row, "elo": dict(sorted(self.elo.rating.items()))}
 
     def load(self, st: dict[str, Any]) -> list[Any]:
         """Restore; returns the saved assignment table (the resumed farm's opening plan)."""
@@ -2418,6 +2593,8 @@ class LadderLoop:
         self.last_gate = msgspec.convert(st["last_gate"], ladder.GateDecision) if st["last_gate"] is not None else None
         self.last_candidate_step, self.last_floor_step = st["last_candidate_step"], st["last_floor_step"]
         self.seconds_gate, self.seconds_probe = st["seconds_gate"], st["seconds_probe"]
+        self.gate_discards_in_a_row = int(st.get("gate_discards_in_a_row", 0))   # absent before issue 4 item 6
+        self.elo.rating = {k: float(v) for k, v in st.get("elo", {}).items()}
         return [msgspec.convert(a, farm.Assignment) for a in st["assignment"]]
 
 
@@ -2644,6 +2821,11 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
     sched_pos: dict[str, Any] = {}
     phase, boundary_ordinals = "boundary", [int(x) for x in source.ordinals]
     boundary_ladder: dict[str, Any] = {}
+    # time/iteration runs row to row, so the checkpoint written after a row (t_ckpt) lands in the
+    # next row's split; prev_tick is each battle's engine tick at the last cycle collected
+    t_row, t_ckpt = time.perf_counter(), 0.0
+    prev_tick = np.zeros(n_battles, np.int64)
+    ep_tail: list[Any] = []   # the last twenty EpisodeRecords, for a halt's bundle (spec 13.4)
     try:
         while timesteps < args.timestep_limit and (max_iterations is None or iteration < max_iterations):
             t_it = time.perf_counter()
@@ -2657,12 +2839,14 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
             boundary_ladder = lad.state(list(plan.assignment))
             action = np.zeros((T, R), np.int64)
             log_prob = np.zeros((T, R), np.float32)
+            p_noop = np.zeros((T, R), np.float32)
             group = np.full((T, R), farm.GROUP_DEAD, np.int8)
             rounds = 0
-            progress = not quiet and sys.stdout.isatty()
+            progress = not quiet and sys.stdout.isatty()   # a log file gets no progress lines
+            t_inf = 0.0
             for t in range(T + 1):
                 if progress and t % max(T // 20, 1) == 0:   # a person's progress line, overwritten in place
-                    print(f"\r  it {iteration + 1} collecting cycle {t}/{T}", end="", flush=True)
+                    print("\r" + progress_line(iteration + 1, t, T, rounds, time.perf_counter() - t_it), end="", flush=True)
                 if viser is not None:
                     viser.pump()   # answer a viewer's hello within a cycle
                 u = torch.as_tensor(derive_generator(seed, f"act/iteration/{iteration}/cycle/{t}").random(R),
@@ -2680,6 +2864,7 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
                     rows = np.flatnonzero(rnd.group == farm.GROUP_LEARNER)   # ascending slot order
                     # pool seats: one batched forward per resident group, groups ascending, rows
                     # in ascending slot order, the same cycle uniforms; not trainable, no log-prob
+                    t0 = time.perf_counter()
                     for g in sorted({int(x) for x in rnd.group if x >= 0}):
                         prow = np.flatnonzero(rnd.group == g)
                         ps = sl[prow].astype(np.int64)
@@ -2689,10 +2874,12 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
                         action[t, ps] = acts[prow]
                     if rows.size:
                         ss = sl[rows].astype(np.int64)
-                        a, lp = model.act(view.obs(np.full(rows.size, t), ss), u[ss])
+                        a, lp, p0 = model.act_and_hold(view.obs(np.full(rows.size, t), ss), u[ss])
+                        p_noop[t, ss] = p0.cpu().numpy()
                         acts[rows] = a.cpu().numpy()
                         action[t, ss] = acts[rows]
                         log_prob[t, ss] = lp.cpu().numpy()
+                    t_inf += time.perf_counter() - t0
                     source.submit(acts, gamma)
                     rounds += 1
             t_collect = time.perf_counter() - t_it
@@ -2806,6 +2993,25 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
             sched_pos = {"gamma": gamma, "ent_coef": ent_coef, "ent_coef_noop": ent_noop,
                          "backoff": backoff.state(), "iteration": iteration, "env_steps": env_steps,
                          "timesteps": timesteps, "updates": updates}
+            # engine ticks the battles advanced: each battle's tick after cycle t less its tick
+            # before it (0 when cycle t starts an episode: a reset is tick 0), seat-0 columns only.
+            # prev_tick is not checkpointed, so a resumed run's first row counts its battles' ticks
+            # from their episode starts: one high reading, under throughput/ where the clock lives.
+            # [M] the smoke profile reads 10.0 ticks a decision on rows with no episode end
+            tick = sc["tick"][:, 0::2].astype(np.int64)
+            starts = last_start[k - 1:T + k - 1, 0::2] == np.arange(T)[:, None]
+            before = np.where(starts, 0, np.vstack([prev_tick[None], tick[:-1]]))
+            ticks = int(np.clip(np.where(valid[:, 0::2], tick - before, 0), 0, None).sum())
+            prev_tick = tick[-1].copy()
+            nl = n_legal_c[trainable]
+            pol: dict[str, Any] = {}
+            if nl.size:
+                pol = {"policy/forced_noop_frac": float((nl == 1).mean()), "policy/rollout_choice_frac": float((nl > 1).mean()),
+                       **{f"policy/legal_actions_p{q:02d}": float(np.percentile(nl, q)) for q in (5, 50, 95)}}
+            pol.update(rollout_policy_metrics(action[trainable], n_legal_c[trainable], p_noop[trainable], geo))
+            t_now = time.perf_counter()
+            t_iter = t_now - t_row
+            parts = t_collect + t_critic + t_gae + t_update + t_ckpt + lad_row.get("time/gate", 0.0) + lad_row.get("time/probe", 0.0)
             row: dict[str, Any] = {
                 "run/iteration": iteration, "run/cumulative_timesteps": timesteps,
                 "run/cumulative_env_steps": env_steps, "run/cumulative_updates": updates,
@@ -2816,7 +3022,13 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
                 "run/lr_actor": backoff.lr_actor, "run/lr_critic": backoff.lr_critic, "run/lr_backoff": backed_off,
                 "run/determinism_tier": args.determinism.tier, "run/resumed_with_drift": drifted,
                 "run/state_digest": state_digest(model, [opt_a, opt_c], scaler, sched_pos),
-                "time/iteration": time.perf_counter() - t_it, "time/collection": t_collect,
+                "time/iteration": t_iter, "time/collection": t_collect,
+                "time/inference": t_inf, "time/checkpoint": t_ckpt, "time/residual": t_iter - parts,
+                "throughput/overall_steps_per_second": T * n_battles / max(t_iter, 1e-9),
+                "throughput/engine_ticks_per_second": ticks / max(t_collect, 1e-9),
+                "throughput/discarded_rows_frac": 1.0 - float(trainable.sum()) / max(int(valid.sum()), 1),
+                "throughput/inference_ms_per_round": 1e3 * t_inf / max(rounds, 1),
+                "health/rss_peak_mb": rss_peak_mb(), **pol, **episode_metrics(eps, args.obs.max_steps),
                 "time/critic_pass": t_critic, "time/gae": t_gae, "time/update": t_update,
                 "throughput/collected_steps_per_second": T * n_battles / max(t_collect, 1e-9),
                 "ppo/explained_variance": ev, "ppo/reward_clip_frac": reward_clip_frac,
@@ -2853,33 +3065,40 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
                 viser.write(row, run.name)
             if not quiet:
                 if progress:
-                    print("\r", end="")
-                _console(row, full=args.metrics.console_full_row)
+                    print("\r\x1b[K", end="")   # clear the progress line before the block
+            t_row, t_ckpt = t_now, 0.0
             tail = (tail + [row])[-50:]
+            ep_tail = (ep_tail + list(eps))[-20:]
             fired = alarms.evaluate(row)   # after the row is on disk: a halt checkpoints the learner it describes
+            if not quiet:
+                print(console_block(row, fired, full=args.metrics.console_full), flush=True)
+            alarm_rows = [{"iteration": iteration, "alarm": a.name, "metric": a.key, "value": v,
+                           "threshold": a.threshold, "severity": a.severity} for a, v in fired]
             for a, v in fired:
-                alarms_f.write(msgspec.json.encode({"iteration": iteration, "alarm": a.name, "metric": a.key, "value": v,
-                                                    "threshold": a.threshold, "severity": a.severity}) + b"\n")
                 if not quiet:
                     print(f"ALARM {a.severity} {a.name}: {a.key} = {v:.4g} {a.op} {a.threshold:g} -- {a.meaning}")
+            alarms_f.write(b"".join(msgspec.json.encode(x) + b"\n" for x in alarm_rows))
             alarms_f.flush()
             halts = [(a, v) for a, v in fired if a.severity == "halt"]
             if halts:
                 ck = _save(run, args, identity, rid, model, opt_a, opt_c, scaler, sched_pos, iteration,
                            env_steps, timesteps, updates, source.ordinals, t_start,
                            lad.state(list(source.assignment)))
-                bundle = write_bundle(run, iteration, halts[0][0], halts[0][1], tail, ck, args, identity)
+                bundle = write_bundle(run, iteration, halts[0][0], halts[0][1], tail, ck, args, identity,
+                                      episodes=ep_tail, alarm_rows=alarm_rows)
                 raise AlarmHalt(f"halted at iteration {iteration} by {halts[0][0].name} "
                                 f"({halts[0][0].key} = {halts[0][1]:.4g}); checkpoint {ck}; bundle {bundle}; "
                                 f"resume: python ppo_clash.py --resume {run} --checkpoint {ck}")
             ctl = _sentinel(run, quiet)
             # spec 11.4: a checkpoint at every candidate too, whatever the gate decided
             if env_steps // every > (env_steps - T * n_battles) // every or ctl in ("c", "q") or "time/gate" in lad_row:
+                t0 = time.perf_counter()
                 _save(run, args, identity, rid, model, opt_a, opt_c, scaler, sched_pos, iteration,
                       env_steps, timesteps, updates, source.ordinals, t_start,
                            lad.state(list(source.assignment)))
                 last_saved = env_steps
                 prune_checkpoints(run, args.checkpoint.keep)
+                t_ckpt = time.perf_counter() - t0
             if ctl == "q":
                 break
         if last_saved != env_steps:   # the limit: save on the way out unless the last save holds it
@@ -2966,24 +3185,62 @@ def _pkg_version(name: str) -> str:
         return "not installed"
 
 
-def _console(row: dict[str, Any], full: bool = False) -> None:
-    """The compact block a person watches; --metrics.console-full-row adds the whole row, grouped."""
+def progress_line(iteration: int, t: int, T: int, rounds: int, seconds: float) -> str:
+    """The one line a person sees while collecting (rewritten in place with \\r on a tty)."""
+    return f"  it {iteration} collecting cycle {t}/{T}  {rounds / max(seconds, 1e-9):.1f} rounds/s"
+
+
+def _fmt(v: Any, fmt: str = "{:.3g}") -> str:
+    if v is None:
+        return "-"
+    if not isinstance(v, float):   # counts, flags and names as they are
+        return str(v)
+    return fmt.format(v)
+
+
+def console_block(row: dict[str, Any], fired: Sequence[tuple[Alarm, float]] = (), full: bool = False) -> str:
+    """The compact block a person watches each iteration: the two dozen numbers of issue 4 item 6
+    on labelled lines. An absent key prints as "-" (the console never indexes a fixed key list
+    into a crash, spec 13.1). With full=True (--metrics.console-full) every key follows, grouped by
+    prefix."""
+    g = row.get
+
+    def f(k: str, fmt: str = "{:.3g}") -> str:
+        return _fmt(g(k), fmt)
+
+    lines = [f"it {f('run/iteration')}  timesteps {f('run/cumulative_timesteps')}  env_steps "
+             f"{f('run/cumulative_env_steps')}  wall {f('run/wall_seconds', '{:.0f}')}s",
+             f"  speed   {f('throughput/collected_steps_per_second', '{:.0f}')} env/s collecting, "
+             f"{f('throughput/overall_steps_per_second', '{:.0f}')} overall, "
+             f"{f('throughput/inference_ms_per_round', '{:.2f}')} ms inference/round   "
+             f"time {f('time/iteration', '{:.1f}')}s = collect {f('time/collection', '{:.1f}')} "
+             f"critic {f('time/critic_pass', '{:.1f}')} update {f('time/update', '{:.1f}')} "
+             f"gate {f('time/gate', '{:.1f}')} ckpt {f('time/checkpoint', '{:.1f}')} "
+             f"other {f('time/residual', '{:.1f}')}",
+             f"  learn   policy_loss {f('ppo/policy_loss')} value_loss {f('ppo/value_loss')} kl {f('ppo/kl')} "
+             f"clip {f('ppo/clip_fraction', '{:.3f}')} ev {f('ppo/explained_variance', '{:.2f}')} "
+             f"H_norm {f('ppo/entropy_normalised', '{:.3f}')} forced {f('ppo/forced_frac', '{:.2f}')}",
+             f"  play    cards/match {f('policy/cards_per_match', '{:.1f}')} win_vs_scripted "
+             f"{f('env/win_rate_vs_scripted', '{:.2f}')} blue_mirror {f('env/win_rate_by_seat', '{:.2f}')} "
+             f"draw {f('env/draw_rate', '{:.2f}')} episodes {f('env/episodes_completed')} "
+             f"illegal {f('health/illegal_action_rate')}"]
+    champ = g("ladder/champion_id")
+    if champ is not None:
+        r, se = g(f"ladder/rating/{champ}"), g(f"ladder/rating_se/{champ}")
+        rating = "-" if r is None else f"{r:.0f} +- {se:.0f}" if se is not None else f"{r:.0f}"
+        gate = "none yet" if not g("ladder/gate_attempts") else (g("ladder/gate_failed_condition") or "passed")
+        lines.append(f"  ladder  champion {champ} rating {rating} above_v0 {f('ladder/rating_above_v0', '{:.0f}')} "
+                     f"elo_readout {f('ladder/elo_readout', '{:.0f}')} pool {f('ladder/pool_size')} "
+                     f"last gate {gate}")
+    if fired:
+        lines.append("  alarms  " + "  ".join(f"{a.name}({a.severity})" for a, _ in fired))
     if full:
         groups: dict[str, list[str]] = {}
         for k, v in row.items():
-            g, _, name = k.partition("/")
-            groups.setdefault(g, []).append(f"{name}={v:.4g}" if isinstance(v, float) else f"{name}={v}")
-        for g, items in groups.items():
-            print(f"  {g:<10} " + "  ".join(items))
-    f = lambda k, fmt="{:.3g}": "-" if row.get(k) is None else fmt.format(row[k])  # noqa: E731
-    print(f"it {row['run/iteration']:>4}  ts {row['run/cumulative_timesteps']:>9}  "
-          f"{f('throughput/collected_steps_per_second', '{:.0f}')} env/s  "
-          f"t[col {f('time/collection', '{:.1f}')} upd {f('time/update', '{:.1f}')}]s  "
-          f"pl {f('ppo/policy_loss')} vl {f('ppo/value_loss')} kl {f('ppo/kl')} clip {f('ppo/clip_fraction', '{:.3f}')} "
-          f"ev {f('ppo/explained_variance', '{:.2f}')} H {f('ppo/entropy_normalised', '{:.3f}')} "
-          f"forced {f('ppo/forced_frac', '{:.2f}')} cards {f('policy/cards_per_match', '{:.1f}')} "
-          f"win_vs_scripted {f('env/win_rate_vs_scripted', '{:.2f}')} illegal {f('health/illegal_action_rate')}",
-          flush=True)
+            grp, _, name = k.partition("/")
+            groups.setdefault(grp, []).append(f"{name}={_fmt(v, '{:.4g}')}")
+        lines += [f"  [{grp}] " + "  ".join(items) for grp, items in groups.items()]
+    return "\n".join(lines)
 
 
 def _save(run: Path, args: Args, identity: RunIdentity, rid: str, model: ActorCritic, opt_a, opt_c,

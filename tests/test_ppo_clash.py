@@ -661,7 +661,7 @@ INCLUDED = {
 }
 EXCLUDED = {
     "run_name": "other", "runs_dir": "elsewhere", "metrics.wandb": True, "metrics.wandb_project": "x",
-    "metrics.console_full_row": True, "checkpoint.keep": 3, "alarms.kl_high": 0.5,
+    "metrics.console_full": True, "checkpoint.keep": 3, "alarms.kl_high": 0.5,
     "alarms.noop_collapse_severe": 1.0, "alarms.clip_pinned": 0.9,
 }
 
@@ -908,6 +908,22 @@ def test_a_smoke_run_of_three_iterations_end_to_end(tmp_path):
         assert [k for k in r if P.schema_entry(k) is None] == []
         assert [k for k, v in P.SCHEMA.items() if not v[3] and not k.endswith("*") and k not in r] == []
         assert [k for k, v in r.items() if v is None and not P.schema_entry(k)[3]] == []
+        # the time split adds up (the residual is what the named phases leave), the tick scalar
+        # advances, and the discarded share is the role arithmetic (spec 11.3)
+        parts = sum(r.get(k, 0.0) for k in ("time/collection", "time/critic_pass", "time/gae", "time/update",
+                                             "time/checkpoint", "time/gate", "time/probe"))
+        assert r["time/residual"] == pytest.approx(r["time/iteration"] - parts)
+        assert 0 <= r["time/inference"] <= r["time/collection"] and r["health/rss_peak_mb"] > 0
+        assert r["throughput/engine_ticks_per_second"] > r["throughput/collected_steps_per_second"] > 0
+        n = args.rollout.workers * args.rollout.games_per_worker
+        mirror, _, _ = P.ladder.role_counts(args.ladder.mix, n)
+        assert r["throughput/discarded_rows_frac"] == pytest.approx((n - mirror) / (2 * n))
+        assert r["policy/forced_noop_frac"] == pytest.approx(r["ppo/forced_frac"])
+        assert r["policy/rollout_choice_frac"] == pytest.approx(1 - r["ppo/forced_frac"])
+        assert 0 < r["policy/rollout_hold_rate"] < 1 and "policy/tile_top1_share" in r
+    # the pointer head starts near uniform (gain 0.01, spec 8.4), so the first rollout holds at about
+    # the uniform baseline of each row: a lift near 1
+    assert rows[0]["policy/rollout_hold_lift"] == pytest.approx(1.0, abs=0.1)
 
 
 def test_alarms_fire_after_exactly_patience_and_a_missing_key_counts_nothing():
@@ -940,9 +956,15 @@ def test_a_halt_leaves_its_row_checkpoint_and_bundle(tmp_path):
     assert halt["resume"] == f"python ppo_clash.py --resume {run} --checkpoint {ck}" and str(ck) in str(ei.value)
     alarm_rows = [json.loads(x) for x in (run / "alarms.jsonl").read_text().splitlines()]
     assert {"alarm": "ratio_invariant", "severity": "halt"}.items() <= alarm_rows[0].items()
+    # spec 13.4: the state_digest, the iteration's alarm rows and the last EpisodeRecords ride along
+    b = run / "bundles" / "1"
+    assert halt["state_digest"] == rows[0]["run/state_digest"]
+    assert json.loads((b / "alarms.jsonl").read_text().splitlines()[0])["alarm"] == "ratio_invariant"
+    eps = (run / "episodes.jsonl").read_text().splitlines()[-20:]
+    assert (b / "episodes_tail.jsonl").read_text().splitlines() == eps
 
 
-WALL_CLOCK = ("time/", "throughput/", "run/wall_seconds")
+WALL_CLOCK = P.NONDETERMINISTIC   # time/, throughput/, run/wall_seconds, health/rss_peak_mb
 
 
 @pytest.mark.slow
@@ -968,6 +990,7 @@ def test_a_resumed_run_reproduces_the_original_rows_in_a_fresh_process(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     after = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["run/iteration"] for r in after] == [1, 2, 3, 4, 3, 4]
+    assert all("ladder/elo_readout" in r for r in rows[2:])   # the Elo readout's state crosses the checkpoint
     for orig, again in zip(rows[2:], after[4:]):
         keep = lambda r: {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)}  # noqa: E731
         assert keep(orig) == keep(again)
@@ -1281,3 +1304,151 @@ def test_the_resident_table_keeps_a_live_episodes_group_and_reuses_only_free_slo
     m = P.farm.Assignment(battle=0, ordinal=0, role=P.farm.ROLE_MIRROR, opponent_id=None, group=(-1, -1),
                           learner_seat=-1)
     assert lad.remap(m) is m
+
+
+# --- metrics and alarms (issue 4 item 6, spec 13.1-13.4): planted rows, no run ------------------------
+
+
+def _planted_row(**kw):
+    row = {"run/iteration": 7, "run/cumulative_timesteps": 28672, "run/cumulative_env_steps": 19152,
+           "run/wall_seconds": 321.0, "throughput/collected_steps_per_second": 912.4,
+           "throughput/overall_steps_per_second": 611.0, "throughput/inference_ms_per_round": 3.25,
+           "time/iteration": 44.4, "time/collection": 30.1, "time/critic_pass": 2.2, "time/update": 9.9,
+           "time/checkpoint": 0.3, "time/residual": 1.9, "ppo/policy_loss": -0.0123, "ppo/value_loss": 0.456,
+           "ppo/kl": 0.00421, "ppo/clip_fraction": 0.0612, "ppo/explained_variance": 0.53,
+           "ppo/entropy_normalised": 0.971, "ppo/forced_frac": 0.91, "policy/cards_per_match": 21.34,
+           "env/win_rate_vs_scripted": 0.48, "env/win_rate_by_seat": 0.51, "env/draw_rate": 0.05,
+           "env/episodes_completed": 40, "health/illegal_action_rate": 0.0,
+           "ladder/champion_id": "snap:abc", "ladder/rating/snap:abc": 123.4, "ladder/rating_se/snap:abc": 22.2,
+           "ladder/gate_attempts": 1, "ladder/gate_failed_condition": "champion", "ladder/pool_size": 2,
+           "ladder/elo_readout": 35.0}
+    row.update(kw)
+    return row
+
+
+def test_the_console_block_groups_the_numbers_a_person_watches_and_the_full_row_is_behind_a_flag():
+    row = _planted_row()
+    fired = [(P.Alarm("kl_dead", "ppo/kl", "<", 1e-5, 10, "warn", "m"), 1e-6)]
+    out = P.console_block(row, fired)
+    lines = out.splitlines()
+    assert lines[0] == "it 7  timesteps 28672  env_steps 19152  wall 321s"
+    assert [ln.split()[0] for ln in lines[1:]] == ["speed", "learn", "play", "ladder", "alarms"]
+    speed, learn, play, lad, alarms = lines[1:]
+    assert "912 env/s collecting, 611 overall, 3.25 ms inference/round" in speed
+    assert "time 44.4s = collect 30.1 critic 2.2 update 9.9 gate - ckpt 0.3 other 1.9" in speed   # no gate: "-"
+    assert "policy_loss -0.0123 value_loss 0.456 kl 0.00421 clip 0.061 ev 0.53 H_norm 0.971 forced 0.91" in learn
+    assert "cards/match 21.3 win_vs_scripted 0.48 blue_mirror 0.51 draw 0.05 episodes 40 illegal 0" in play
+    assert "champion snap:abc rating 123 +- 22 above_v0 - elo_readout 35 pool 2 last gate champion" in lad
+    assert alarms == "  alarms  kl_dead(warn)"
+    # every key of the row appears only behind the flag, grouped by prefix
+    assert "[ppo]" not in out and "value_loss=0.456" not in out
+    full = P.console_block(row, (), full=True)
+    assert "alarms" not in full
+    grp = {ln.split()[0]: ln for ln in full.splitlines() if ln.startswith("  [")}
+    assert set(grp) == {"[run]", "[throughput]", "[time]", "[ppo]", "[policy]", "[env]", "[health]", "[ladder]"}
+    assert "value_loss=0.456" in grp["[ppo]"] and "champion_id=snap:abc" in grp["[ladder]"]
+    assert sum(ln.count("=") for ln in grp.values()) == len(row)
+    # no champion (never for a real run, but a row without it must not crash): no ladder line
+    assert "ladder" not in P.console_block({"run/iteration": 1})
+    assert P.progress_line(3, 40, 160, 80, 20.0) == "  it 3 collecting cycle 40/160  4.0 rounds/s"
+    assert "metrics.console_full" in P.field_paths() and P.parse_args(["--metrics.console-full"]).metrics.console_full
+
+
+def _ep(**kw):
+    base = dict(slot=0, worker=0, shard=0, battle=0, seat=0, ordinal=0, episode_seed_path="p", episode_seed=1,
+                policy_id="learner", opponent_id="scripted:noop", bucket="scripted", episode_steps=100,
+                episode_ticks=1000, own_crowns=1, enemy_crowns=0, own_tower_hp_frac=0.9, enemy_tower_hp_frac=0.5,
+                elixir_leak_steps=10, elixir_count_exact=True, winner=0, outcome=1, cards_played=20,
+                illegal_commands=0, undiscounted_return=1.0, reward_terms={}, played=())
+    base.update(kw)
+    return P.farm.EpisodeRecord(**base)
+
+
+def test_episode_metrics_read_the_learners_seats_and_blue_in_mirror_battles_absent_when_empty():
+    eps = [_ep(episode_steps=100, own_crowns=3, enemy_crowns=1, elixir_leak_steps=10),
+           _ep(episode_steps=200, own_crowns=0, enemy_crowns=1, elixir_leak_steps=0, own_tower_hp_frac=0.5),
+           _ep(policy_id="scripted:noop", episode_steps=999, own_crowns=9),              # not the learner
+           _ep(bucket="mirror", seat=0, winner=0), _ep(bucket="mirror", seat=1, winner=0),  # one battle
+           _ep(bucket="mirror", seat=0, winner=2, battle=1), _ep(bucket="mirror", seat=0, winner=1, battle=2),
+           _ep(bucket="mirror", seat=0, winner=-1, battle=3)]                                # no result: out
+    m = P.episode_metrics(eps, cap=200)
+    assert m["env/episode_steps_p50"] == 100.0 and m["env/episode_steps_p95"] == pytest.approx(170.0)  # 6x100, 200: linear
+    assert m["env/crown_diff"] == pytest.approx((2 - 1 + 5 * 1) / 7)                 # five mirror seats at 1-0
+    assert m["env/tower_hp_frac_end_own"] == pytest.approx((0.9 * 6 + 0.5) / 7)
+    assert m["env/elixir_leak_frac"] == pytest.approx((0.1 + 0 + 0.1 * 5) / 7)
+    assert m["env/episode_steps_at_cap_frac"] == pytest.approx(1 / 7)
+    assert m["env/win_rate_by_seat"] == 0.5                                 # blue: win, draw, loss
+    lo, hi = P.ladder.wilson_interval(0.5, 3)
+    assert (m["env/win_rate_by_seat_ci95_lo"], m["env/win_rate_by_seat_ci95_hi"]) == (lo, hi)
+    assert "env/episode_steps_at_cap_frac" not in P.episode_metrics(eps, cap=0)
+    assert P.episode_metrics([_ep(policy_id="snap:x")]) == {}                 # absent, never 0
+    for k in m:
+        assert P.schema_entry(k) is not None and P.schema_entry(k)[3], k     # declared, conditional
+
+
+def _fires(alarm_name, rows):
+    aset = P.AlarmSet([a for a in P.alarm_table(P.profile_args("smoke")) if a.name == alarm_name])
+    return [bool(aset.evaluate(r)) for r in rows]
+
+
+@pytest.mark.parametrize("name,bad,good,patience", [
+    ("worker_failures", None, None, 1),
+    ("worker_failures_persistent", None, None, 3),
+    ("seat_bias", {"env/win_rate_by_seat": 0.7, "env/win_rate_by_seat_ci95_lo": 0.58, "env/win_rate_by_seat_ci95_hi": 0.8},
+     {"env/win_rate_by_seat": 0.52, "env/win_rate_by_seat_ci95_lo": 0.4, "env/win_rate_by_seat_ci95_hi": 0.64}, 3),
+    ("draw_equilibrium", {"env/draw_rate": 0.6, "env/episode_steps_at_cap_frac": 0.9},
+     {"env/draw_rate": 0.6, "env/episode_steps_at_cap_frac": 0.3}, 5),
+    ("gate_starved", {"time/gate": 60.0, "ladder/gate_consecutive_discards": 5},
+     {"time/gate": 60.0, "ladder/gate_consecutive_discards": 4}, 1),
+    ("transitivity", {"ladder/transitivity_residual": 0.2}, {"ladder/transitivity_residual": 0.05}, 3),
+    ("tile_spam", {"policy/tile_top1_share": 0.3}, {"policy/tile_top1_share": 0.05}, 5),
+])
+def test_each_new_alarm_fires_after_exactly_its_patience_and_stays_silent_on_a_healthy_row(name, bad, good, patience):
+    if name.startswith("worker_failures"):   # a run total: the predicate is "rose since the previous row"
+        rows = [{"health/worker_restarts": float(i)} for i in range(patience + 1)]
+        assert _fires(name, rows) == [False] * patience + [True]
+        flat = [{"health/worker_restarts": 2.0}] * 6
+        assert _fires(name, flat) == [False] * 6
+        return
+    assert _fires(name, [bad] * (patience + 1)) == [False] * (patience - 1) + [True, True]
+    assert _fires(name, [good] * 8) == [False] * 8
+    assert _fires(name, [bad] * (patience - 1) + [good] + [bad] * (patience - 1)) == [False] * (2 * patience - 1)
+    assert _fires(name, [{}] * 8) == [False] * 8                       # keys absent: counts nothing
+
+
+def test_gate_starved_is_an_event_of_a_gating_row_not_a_state():
+    rows = [{"time/gate": 9.0, "ladder/gate_consecutive_discards": 5}, {"ladder/gate_consecutive_discards": 5},
+            {"time/gate": 9.0, "ladder/gate_consecutive_discards": 6}]
+    assert _fires("gate_starved", rows) == [True, False, True]
+
+
+def test_the_bundle_carries_state_digest_the_last_twenty_episodes_and_every_key_the_alarm_reads(tmp_path):
+    args = P.profile_args("smoke")
+    ident = P.make_identity(args, _facts(), arch="a", T=1, R=2, device="cpu")
+    (al,) = [a for a in P.alarm_table(args) if a.name == "seat_bias"]
+    rows = [{"run/iteration": i, "run/state_digest": f"d{i}", "env/win_rate_by_seat": 0.1 * i,
+             "env/win_rate_by_seat_ci95_lo": 0.01 * i, "env/win_rate_by_seat_ci95_hi": 0.02 * i} for i in range(60)]
+    eps = [_ep(ordinal=i) for i in range(25)]
+    b = P.write_bundle(tmp_path, 59, al, 5.9, rows, tmp_path / "ck", args, ident, episodes=eps,
+                       alarm_rows=[{"alarm": "seat_bias"}])
+    halt = json.loads((b / "halt.json").read_text())
+    assert halt["state_digest"] == "d59" and halt["alarm"] == "seat_bias"
+    assert halt["recent"]["env/win_rate_by_seat_ci95_hi"] == [0.02 * i for i in range(55, 60)]
+    assert halt["last_values"] == [0.1 * i for i in range(55, 60)]
+    tail = [json.loads(x) for x in (b / "episodes_tail.jsonl").read_text().splitlines()]
+    assert [e["ordinal"] for e in tail] == list(range(5, 25))
+    assert len((b / "metrics_tail.jsonl").read_text().splitlines()) == 50
+    assert json.loads((b / "alarms.jsonl").read_text()) == {"alarm": "seat_bias"}
+
+
+def test_rollout_policy_metrics_hold_lift_and_tile_share_on_planted_cells():
+    from types import SimpleNamespace
+    geo = SimpleNamespace(tiles=(2, 3), hand_size=2)        # actions: 0 noop, 1..12 = 1 + slot*6 + tile, 13 a button
+    action = np.array([0, 0, 1, 7, 2, 13, 0])            # tiles played: 0 (slot 0), 0 (slot 1), 1
+    n_legal = np.array([1, 4, 13, 13, 13, 13, 2])
+    p_noop = np.array([1.0, 0.5, 0.1, 0.1, 0.1, 0.1, 0.9], np.float32)
+    m = P.rollout_policy_metrics(action, n_legal, p_noop, geo)
+    assert m["policy/rollout_hold_rate"] == pytest.approx((0.5 + 0.4 + 0.9) / 6)     # the forced cell is out
+    assert m["policy/rollout_hold_lift"] == pytest.approx((2.0 + 4 * 1.3 + 1.8) / 6)
+    assert m["policy/tile_top1_share"] == pytest.approx(2 / 3)                        # the button is not a tile
+    assert P.rollout_policy_metrics(np.zeros(3, np.int64), np.ones(3, np.int64), np.ones(3, np.float32), geo) == {}
