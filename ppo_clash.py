@@ -37,7 +37,7 @@ per-card play frequency and heatmaps, rollout_legal_actions, reward_terms/*, mea
 rollout_capacity_ratio: with collection and update in series it reduces to t_update / t_collect,
 which says which side of this machine is slower, not whether the harness is the bottleneck), the
 alarms that read those keys (artefact_exploit, capacity_ratio, vram_spilling,
-shaping_dominates), the bundle's ratio outliers and replay trace (spec 13.4), wandb, the VRAM probe (7.7 step 12),
+shaping_dominates), the bundle's ratio outliers and replay trace (spec 13.4), the VRAM probe (7.7 step 12),
 frame liveness on the final-obs critic path when frame_stack > 1. The sentinel file is acted on
 at iteration boundaries, not once per round.
 
@@ -622,7 +622,7 @@ class TensorData:
 
 def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_range: float, dual_clip_c: float) -> torch.Tensor:
     """Per-sample PPO objective L_i (to be maximised). For A < 0 the plain min does not bound
-    the loss below, and in a 2305-way masked space a rarely sampled action's ratio can be
+    the loss below, and in a masked space of thousands of actions a rarely sampled action's ratio can be
     enormous, so the dual clip floors it at c * A (spec 9.5)."""
     surr = torch.min(ratio * adv, ratio.clamp(1 - clip_range, 1 + clip_range) * adv)
     return torch.where(adv < 0, torch.max(surr, dual_clip_c * adv), surr)
@@ -2219,6 +2219,38 @@ def write_bundle(run: Path, iteration: int, alarm: Alarm, value: float, rows: li
     return b
 
 
+class WandbSink:
+    """Rows mirrored to Weights & Biases (spec 13.1), the optional extra `clash-ppo[wandb]`.
+
+    wandb is imported here and only when --metrics.wandb is set, so a run without it never loads
+    it. The wandb run id is the run directory's name (<run_name>-<run_id>): a resumed run writes
+    into the same directory, so it continues the same wandb run (resume="allow") with nothing
+    extra to checkpoint. Only numbers are logged (a bool as 0/1); strings such as
+    run/state_digest stay in metrics.jsonl, which remains the record of the run."""
+
+    def __init__(self, project: str, run: Path, config: dict[str, Any], identity: dict[str, Any],
+                 module: Any = None) -> None:
+        if module is None:
+            try:
+                import importlib
+
+                module = importlib.import_module("wandb")
+            except ImportError as e:
+                raise ConfigError(
+                    "--metrics.wandb needs the optional wandb extra: pip install 'clash-ppo[wandb]' "
+                    f"(or pip install wandb); or run without --metrics.wandb ({e})") from None
+        self._run = module.init(project=project, id=run.name, name=run.name, resume="allow",
+                                dir=str(run), config={"config": config, "identity": identity})
+
+    def write(self, row: dict[str, Any]) -> None:
+        nums = {k: float(v) for k, v in row.items()
+                if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        self._run.log(nums, step=int(row["run/iteration"]))
+
+    def close(self) -> None:
+        self._run.finish()
+
+
 class ViserSink:
     """The viewer's learning-status datagram (spec 13.1), about eighty lines of socket and msgpack;
     royaleviser is never imported (the viewer watches the learner, not the reverse). Binds the
@@ -2603,7 +2635,7 @@ class LadderLoop:
 # (ascending slot order, uniforms from act/iteration/{i}/cycle/{t}), then the invariants, the
 # critic pass, GAE and the update, one metric row, a checkpoint on its cadence. Built on farm.py's
 # documented API (its module docstring) and section 12's LadderLoop (matchmaker, pool seats, gate,
-# refits, probe). NOT yet here: wandb (see the module docstring).
+# refits, probe).
 
 
 def apply_determinism(args: Args) -> None:
@@ -2795,6 +2827,8 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
     alarms_f = open(run / "alarms.jsonl", "ab")
     alarms = AlarmSet(alarm_table(args))
     viser = ViserSink.from_env() if args.metrics.viser else None
+    wandb_sink = (WandbSink(args.metrics.wandb_project, run, json.loads(config_json(args)),
+                            msgspec.to_builtins(identity)) if args.metrics.wandb else None)
     tail: list[dict[str, Any]] = []
     if not quiet:
         print(f"run {run}  T={T} R={R} learner_rows={learner_rows} device={device} "
@@ -3063,6 +3097,8 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
             episodes_f.flush()
             if viser is not None:
                 viser.write(row, run.name)
+            if wandb_sink is not None:
+                wandb_sink.write(row)
             if not quiet:
                 if progress:
                     print("\r\x1b[K", end="")   # clear the progress line before the block
@@ -3127,6 +3163,8 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
         alarms_f.close()
         if viser is not None:
             viser.close()
+        if wandb_sink is not None:
+            wandb_sink.close()
     return run
 
 

@@ -1452,3 +1452,46 @@ def test_rollout_policy_metrics_hold_lift_and_tile_share_on_planted_cells():
     assert m["policy/rollout_hold_lift"] == pytest.approx((2.0 + 4 * 1.3 + 1.8) / 6)
     assert m["policy/tile_top1_share"] == pytest.approx(2 / 3)                        # the button is not a tile
     assert P.rollout_policy_metrics(np.zeros(3, np.int64), np.ones(3, np.int64), np.ones(3, np.float32), geo) == {}
+
+
+# --- wandb, the optional sink (spec 13.1) -------------------------------------------------------
+
+
+def test_wandb_sink_continues_the_runs_wandb_run_and_logs_only_numbers(tmp_path):
+    """A fake wandb module stands in for the optional extra: the sink must name the wandb run by
+    the run directory (so a resume continues it), log numbers with the iteration as the step, and
+    leave strings and undefined values to metrics.jsonl."""
+    calls: dict[str, list] = {"init": [], "log": [], "finish": []}
+
+    class FakeRun:
+        def log(self, data, step):
+            calls["log"].append((data, step))
+
+        def finish(self):
+            calls["finish"].append(True)
+
+    class FakeWandb:
+        @staticmethod
+        def init(**kw):
+            calls["init"].append(kw)
+            return FakeRun()
+
+    run = tmp_path / "clash-0123456789abcdef"
+    run.mkdir()
+    sink = P.WandbSink("proj", run, {"master_seed": 1}, {"seed": 1}, module=FakeWandb)
+    sink.write({"run/iteration": 4, "ppo/kl": 0.01, "run/state_digest": "ab12", "env/draw_rate": None,
+                "run/lr_backoff": True, "ppo/explained_variance": float("nan")})
+    sink.close()
+    (init,) = calls["init"]
+    assert init["id"] == run.name and init["resume"] == "allow" and init["project"] == "proj"
+    assert init["config"] == {"config": {"master_seed": 1}, "identity": {"seed": 1}}
+    assert calls["log"] == [({"run/iteration": 4.0, "ppo/kl": 0.01, "run/lr_backoff": 1.0}, 4)]
+    assert calls["finish"] == [True]
+
+
+def test_wandb_without_the_extra_is_a_clear_error_naming_it(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    with pytest.raises(P.ConfigError, match=r"pip install 'clash-ppo\[wandb\]'"):
+        P.WandbSink("proj", tmp_path, {}, {})
