@@ -29,7 +29,8 @@ strips the training env's truncation, builds its own farm per comparison (farm.p
 mode: InlineFarm, or a ProcessFarm of `workers` processes) and closes it after, plays each frozen
 seed from both sides and appends kind="eval" (or "probe") GameResults; it is the gate's
 `play(a, b, n_battles) -> list[GameResult]`.
-Not here yet (issue 5 item 8): the wiring into the training loop.
+The training loop (ppo_clash.py's LadderLoop) drives all of this: the matchmaker's plan, the gate
+on the candidate cadence, floor admits, refits and the probe.
 
 Import rule: codec <- farm <- ladder. This module never imports torch, so
 `python ladder.py rate runs/<id>` and a scripted-vs-scripted `eval` work on a machine without it

@@ -1149,8 +1149,9 @@ class LadderArgs:
     """mirror / pool / scripted share of training battles"""
     max_resident_opponents: int = 2
     """snapshots held in memory: at most four batched forwards per shard-round"""
-    pfsp_weighting: Literal["hard", "variance", "uniform"] = "hard"
-    """training wants opponents that still beat the learner"""
+    pfsp_weighting: Literal["hard"] = "hard"
+    """training wants opponents that still beat the learner (spec 11.3). The only one built:
+    "variance" is for evaluation, and "uniform" is what the floor already mixes in"""
     pfsp_power: float = 2.0
     """exponent of the hard weighting"""
     pfsp_uniform_floor: float = 0.2
@@ -1163,8 +1164,6 @@ class LadderArgs:
     """snapshots sampled from"""
     eval_seed_count: int = 500
     """the frozen evaluation seed set"""
-    opponent_mode: str = "stochastic"
-    """how a frozen opponent picks its action in training battles"""
     refit_every_iterations: int = 10
     """ratings refit cadence"""
     probe_every_iterations: int = 0
@@ -1183,8 +1182,6 @@ class CheckpointArgs:
     """game-steps between checkpoints"""
     keep: int = 10
     """checkpoints kept (pruned by the manifest index). Not in the identity"""
-    strict_load: bool = True
-    """a resume refuses a missing file rather than defaulting it"""
 
 
 @dataclass
@@ -1198,8 +1195,6 @@ class MetricsArgs:
     """the wandb project"""
     viser: bool = True
     """serve the viewer's learning-status datagram (nothing is sent before a hello)"""
-    image_every: int = 50
-    """iterations between per-card tile heatmaps"""
 
 
 @dataclass
@@ -3339,7 +3334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = parse_args(rest)
         resolve_device(args)
         train(args, resume=ck, allow_identity_drift=drift)
-    except (ConfigError, IdentityMismatch, CheckpointFormatError) as e:
+    except (ConfigError, IdentityMismatch, CheckpointFormatError, ArchMismatch) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except AlarmHalt as e:
