@@ -1125,21 +1125,26 @@ class AdvantageArgs:
     """standard deviations"""
 
 
+_GATE = ladder.GateConfig()  # the gate's spec defaults live in ladder.py
+
+
 @dataclass
 class GateArgs:
-    champion_games: int = 1000
+    """The gate's sizes (spec 11.4). The defaults are ladder.GateConfig's, read from it, so the
+    numbers have one home; profiles shrink them for machines that cannot afford 2,200 battles."""
+    champion_games: int = _GATE.champion_games
     """500 seeds x 2 side assignments"""
-    champion_lower_bound: float = 0.52
+    champion_lower_bound: float = _GATE.champion_lower_bound
     """Wilson lower bound on the score rate a candidate must clear (about 35 Elo)"""
-    anchor_games: int = 200
+    anchor_games: int = _GATE.anchor_games
     """battles per anchor"""
-    anchor_tolerance_pp: float = 2.0
+    anchor_tolerance_pp: float = _GATE.anchor_tolerance_pp
     """percentage points an anchor score may fall"""
-    stratified_snapshots: int = 8
+    stratified_snapshots: int = _GATE.stratified_snapshots
     """older snapshots the candidate also plays"""
-    stratified_games: int = 100
+    stratified_games: int = _GATE.stratified_games
     """battles each"""
-    bootstrap_resamples: int = 10000
+    bootstrap_resamples: int = _GATE.bootstrap_resamples
     """for the paired interval"""
 
 
