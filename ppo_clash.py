@@ -33,11 +33,10 @@ Spec sections implemented here (../shared/spec/harness-spec.txt):
   snapshot_policy_builder(run_dir, device) is what `python ladder.py eval|gate` plays snap: with.
 
 NOT yet here (issue 4): part of spec 13.2's metric list (tile_entropy, card_tile_top10_share,
-per-card play frequency and heatmaps, rollout_legal_actions, reward_terms/*, mean_elixir_at_decision, gpu_util_frac, the VRAM keys,
+per-card play frequency and heatmaps, rollout_legal_actions, reward_terms_step_abs/*, mean_elixir_at_decision, gpu_util_frac, the VRAM keys,
 rollout_capacity_ratio: with collection and update in series it reduces to t_update / t_collect,
 which says which side of this machine is slower, not whether the harness is the bottleneck), the
-alarms that read those keys (artefact_exploit, capacity_ratio, vram_spilling,
-shaping_dominates), the bundle's ratio outliers and replay trace (spec 13.4), the VRAM probe (7.7 step 12),
+alarms that read those keys (artefact_exploit, capacity_ratio, vram_spilling), the bundle's replay trace (spec 13.4), the VRAM probe (7.7 step 12),
 frame liveness on the final-obs critic path when frame_stack > 1. The sentinel file is acted on
 at iteration boundaries, not once per round.
 
@@ -670,20 +669,30 @@ class _Acc:
 
 
 def ratio_invariant(ac: ActorCritic, data: Any, perm0: np.ndarray, minibatch_size: int, check: bool,
-                    atol: float) -> float:
+                    atol: float, outliers: list[dict[str, Any]] | None = None) -> float:
     """Spec 9.6 / D5, measured before any optimizer step: on the first minibatch_size CHOICE rows
     of epoch 0's permutation (a forced row's ratio is exactly 1 and says nothing), every ratio
     must be 1 to atol. Measured in its own no-grad forward rather than inside the first batch:
     under critic_only a first batch can hold no choice row, and by the time a later batch's actor
-    runs Adam's momentum has already moved it [M: 3.5e-4 on the smoke profile's iteration 2]."""
+    runs Adam's momentum has already moved it [M: 3.5e-4 on the smoke profile's iteration 2].
+    `outliers`, when given, is filled with the ten worst samples (spec 13.4's bundle), worst first:
+    their label, (cycle, slot) where the data is a rectangle (RectData), ratio and |ratio - 1|."""
     first = perm0[data.n_legal[perm0] > 1][:minibatch_size]
     if first.size == 0:
         return 0.0
     idx = np.sort(first)
     m = data.gather(idx)
     with torch.no_grad():
-        dev = (torch.exp(ac.dist(m.obs, check_noop=False).log_prob(m.action) - m.log_prob) - 1).abs()
+        ratio = torch.exp(ac.dist(m.obs, check_noop=False).log_prob(m.action) - m.log_prob)
+        dev = (ratio - 1).abs()
     worst = float(dev.max())
+    if outliers is not None:
+        top = torch.argsort(dev, descending=True, stable=True)[:10].cpu().numpy()
+        for j, lab in zip(top, data.label(idx[top])):
+            o: dict[str, Any] = {"sample": lab, "ratio": float(ratio[j]), "abs_dev": float(dev[j])}
+            if hasattr(data, "t") and hasattr(data, "r"):
+                o["cycle"], o["slot"] = int(data.t[idx[j]]), int(data.r[idx[j]])
+            outliers.append(o)
     if check and not worst <= atol:
         rows = idx[torch.argsort(dev, descending=True)[:10].cpu().numpy()]
         raise RatioInvariantError(
@@ -797,16 +806,18 @@ def _flat(params: Sequence[nn.Parameter]) -> torch.Tensor:
 
 def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer, data: Any,
                ppo: "PPOArgs", *, ent_coef: float, ent_coef_noop: float, master_seed: int, iteration: int,
-               debug: bool, check_ratio: bool, ratio_atol: float) -> dict[str, float]:
+               debug: bool, check_ratio: bool, ratio_atol: float,
+               ratio_outliers: list[dict[str, Any]] | None = None) -> dict[str, float]:
     """n_epochs passes over data in batches of ppo.batch_size (the last one smaller, never
     dropped), one optimizer step per batch, each optimizer's gradient clipped on its own.
-    The permutation comes from ppo/minibatch/iteration/{i}/epoch/{e} (spec 5.2)."""
+    The permutation comes from ppo/minibatch/iteration/{i}/epoch/{e} (spec 5.2). ratio_outliers:
+    see ratio_invariant (filled only when given; nothing of it enters the returned row)."""
     acc = _Acc(ppo.n_epochs)
     pa, pc = ac.actor_parameters(), ac.critic_parameters()
     before_a, before_c = _flat(pa), _flat(pc)
     steps = 0
     perm0 = derive_generator(master_seed, f"ppo/minibatch/iteration/{iteration}/epoch/0").permutation(data.n)
-    acc.ratio_dev = ratio_invariant(ac, data, perm0, ppo.minibatch_size, check_ratio, ratio_atol)
+    acc.ratio_dev = ratio_invariant(ac, data, perm0, ppo.minibatch_size, check_ratio, ratio_atol, ratio_outliers)
     for e in range(ppo.n_epochs):
         perm = perm0 if e == 0 else \
             derive_generator(master_seed, f"ppo/minibatch/iteration/{iteration}/epoch/{e}").permutation(data.n)
@@ -2010,6 +2021,10 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "ladder/elo_readout": ("Elo", "sequential Elo (k=32) of 'learner' over its kind=train games (spec 11.2 layer 1; never the gate)", None, True),
     "ladder/rating_above_v0": ("Elo", "the champion's fitted rating less v0's (the learner itself is never fitted, spec 11.9)", None, True),
     "ladder/gate_consecutive_discards": ("count", "gates discarded in a row since the last admission (gate_starved reads it)", None, False),
+    "env/reward_terms/*": ("reward", "learner seats' per-episode sum of a weighted term, signed mean (terminal: the objective)", None, True),
+    "env/reward_terms_abs/*": ("reward", "the mean of each learner seat's |per-episode sum| of that term", None, True),
+    "env/reward_shaping_abs": ("reward", "sum of reward_terms_abs over every term but terminal (shaping_dominates reads it)", None, True),
+    "env/reward_terminal_abs": ("reward", "reward_terms_abs/terminal (0 when no term is filed as terminal)", None, True),
     "health/rss_peak_mb": ("MB", "the process's peak resident memory (getrusage); machine-dependent like time/", None, False),
 }
 
@@ -2036,6 +2051,19 @@ def episode_metrics(eps: Sequence[Any], cap: int = 0) -> dict[str, float]:
         m["env/elixir_leak_frac"] = float(np.mean([e.elixir_leak_steps / max(e.episode_steps, 1) for e in mine]))
         if cap > 0:
             m["env/episode_steps_at_cap_frac"] = float(np.mean(steps >= cap))
+        # spec 10 / 13.2: each weighted term's per-episode sum, signed and as a magnitude, over the
+        # learner's seats. A term missing from a record counts 0 for it (sorted: the row's key order
+        # is a function of the run, which the resume test compares). shaping_abs sums the magnitude
+        # of every term but the objective (farm.TERMINAL_REWARD_TERM); shaping_dominates reads it.
+        names = sorted({k for e in mine for k in e.reward_terms})
+        for n in names:
+            v = np.array([e.reward_terms.get(n, 0.0) for e in mine], np.float64)
+            m[f"env/reward_terms/{n}"] = float(v.mean())
+            m[f"env/reward_terms_abs/{n}"] = float(np.abs(v).mean())
+        if names:
+            m["env/reward_shaping_abs"] = float(sum(m[f"env/reward_terms_abs/{n}"] for n in names
+                                                    if n != farm.TERMINAL_REWARD_TERM))
+            m["env/reward_terminal_abs"] = m.get(f"env/reward_terms_abs/{farm.TERMINAL_REWARD_TERM}", 0.0)
     blue = [{0: 1.0, 2: 0.5, 1: 0.0}[e.winner] for e in eps if e.bucket == "mirror" and e.seat == 0 and e.winner in (0, 1, 2)]
     if blue:
         p = float(np.mean(blue))
@@ -2115,11 +2143,16 @@ def _gate_starved(row: dict[str, Any]) -> bool | None:
     return None if "time/gate" not in row else row.get("ladder/gate_consecutive_discards", 0) >= 5
 
 
+def _shaping_dominates(row: dict[str, Any]) -> bool | None:
+    sh, te = row.get("env/reward_shaping_abs"), row.get("env/reward_terminal_abs")
+    return None if sh is None or te is None else sh > te
+
+
 def alarm_table(args: Args) -> list[Alarm]:
     """Spec 13.3's table, the keys this row carries. Thresholds are config (excluded from the
     identity: an alarm can stop a run, never change a number); patience and severity are not.
     Not here: artefact_exploit (policy/card_tile_top10_share is not computed), vram_spilling (no VRAM readings), capacity_ratio (no honest
-    rollout_capacity_ratio without overlap: see the module docstring), shaping_dominates."""
+    rollout_capacity_ratio without overlap: see the module docstring)."""
     al = args.alarms
     return [
         Alarm("illegal_actions", "health/illegal_action_rate", ">", 0.0, 1, "halt", "a mask bug or a wrong action encoding"),
@@ -2151,6 +2184,9 @@ def alarm_table(args: Args) -> list[Alarm]:
         Alarm("gate_starved", "ladder/gate_consecutive_discards", ">", 4.0, 1, "warn",
               "five gates in a row discarded: the plateau signal, stated as an event", test=_gate_starved),
         Alarm("transitivity", "ladder/transitivity_residual", ">", 0.10, 3, "warn", "the scalar rating is lying"),
+        Alarm("shaping_dominates", "env/reward_shaping_abs", ">", 0.0, 5, "warn",
+              "shaping outweighs the objective: under a potential reward a term stopped telescoping (spec 13.3)",
+              test=_shaping_dominates, reads=("env/reward_shaping_abs", "env/reward_terminal_abs")),
         Alarm("tile_spam", "policy/tile_top1_share", ">", 0.25, 5, "warn", "a quarter of the learner's plays on one tile"),
     ]
 
@@ -2194,12 +2230,14 @@ class AlarmSet:
 
 def write_bundle(run: Path, iteration: int, alarm: Alarm, value: float, rows: list[dict[str, Any]],
                  checkpoint: Path, args: Args, identity: RunIdentity, episodes: Sequence[Any] = (),
-                 alarm_rows: Sequence[dict[str, Any]] = ()) -> Path:
+                 alarm_rows: Sequence[dict[str, Any]] = (), ratio_outliers: Sequence[dict[str, Any]] = ()) -> Path:
     """Spec 13.4: everything needed to judge whether the stop was real, in one folder: halt.json
     (the alarm, its threshold, the last five values of every key it reads, the state_digest, the
     checkpoint and the resume command), the last fifty rows, this iteration's alarm rows, the last
-    twenty EpisodeRecords, the resolved config and the identity. Not yet: the ten worst ratio
-    outliers and a re-simulated replay trace of one offending episode."""
+    twenty EpisodeRecords, the resolved config and the identity, and ratio_outliers.json: the
+    halting iteration's ten worst |ratio - 1| on the first minibatch of choice rows before any
+    step, with their (cycle, slot) (ratio_invariant fills them). Not yet: a re-simulated replay
+    trace of one offending episode."""
     b = run / "bundles" / str(iteration)
     b.mkdir(parents=True, exist_ok=True)
     reads = alarm.reads or (alarm.key,)
@@ -2214,6 +2252,7 @@ def write_bundle(run: Path, iteration: int, alarm: Alarm, value: float, rows: li
     (b / "metrics_tail.jsonl").write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in rows[-50:]))
     (b / "alarms.jsonl").write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in alarm_rows))
     (b / "episodes_tail.jsonl").write_bytes(b"".join(msgspec.json.encode(e) + b"\n" for e in list(episodes)[-20:]))
+    (b / "ratio_outliers.json").write_bytes(msgspec.json.format(msgspec.json.encode(list(ratio_outliers))))
     (b / "config.json").write_bytes(config_json(args))
     (b / "identity.json").write_bytes(canonical_json(identity))
     return b
@@ -2989,9 +3028,10 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
                             adv_np[ct, cr], ret_np[ct, cr], n_legal_c[ct, cr], device)
             debug = iteration < args.ppo.debug_assert_iterations
             check = debug or iteration % args.ppo.check_ratio_invariant_every == 0
+            outliers: list[dict[str, Any]] = []   # this iteration's ten worst ratios, for a halt's bundle
             upd = ppo_update(model, opt_a, opt_c, data, args.ppo, ent_coef=ent_coef, ent_coef_noop=ent_noop,
                              master_seed=seed, iteration=iteration, debug=debug, check_ratio=check,
-                             ratio_atol=ratio_atol(args))
+                             ratio_atol=ratio_atol(args), ratio_outliers=outliers)
             backed_off = backoff.observe(upd["ppo/kl"])
             if backed_off:
                 backoff.apply(opt_a, opt_c)
@@ -3121,7 +3161,7 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
                            env_steps, timesteps, updates, source.ordinals, t_start,
                            lad.state(list(source.assignment)))
                 bundle = write_bundle(run, iteration, halts[0][0], halts[0][1], tail, ck, args, identity,
-                                      episodes=ep_tail, alarm_rows=alarm_rows)
+                                      episodes=ep_tail, alarm_rows=alarm_rows, ratio_outliers=outliers)
                 raise AlarmHalt(f"halted at iteration {iteration} by {halts[0][0].name} "
                                 f"({halts[0][0].key} = {halts[0][1]:.4g}); checkpoint {ck}; bundle {bundle}; "
                                 f"resume: python ppo_clash.py --resume {run} --checkpoint {ck}")

@@ -462,8 +462,14 @@ def test_the_ratio_invariant_fires_naming_the_worst_sample():
     with pytest.raises(P.RatioInvariantError, match=re.escape(data.labels[choice])):
         P.ratio_invariant(P.ActorCritic(geo, net, 0), bad, perm, data.n, check=True, atol=1e-4)
     # measured and returned, not raised, outside the checked iterations
-    dev = P.ratio_invariant(P.ActorCritic(geo, net, 0), bad, perm, data.n, check=False, atol=1e-4)
+    out: list = []
+    dev = P.ratio_invariant(P.ActorCritic(geo, net, 0), bad, perm, data.n, check=False, atol=1e-4, outliers=out)
     assert dev == pytest.approx(math.exp(0.5) - 1, rel=1e-4)
+    # spec 13.4's outliers: the planted sample first, ten at most, worst first
+    n_choice = int((data.n_legal > 1).sum())
+    assert len(out) == min(10, n_choice) and out[0]["sample"] == data.labels[choice]
+    assert out[0]["ratio"] == pytest.approx(math.exp(0.5), rel=1e-4) and out[0]["abs_dev"] == pytest.approx(dev)
+    assert [o["abs_dev"] for o in out] == sorted((o["abs_dev"] for o in out), reverse=True)
     # and through the update, before any step, whatever forced_rows is
     for mode in P.FORCED_ROWS:
         ppo = P.PPOArgs(forced_rows=mode, batch_size=data.n, minibatch_size=data.n)
@@ -962,6 +968,11 @@ def test_a_halt_leaves_its_row_checkpoint_and_bundle(tmp_path):
     assert json.loads((b / "alarms.jsonl").read_text().splitlines()[0])["alarm"] == "ratio_invariant"
     eps = (run / "episodes.jsonl").read_text().splitlines()[-20:]
     assert (b / "episodes_tail.jsonl").read_text().splitlines() == eps
+    # the ten worst ratios of the halting iteration, with their (cycle, slot): the worst is the row's
+    outl = json.loads((b / "ratio_outliers.json").read_text())
+    assert 1 <= len(outl) <= 10 and {"cycle", "slot", "ratio", "abs_dev", "sample"} <= outl[0].keys()
+    assert outl[0]["abs_dev"] == rows[0]["ppo/ratio_max_abs_dev"]
+    assert outl[0]["sample"] == f"(cycle {outl[0]['cycle']}, slot {outl[0]['slot']})"
 
 
 WALL_CLOCK = P.NONDETERMINISTIC   # time/, throughput/, run/wall_seconds, health/rss_peak_mb
@@ -1386,6 +1397,24 @@ def test_episode_metrics_read_the_learners_seats_and_blue_in_mirror_battles_abse
         assert P.schema_entry(k) is not None and P.schema_entry(k)[3], k     # declared, conditional
 
 
+def test_reward_terms_are_the_learners_signed_and_absolute_means_and_absent_without_a_learner_episode():
+    eps = [_ep(reward_terms={"terminal": 1.0, "PotentialCrownReward": -0.4, "CommittedElixirPotential": 0.2}),
+           _ep(reward_terms={"terminal": -1.0, "PotentialCrownReward": 0.2}),          # a term missing: counts 0
+           _ep(policy_id="snap:x", reward_terms={"terminal": 9.0, "Other": 9.0})]        # not the learner: out
+    m = P.episode_metrics(eps)
+    assert m["env/reward_terms/terminal"] == 0.0 and m["env/reward_terms_abs/terminal"] == 1.0
+    assert m["env/reward_terms/PotentialCrownReward"] == pytest.approx(-0.1)
+    assert m["env/reward_terms_abs/PotentialCrownReward"] == pytest.approx(0.3)
+    assert m["env/reward_terms/CommittedElixirPotential"] == pytest.approx(0.1)
+    assert m["env/reward_terms_abs/CommittedElixirPotential"] == pytest.approx(0.1)
+    assert "env/reward_terms/Other" not in m
+    assert m["env/reward_shaping_abs"] == pytest.approx(0.4) and m["env/reward_terminal_abs"] == 1.0
+    for k in m:
+        assert P.schema_entry(k) is not None and P.schema_entry(k)[3], k     # declared, conditional
+    assert not any(k.startswith("env/reward") for k in P.episode_metrics([_ep(policy_id="snap:x", reward_terms={"terminal": 1.0})]))
+    assert not any(k.startswith("env/reward") for k in P.episode_metrics([_ep()]))   # no terms filed: absent
+
+
 def _fires(alarm_name, rows):
     aset = P.AlarmSet([a for a in P.alarm_table(P.profile_args("smoke")) if a.name == alarm_name])
     return [bool(aset.evaluate(r)) for r in rows]
@@ -1402,6 +1431,8 @@ def _fires(alarm_name, rows):
      {"time/gate": 60.0, "ladder/gate_consecutive_discards": 4}, 1),
     ("transitivity", {"ladder/transitivity_residual": 0.2}, {"ladder/transitivity_residual": 0.05}, 3),
     ("tile_spam", {"policy/tile_top1_share": 0.3}, {"policy/tile_top1_share": 0.05}, 5),
+    ("shaping_dominates", {"env/reward_shaping_abs": 1.4, "env/reward_terminal_abs": 0.8},
+     {"env/reward_shaping_abs": 0.02, "env/reward_terminal_abs": 0.8}, 5),
 ])
 def test_each_new_alarm_fires_after_exactly_its_patience_and_stays_silent_on_a_healthy_row(name, bad, good, patience):
     if name.startswith("worker_failures"):   # a run total: the predicate is "rose since the previous row"
@@ -1429,8 +1460,10 @@ def test_the_bundle_carries_state_digest_the_last_twenty_episodes_and_every_key_
     rows = [{"run/iteration": i, "run/state_digest": f"d{i}", "env/win_rate_by_seat": 0.1 * i,
              "env/win_rate_by_seat_ci95_lo": 0.01 * i, "env/win_rate_by_seat_ci95_hi": 0.02 * i} for i in range(60)]
     eps = [_ep(ordinal=i) for i in range(25)]
+    outl = [{"sample": "(cycle 3, slot 1)", "ratio": 1.5, "abs_dev": 0.5, "cycle": 3, "slot": 1}]
     b = P.write_bundle(tmp_path, 59, al, 5.9, rows, tmp_path / "ck", args, ident, episodes=eps,
-                       alarm_rows=[{"alarm": "seat_bias"}])
+                       alarm_rows=[{"alarm": "seat_bias"}], ratio_outliers=outl)
+    assert json.loads((b / "ratio_outliers.json").read_text()) == outl
     halt = json.loads((b / "halt.json").read_text())
     assert halt["state_digest"] == "d59" and halt["alarm"] == "seat_bias"
     assert halt["recent"]["env/win_rate_by_seat_ci95_hi"] == [0.02 * i for i in range(55, 60)]
