@@ -1335,7 +1335,7 @@ def profile_args(name: str) -> Args:
                      # anchors, 2x40 for v0's anchor record) took 208 s (time/gate), ~0.9 s a battle;
                      # `ppo_clash.py --profile cpu --ladder.candidate-every-env-steps 2000
                      # --timestep-limit 4096`. [M] 2026-11-29, a cpu run from the start (`--profile cpu`,
-                     # quiet machine): the first gate came after iteration 37, 31 minutes in, and
+                     # other work on the machine part of the time): the first gate came after iteration 37, 31 minutes in, and
                      # took 191 s. smoke never gates unless a test asks.
                      "ladder.candidate_every_env_steps": 100_000,
                      "ladder.floor_admit_every_env_steps": 100_000_000 if smoke else 2_000_000,
