@@ -659,7 +659,19 @@ def probe_reward() -> PotentialCombinedReward:
 
 # --- 6. Scripted opponents (spec 7.4): run in the worker, numpy only ---------------------------
 # opponent_ix in an assignment indexes this table; each scripted slot draws from its own
-# generator, scripted/worker/{w}/slot/{r}/gen/{g}.
+# generator, scripted/worker/{w}/slot/{r}/gen/{g}, re-derived at the start of every episode with
+# the battle's ordinal appended (/ordinal/{k}). Why per episode: a slot-long stream continues
+# across episodes, so its position at a checkpoint is state that lives only in the worker, and a
+# resumed run (which restarts every battle at an episode boundary, spec 5.4) would replay the
+# stream from its start: [M] tests/test_ppo_clash.py's stop-between-gates test caught exactly
+# that (a resumed smoke run's iteration 5 differed in its scripted battles). Addressed by the
+# episode, the stream is a pure function of names a checkpoint already holds.
+
+
+def scripted_stream(w: int, slot: int, gen: int, ordinal: int) -> str:
+    """The derive path of a scripted seat's generator for one episode (spec 5.2's per-slot name
+    plus the episode's ordinal)."""
+    return f"scripted/worker/{w}/slot/{slot}/gen/{gen}/ordinal/{ordinal}"
 
 def make_scripted(name: str) -> Any:
     """A fresh royalegym opponent for a SCRIPTED_NAMES entry (it keeps per-episode state, so one
@@ -1129,9 +1141,7 @@ class ShardRunner:
         self.opp_ix = np.full(self.n, -1, np.int8)
         self.asg_ordinal = np.full(M, -1, np.int64)        # the ordinal each battle's seats are for
         self.scripted: list[Any] = [None] * self.n
-        self.rngs = [derive_generator(cfg.master_seed,
-                                      f"scripted/worker/{w}/slot/{self.slot0 + i}/gen/{gen}")
-                     for i in range(self.n)]
+        self.rngs: list[Any] = [None] * self.n              # set per episode when a seat is seated
         self.gamma: float | None = None
         self.ep_step = np.zeros(M, np.int64)                # decision index within the episode
         self.cards = np.zeros(self.n, np.int64)
@@ -1274,6 +1284,9 @@ class ShardRunner:
             self.scripted[i] = (make_scripted(SCRIPTED_NAMES[self.opp_ix[i]])
                                 if self.group[i] == GROUP_SCRIPTED else None)
             self.asg_ordinal[int(i) // 2] = self.ordinal[int(i) // 2]
+            if self.scripted[i] is not None:
+                self.rngs[i] = derive_generator(self.cfg.master_seed, scripted_stream(
+                    self.w, self.slot0 + int(i), self.gen, int(self.ordinal[int(i) // 2])))
         if self.cfg.scripted_mask_only:
             # An assignment arrives with its episode's first action, after the episode's first
             # observation was built; from the next one on a scripted seat is built mask-only

@@ -1528,3 +1528,44 @@ def test_wandb_without_the_extra_is_a_clear_error_naming_it(tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     with pytest.raises(P.ConfigError, match=r"pip install 'clash-ppo\[wandb\]'"):
         P.WandbSink("proj", tmp_path, {}, {})
+
+
+@pytest.mark.slow
+def test_a_run_stopped_between_two_gates_continues_as_if_it_never_stopped(tmp_path):
+    """Spec 11.4 / 12.2 / 5.4: a smoke run with gates at iterations 3 and 6 (172 game-steps an
+    iteration, a candidate every 400 [A]) and a probe every 3; every episode is truncated after T
+    = 43 decisions, so each iteration boundary is an episode boundary (a resume never replays a
+    half-finished episode, spec 5.4). Run A goes straight to iteration 6.
+    Run B stops at its limit after iteration 4, between the gates, and a fresh process extends it
+    to 6. B's rows 5-6 equal A's field for field (wall clock aside), the second gate decides the
+    same, and B's result log holds exactly A's games (no replayed battle appended twice)."""
+    import subprocess
+    import sys
+    flags = ["--profile", "smoke", "--ladder.candidate-every-env-steps", "400",
+             "--ladder.refit-every-iterations", "1", "--ladder.gate.champion-games", "8",
+             "--ladder.gate.anchor-games", "4", "--ladder.gate.bootstrap-resamples", "100",
+             "--ladder.probe-every-iterations", "3", "--ladder.probe-games", "4",
+             "--checkpoint.every-env-steps", "100000", "--obs.max-steps", "43"]
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    run_a = P.train(P.parse_args(flags + ["--runs-dir", str(a_dir), "--timestep-limit", str(6 * 256)]), quiet=True)
+    run_b = P.train(P.parse_args(flags + ["--runs-dir", str(b_dir), "--timestep-limit", str(4 * 256)]), quiet=True)
+    rows_a = [json.loads(x) for x in (run_a / "metrics.jsonl").read_text().splitlines()]
+    assert [r["run/iteration"] for r in rows_a] == [1, 2, 3, 4, 5, 6]
+    assert [r["ladder/gate_attempts"] for r in rows_a] == [0, 0, 1, 1, 1, 2]
+    proc = subprocess.run([sys.executable, str(ROOT / "ppo_clash.py"), "--resume", str(run_b),
+                           "--timestep-limit", str(6 * 256)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows_b = [json.loads(x) for x in (run_b / "metrics.jsonl").read_text().splitlines()]
+    assert [r["run/iteration"] for r in rows_b] == [1, 2, 3, 4, 5, 6]
+    clock = P.NONDETERMINISTIC + ("ladder/gate_seconds_frac", "ladder/probe_seconds_frac")
+    keep = lambda r: {k: v for k, v in r.items() if not k.startswith(clock)}  # noqa: E731
+    for ra, rb in zip(rows_a, rows_b):
+        assert keep(ra) == keep(rb), (ra["run/iteration"], sorted(k for k in keep(ra) if keep(ra)[k] != keep(rb).get(k)))
+    unwall = lambda p: [{k: v for k, v in json.loads(x).items() if k != "wall"}  # noqa: E731
+                        for x in p.read_text().splitlines()]
+    games_a, games_b = unwall(run_a / "ladder" / "games.jsonl"), unwall(run_b / "ladder" / "games.jsonl")
+    assert len(games_b) == len(games_a) and games_b == games_a
+    assert sorted(p.name for p in (run_b / "ladder" / "gates").iterdir()) == \
+        sorted(p.name for p in (run_a / "ladder" / "gates").iterdir())
+    pool = lambda r: json.loads((r / "ladder" / "pool.json").read_text())  # noqa: E731
+    assert pool(run_a) == pool(run_b)
