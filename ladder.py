@@ -45,10 +45,9 @@ CLI:
                                                              the WilsonGate, its decision file
 """
 
-from __future__ import annotations
 
-import argparse
 import collections
+import dataclasses
 import datetime
 import functools
 import hashlib
@@ -57,10 +56,11 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Annotated, Any, Callable, Mapping, Optional, Sequence, Union
 
 import msgspec
 import numpy as np
+import tyro
 
 import farm
 from farm import (
@@ -1755,7 +1755,9 @@ def _first_due(run: Path) -> str:
         return "ratings appear after the first gate (ladder.candidate_every_env_steps)"
 
 
-def cmd_rate(args: argparse.Namespace) -> int:
+def cmd_rate(args: Any) -> int:
+    if not Path(args.run).is_dir():
+        raise CliError(f"{args.run}: no such directory (pass a run directory, runs/<id>)")
     log = ResultLog(args.run)
     read = log.read()
     evals = [g for g in read.games if g.kind == "eval"]
@@ -1852,7 +1854,7 @@ def _snapshot_builder(run: Path, device: str) -> PolicyBuilder:
     return fn(run, device=device)
 
 
-def _open_runner(args: argparse.Namespace, players: Sequence[str]) -> EvalRunner:
+def _open_runner(args: Any, players: Sequence[str]) -> EvalRunner:
     run = Path(args.run)
     if not run.is_dir():
         raise CliError(f"--run {run}: no such directory")
@@ -1868,7 +1870,7 @@ def _open_runner(args: argparse.Namespace, players: Sequence[str]) -> EvalRunner
                       battles_at_once=args.battles_at_once, workers=workers)
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
+def cmd_eval(args: Any) -> int:
     """Play --a against --b on the first --seeds frozen seeds, both sides, append the games."""
     run = Path(args.run)
     n_prior = sum(1 for g in ResultLog(run).read().games if {g.a, g.b} == {args.a, args.b}) \
@@ -1896,7 +1898,7 @@ def _gate_config(run: Path) -> GateConfig:
     return GateConfig(**{k: v for k, v in gate.items() if k in names})
 
 
-def cmd_gate(args: argparse.Namespace) -> int:
+def cmd_gate(args: Any) -> int:
     """The WilsonGate on --candidate against the run's champion (ladder/pool.json or --champion).
     Writes ladder/gates/<candidate>.json and appends every battle; admits nothing into the pool."""
     run = Path(args.run)
@@ -1931,40 +1933,61 @@ def cmd_gate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_runner_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, help="the run directory, runs/<id>")
-    p.add_argument("--battles-at-once", type=int, default=8, help="battles stepped together")
-    p.add_argument("--eval-workers", type=int, default=None,
-                   help="evaluation farm processes (default: the run's rollout.eval_workers, else 1; "
-                        "<= 1 plays in this process)")
-    p.add_argument("--device", default="cpu", help="where snapshot networks run (needs torch)")
+# The commands as tyro dataclasses (the project's one way to take arguments): each field's
+# docstring is its --help. kw_only so that the shared runner fields can come first.
 
+@dataclasses.dataclass(kw_only=True)
+class Rate:
+    """Fit and print the rating table of a run (torch-free)."""
+    run: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN")]
+    """the run directory, runs/<id>"""
+    context: Optional[str] = None
+    """rate one context only (contexts are never pooled); default: every context in the log"""
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Runner:
+    run: str
+    """the run directory, runs/<id>"""
+    battles_at_once: int = 8
+    """battles stepped together"""
+    eval_workers: Optional[int] = None
+    """evaluation farm processes (default: the run's rollout.eval_workers, else 1; <= 1 plays in
+    this process)"""
+    device: str = "cpu"
+    """where snapshot networks run (needs torch)"""
+
+
+@dataclasses.dataclass(kw_only=True)
+class Eval(_Runner):
+    """Play a paired comparison between two players on the run's frozen seeds."""
+    a: str
+    """scripted:<name> or snap:<id>"""
+    b: str
+    """scripted:<name> or snap:<id>"""
+    seeds: Optional[int] = None
+    """seeds to play, each from both sides (default: the whole frozen set)"""
+
+
+@dataclasses.dataclass(kw_only=True)
+class Gate(_Runner):
+    """Run the promotion gate on a candidate snapshot."""
+    candidate: str
+    """snap:<id>"""
+    champion: Optional[str] = None
+    """default: ladder/pool.json's champion"""
+
+
+COMMANDS = {Rate: cmd_rate, Eval: cmd_eval, Gate: cmd_gate}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ladder.py", description="The ladder of a clash-ppo run.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("rate", help="fit and print the rating table of a run (torch-free)")
-    r.add_argument("run", help="the run directory, runs/<id>")
-    r.add_argument("--context", default=None, help="rate one context only (contexts are never pooled)")
-    r.set_defaults(fn=cmd_rate)
-    e = sub.add_parser("eval", help="play a paired comparison between two players on the run's frozen seeds")
-    _add_runner_args(e)
-    e.add_argument("--a", required=True, help="scripted:<name> or snap:<id>")
-    e.add_argument("--b", required=True, help="scripted:<name> or snap:<id>")
-    e.add_argument("--seeds", type=int, default=None, help="seeds to play, each from both sides "
-                   "(default: the whole frozen set)")
-    e.set_defaults(fn=cmd_eval)
-    g = sub.add_parser("gate", help="run the promotion gate on a candidate snapshot")
-    _add_runner_args(g)
-    g.add_argument("--candidate", required=True, help="snap:<id>")
-    g.add_argument("--champion", default=None, help="default: ladder/pool.json's champion")
-    g.set_defaults(fn=cmd_gate)
-    args = ap.parse_args(argv)
+    args = tyro.cli(Union[Rate, Eval, Gate], args=argv, prog="ladder.py",   # type: ignore[arg-type]
+                    description="The ladder of a clash-ppo run.")
     try:
-        return args.fn(args)
+        return COMMANDS[type(args)](args)
     except (ValueError, FileNotFoundError) as exc:   # CliError, SnapshotMismatch: named messages
-        print(f"ladder.py {args.cmd}: {exc}", file=sys.stderr)
+        print(f"ladder.py {type(args).__name__.lower()}: {exc}", file=sys.stderr)
         return 2
 
 

@@ -1190,6 +1190,10 @@ class LadderArgs:
     """who the scripted share trains against, drawn uniformly per episode"""
     gate: GateArgs = field(default_factory=GateArgs)
     """the gate's numbers (spec 11.4)"""
+    release_mode: Literal["stochastic", "argmax"] = "stochastic"
+    """how a snapshot or the probed learner picks its action in evaluation (spec 11.5): sampled from
+    its own stream, or the most probable legal action. One mode per run (it is in the identity):
+    rating both variants would double the pool for no decision value"""
 
 
 @dataclass
@@ -2430,9 +2434,13 @@ def actor_from_snapshot(spec: Any, tensors: dict[str, np.ndarray], device: torch
     return model.to(device).eval()
 
 
-def raw_obs_act(model: ActorCritic, table: Any, device: torch.device | str) -> Any:
+def raw_obs_act(model: ActorCritic, table: Any, device: torch.device | str,
+                release_mode: str = "stochastic") -> Any:
     """A ladder.ActFn over raw env observations: pack with the run's codec table, unpack, sample
-    MaskedCategorical with the caller's uniforms (one per seat, from that seat's own stream)."""
+    MaskedCategorical with the caller's uniforms (one per seat, from that seat's own stream), or,
+    under release_mode "argmax", take its most probable legal action (the uniforms go unused)."""
+    if release_mode not in ("stochastic", "argmax"):
+        raise ConfigError(f"ladder.release_mode {release_mode!r}: 'stochastic' or 'argmax'")
     packer = codec.Packer(table)
     st = list(table.static_index)
 
@@ -2444,7 +2452,9 @@ def raw_obs_act(model: ActorCritic, table: Any, device: torch.device | str) -> A
         with torch.inference_mode():
             o = codec.unpack(table, torch.as_tensor(rows, device=device), statics,
                              torch.arange(B, device=device), None)
-            a = model.dist(o).sample(torch.as_tensor(np.asarray(u), dtype=torch.float32, device=device))
+            d = model.dist(o)
+            a = (d.mode() if release_mode == "argmax" else
+                 d.sample(torch.as_tensor(np.asarray(u), dtype=torch.float32, device=device)))
         return a.cpu().numpy()
     return act
 
@@ -2456,17 +2466,22 @@ def run_codec_table(run: Path) -> Any:
     return ladder._eval_preflight(msgspec.json.encode(ladder.eval_env_spec(env)), seed)[1]
 
 
-def snapshot_policy_builder(run_dir: str | Path, device: str = "cpu", table: Any = None) -> Any:
+def snapshot_policy_builder(run_dir: str | Path, device: str = "cpu", table: Any = None,
+                            release_mode: str | None = None) -> Any:
     """ladder.PolicyBuilder for a run: snapshot_id -> act(obs_batch, uniforms) -> actions. The
     snapshot is loaded from <run>/ladder/snapshots/<id>/ and refused (by field) if its codec table
-    is not the run's. `table`: the training run's own (in-process); else read off the run."""
+    is not the run's. `table`: the training run's own (in-process); else read off the run.
+    release_mode: None reads the run's config.json (ladder.release_mode, "stochastic" if absent)."""
     run = Path(run_dir)
+    if release_mode is None:
+        cfg = json.loads((run / "config.json").read_bytes()) if (run / "config.json").exists() else {}
+        release_mode = str((cfg.get("ladder") or {}).get("release_mode", "stochastic"))
     tab = table if table is not None else run_codec_table(run)
     store = ladder.SnapshotStore(run)
 
     def build(snapshot_id: str) -> Any:
         spec, tensors = store.load(snapshot_id, {"codec_table_digest": tab.digest()})
-        return raw_obs_act(actor_from_snapshot(spec, tensors, device), tab, device)
+        return raw_obs_act(actor_from_snapshot(spec, tensors, device), tab, device, release_mode)
     return build
 
 
@@ -2590,7 +2605,8 @@ class LadderLoop:
     def _runner(self, iteration: int) -> Any:
         r = self.args.rollout
         return ladder.EvalRunner(self.env_spec, self.seeds, run_dir=self.run, run_id=self.rid,
-                                 policy_builder=snapshot_policy_builder(self.run, str(self.device), table=self.table),
+                                 policy_builder=snapshot_policy_builder(self.run, str(self.device), table=self.table,
+                                                                         release_mode=self.args.ladder.release_mode),
                                  battles_at_once=r.eval_workers * r.eval_games_per_worker, iteration=iteration,
                                  workers=r.eval_workers, table=self.table)
 
@@ -2628,7 +2644,7 @@ class LadderLoop:
         import time
         t0 = time.perf_counter()
         with self._runner(iteration) as r:
-            _, m = ladder.run_probe(r, raw_obs_act(model, self.table, self.device), env_steps,
+            _, m = ladder.run_probe(r, raw_obs_act(model, self.table, self.device, self.args.ladder.release_mode), env_steps,
                                     probe_games=self.args.ladder.probe_games,
                                     resamples=self.args.ladder.gate.bootstrap_resamples)
         self.seconds_probe += time.perf_counter() - t0

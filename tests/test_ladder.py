@@ -657,8 +657,17 @@ def test_pfsp_uses_the_newest_admitted_snapshot_as_the_learners_stand_in():
 
 # --- 8. The CLI, torch-free ---------------------------------------------------------------------------
 
-NO_TORCH = ("import sys, runpy; sys.modules['torch'] = None; sys.argv = ['ladder.py'] + sys.argv[1:]; "
-            "runpy.run_path('ladder.py', run_name='__main__')")
+# torch made unimportable the way an install without it is: a finder that raises
+# ModuleNotFoundError for torch and its submodules. (sys.modules['torch'] = None would also block
+# it, but leaves the key in sys.modules, and tyro reads that key as "torch is loaded".)
+NO_TORCH = ("import sys, runpy\n"
+            "class NoTorch:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'torch' or name.startswith('torch.'):\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r} (blocked by the test)')\n"
+            "sys.meta_path.insert(0, NoTorch())\n"
+            "sys.argv = ['ladder.py'] + sys.argv[1:]\n"
+            "runpy.run_path('ladder.py', run_name='__main__')\n")
 
 
 def run_cli(*args):
@@ -689,6 +698,10 @@ def test_rate_cli_on_an_empty_run_says_so_in_one_line_and_exits_1(tmp_path):
     assert len(r.stdout.strip().splitlines()) == 1 and "no evaluation games yet" in r.stdout
     r = run_cli("gate", "--run", str(tmp_path), "--candidate", "snap:x")
     assert r.returncode == 2 and "no champion to gate against" in r.stderr
+    r = run_cli("rate", str(tmp_path / "nope"))
+    assert r.returncode == 2 and f"{tmp_path / 'nope'}: no such directory" in r.stderr
+    r = run_cli("gate", "--run", str(tmp_path), "--candidat", "snap:x")   # a typo: tyro names the flag
+    assert r.returncode == 2 and "--candidat" in r.stderr and r.stdout == ""
 
 
 # --- 9. Evaluation helpers and metric keys -----------------------------------------------------------

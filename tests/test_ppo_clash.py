@@ -1163,8 +1163,16 @@ def test_raw_obs_act_samples_what_the_network_samples_on_the_packed_rows():
     codec.Packer(table).pack(obs, rows, 0)
     statics = torch.as_tensor(codec.static_planes(table, obs))
     seat = torch.as_tensor(np.arange(len(a)) % 2)
-    want = model.dist(codec.unpack(table, torch.as_tensor(rows), statics, seat)).sample(torch.as_tensor(u, dtype=torch.float32))
+    d = model.dist(codec.unpack(table, torch.as_tensor(rows), statics, seat))
+    want = d.sample(torch.as_tensor(u, dtype=torch.float32))
     assert np.array_equal(a, want.numpy())
+    # ladder.release_mode "argmax": the most probable legal action, whatever the uniforms say
+    greedy = P.raw_obs_act(model, table, "cpu", "argmax")
+    g1, g2 = greedy(obs, u), greedy(obs, 1.0 - u)
+    assert np.array_equal(g1, d.mode().numpy()) and np.array_equal(g1, g2)
+    assert obs["action_mask"][np.arange(len(g1)), g1].all() and not np.array_equal(g1, a)
+    with pytest.raises(P.ConfigError, match="release_mode 'greedy'"):
+        P.raw_obs_act(model, table, "cpu", "greedy")
 
 
 @pytest.fixture(scope="module")
