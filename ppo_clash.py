@@ -104,6 +104,7 @@ class ConfigError(ValueError):
 # The vector fields the pointer head reads, by the env's own names (DESIGN.md section 3: the
 # spec calls them hand_card_onehot / hand_cost / hand_affordable; RoyaleGym does not).
 HAND_CARDS, HAND_COST, HAND_AFFORDABLE = "own_hand_cards", "own_hand_cost", "own_hand_affordable"
+OWN_ELIXIR = "own_elixir"   # read for env/mean_elixir_at_decision only; a builder without it omits the key
 
 # Width of the per-tile card-identity embedding (spec 8.1): a module constant, not a config
 # field, so runs without card identity keep their arch_digest.
@@ -2026,6 +2027,10 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "policy/rollout_hold_rate": ("", "the rollout's p(no-op) on learner cells that had a choice", None, True),
     "policy/rollout_hold_lift": ("", "p(no-op) x n_legal on those cells: 1.0 is a policy that learnt nothing about waiting; no band earned yet", None, True),
     "policy/tile_top1_share": ("", "the learner's card plays on its single most used tile (tile_spam reads it)", (0.0, 0.25), True),
+    "policy/tile_entropy": ("nats", "entropy of the learner's played-tile histogram; ln(H*W) is every tile equally", None, True),
+    "policy/card_tile_top10_share": ("", "the learner's plays on its ten most used (card, tile) pairs (artefact_exploit reads it)", (0.0, 0.5), True),
+    "env/mean_elixir_at_decision": ("bar", "the learner's own elixir at its choice cells, as a fraction of the bar (own_elixir)", None, True),
+    "env/frac_elixir_above_99": ("", "the learner's choice cells with elixir at 0.99 of the bar or more (about to leak)", None, True),
     "ladder/elo_readout": ("Elo", "sequential Elo (k=32) of 'learner' over its kind=train games (spec 11.2 layer 1; never the gate)", None, True),
     "ladder/rating_above_v0": ("Elo", "the champion's fitted rating less v0's (the learner itself is never fitted, spec 11.9)", None, True),
     "ladder/gate_consecutive_discards": ("count", "gates discarded in a row since the last admission (gate_starved reads it)", None, False),
@@ -2080,22 +2085,51 @@ def episode_metrics(eps: Sequence[Any], cap: int = 0) -> dict[str, float]:
     return m
 
 
-def rollout_policy_metrics(action: np.ndarray, n_legal: np.ndarray, p_noop: np.ndarray, geo: NetGeometry) -> dict[str, float]:
-    """policy/ keys of the learner's rollout cells (1-D arrays, one entry a cell). Hold: over the
-    cells that had a choice (n_legal > 1), p(no-op) as the rollout's forward gave it, and its lift
-    over that cell's uniform baseline 1/n_legal (1.0: nothing learnt about when to wait; spec 13.2).
-    Tiles: over the cells that played a card, the share on the single most used board tile, from
-    royalegym's encoding a = 1 + slot*H*W + y*W + x (PointerHead). Absent when the population is."""
+def rollout_policy_metrics(action: np.ndarray, n_legal: np.ndarray, p_noop: np.ndarray, geo: NetGeometry,
+                           card: np.ndarray | None = None, elixir: np.ndarray | None = None) -> dict[str, float]:
+    """policy/ and env/ keys of the learner's rollout cells (1-D arrays, one entry a cell). Hold:
+    over the cells that had a choice (n_legal > 1), p(no-op) as the rollout's forward gave it, and
+    its lift over that cell's uniform baseline 1/n_legal (1.0: nothing learnt about when to wait;
+    spec 13.2). Tiles: over the cells that played a card, from royalegym's encoding a = 1 +
+    slot*H*W + y*W + x (PointerHead): the share on the single most used board tile, the entropy of
+    the tile histogram (nats; ln(H*W) is every tile equally), and with `card` (the card id the
+    played slot held, -1 where none) the share of the ten most used (card, tile) pairs (the
+    artefact_exploit alarm: a real meta is not that concentrated). `elixir`: the cell's own elixir
+    as the env declares it (own_elixir, a fraction of the bar), read at the choice cells: its mean
+    and the share at 0.99 of the bar or more (elixir about to leak). Absent when the population is."""
     m: dict[str, float] = {}
     choice = n_legal > 1
     if choice.any():
         m["policy/rollout_hold_rate"] = float(p_noop[choice].mean())
         m["policy/rollout_hold_lift"] = float((p_noop[choice] * n_legal[choice]).mean())
+        if elixir is not None:
+            m["env/mean_elixir_at_decision"] = float(elixir[choice].mean())
+            m["env/frac_elixir_above_99"] = float((elixir[choice] >= 0.99).mean())
     hw = geo.tiles[0] * geo.tiles[1]
     play = (action >= 1) & (action < 1 + geo.hand_size * hw)
     if play.any():
-        m["policy/tile_top1_share"] = float(np.bincount((action[play] - 1) % hw, minlength=hw).max() / play.sum())
+        tiles = (action[play] - 1) % hw
+        counts = np.bincount(tiles, minlength=hw)
+        m["policy/tile_top1_share"] = float(counts.max() / play.sum())
+        q = counts[counts > 0] / play.sum()
+        m["policy/tile_entropy"] = float(-(q * np.log(q)).sum())
+        if card is not None:
+            _, pair_counts = np.unique(np.stack([card[play], tiles]), axis=1, return_counts=True)
+            m["policy/card_tile_top10_share"] = float(np.sort(pair_counts)[::-1][:10].sum() / play.sum())
     return m
+
+
+def decision_facts(vector: torch.Tensor, action: torch.Tensor, geo: NetGeometry) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per acted row: the card id the played hand slot held (-1 for the no-op or a button) and the
+    row's own elixir (None when the env declares no own_elixir field): rollout_policy_metrics'
+    card and elixir. Read off the same vector the pointer head resolves its hand from."""
+    v, a = vector.float().cpu().numpy(), action.cpu().numpy()
+    hw, P = geo.tiles[0] * geo.tiles[1], geo.hand_size
+    play = (a >= 1) & (a < 1 + P * hw)
+    ids = v[:, geo.field(HAND_CARDS)].reshape(len(a), P, -1).argmax(-1)
+    card = np.where(play, ids[np.arange(len(a)), np.clip((a - 1) // hw, 0, P - 1)], -1)
+    elixir = v[:, geo.field(OWN_ELIXIR)][:, 0] if OWN_ELIXIR in dict(geo.vector_layout) else None
+    return card, elixir
 
 
 def rss_peak_mb() -> float:
@@ -2196,6 +2230,8 @@ def alarm_table(args: Args) -> list[Alarm]:
               "shaping outweighs the objective: under a potential reward a term stopped telescoping (spec 13.3)",
               test=_shaping_dominates, reads=("env/reward_shaping_abs", "env/reward_terminal_abs")),
         Alarm("tile_spam", "policy/tile_top1_share", ">", 0.25, 5, "warn", "a quarter of the learner's plays on one tile"),
+        Alarm("artefact_exploit", "policy/card_tile_top10_share", ">", 0.5, 5, "warn",
+              "half the learner's plays on ten (card, tile) pairs: a real meta is not that concentrated"),
     ]
 
 
@@ -2933,6 +2969,8 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
             action = np.zeros((T, R), np.int64)
             log_prob = np.zeros((T, R), np.float32)
             p_noop = np.zeros((T, R), np.float32)
+            card_played = np.full((T, R), -1, np.int64)     # rollout_policy_metrics' card and elixir
+            elixir_dec = np.zeros((T, R), np.float32)
             group = np.full((T, R), farm.GROUP_DEAD, np.int8)
             rounds = 0
             progress = not quiet and sys.stdout.isatty()   # a log file gets no progress lines
@@ -2967,7 +3005,12 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
                         action[t, ps] = acts[prow]
                     if rows.size:
                         ss = sl[rows].astype(np.int64)
-                        a, lp, p0 = model.act_and_hold(view.obs(np.full(rows.size, t), ss), u[ss])
+                        o = view.obs(np.full(rows.size, t), ss)
+                        a, lp, p0 = model.act_and_hold(o, u[ss])
+                        cd, el = decision_facts(o.vector, a, geo)
+                        card_played[t, ss] = cd
+                        if el is not None:
+                            elixir_dec[t, ss] = el
                         p_noop[t, ss] = p0.cpu().numpy()
                         acts[rows] = a.cpu().numpy()
                         action[t, ss] = acts[rows]
@@ -3102,7 +3145,9 @@ def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path 
             if nl.size:
                 pol = {"policy/forced_noop_frac": float((nl == 1).mean()), "policy/rollout_choice_frac": float((nl > 1).mean()),
                        **{f"policy/legal_actions_p{q:02d}": float(np.percentile(nl, q)) for q in (5, 50, 95)}}
-            pol.update(rollout_policy_metrics(action[trainable], n_legal_c[trainable], p_noop[trainable], geo))
+            pol.update(rollout_policy_metrics(action[trainable], n_legal_c[trainable], p_noop[trainable], geo,
+                                              card=card_played[trainable],
+                                              elixir=elixir_dec[trainable] if OWN_ELIXIR in dict(geo.vector_layout) else None))
             t_now = time.perf_counter()
             t_iter = t_now - t_row
             parts = t_collect + t_critic + t_gae + t_update + t_ckpt + lad_row.get("time/gate", 0.0) + lad_row.get("time/probe", 0.0)

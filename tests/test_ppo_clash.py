@@ -927,6 +927,8 @@ def test_a_smoke_run_of_three_iterations_end_to_end(tmp_path):
         assert r["policy/forced_noop_frac"] == pytest.approx(r["ppo/forced_frac"])
         assert r["policy/rollout_choice_frac"] == pytest.approx(1 - r["ppo/forced_frac"])
         assert 0 < r["policy/rollout_hold_rate"] < 1 and "policy/tile_top1_share" in r
+        assert 0 < r["policy/card_tile_top10_share"] <= 1 and r["policy/tile_entropy"] > 0
+        assert 0 <= r["env/frac_elixir_above_99"] <= 1 and 0 < r["env/mean_elixir_at_decision"] <= 1
     # the pointer head starts near uniform (gain 0.01, spec 8.4), so the first rollout holds at about
     # the uniform baseline of each row: a lift near 1
     assert rows[0]["policy/rollout_hold_lift"] == pytest.approx(1.0, abs=0.1)
@@ -1439,6 +1441,7 @@ def _fires(alarm_name, rows):
      {"time/gate": 60.0, "ladder/gate_consecutive_discards": 4}, 1),
     ("transitivity", {"ladder/transitivity_residual": 0.2}, {"ladder/transitivity_residual": 0.05}, 3),
     ("tile_spam", {"policy/tile_top1_share": 0.3}, {"policy/tile_top1_share": 0.05}, 5),
+    ("artefact_exploit", {"policy/card_tile_top10_share": 0.6}, {"policy/card_tile_top10_share": 0.1}, 5),
     ("shaping_dominates", {"env/reward_shaping_abs": 1.4, "env/reward_terminal_abs": 0.8},
      {"env/reward_shaping_abs": 0.02, "env/reward_terminal_abs": 0.8}, 5),
 ])
@@ -1492,7 +1495,31 @@ def test_rollout_policy_metrics_hold_lift_and_tile_share_on_planted_cells():
     assert m["policy/rollout_hold_rate"] == pytest.approx((0.5 + 0.4 + 0.9) / 6)     # the forced cell is out
     assert m["policy/rollout_hold_lift"] == pytest.approx((2.0 + 4 * 1.3 + 1.8) / 6)
     assert m["policy/tile_top1_share"] == pytest.approx(2 / 3)                        # the button is not a tile
+    assert m["policy/tile_entropy"] == pytest.approx(-(2 / 3) * math.log(2 / 3) - (1 / 3) * math.log(1 / 3))
+    assert "policy/card_tile_top10_share" not in m and "env/mean_elixir_at_decision" not in m
+    # with the played cards and the elixir: plays (card 5, tile 0), (card 9, tile 0), (card 5, tile 1)
+    card = np.array([-1, -1, 5, 9, 5, -1, -1])
+    elixir = np.array([0.1, 0.2, 0.5, 1.0, 0.995, 0.3, 0.0], np.float32)
+    m = P.rollout_policy_metrics(action, n_legal, p_noop, geo, card=card, elixir=elixir)
+    assert m["policy/card_tile_top10_share"] == 1.0                                   # three pairs, all in the top ten
+    assert m["env/mean_elixir_at_decision"] == pytest.approx((0.2 + 0.5 + 1.0 + 0.995 + 0.3 + 0.0) / 6)
+    assert m["env/frac_elixir_above_99"] == pytest.approx(2 / 6)                      # the forced cell is out
+    many = np.arange(1, 13)                                                           # twelve plays, each its own pair
+    m = P.rollout_policy_metrics(many, np.full(12, 13), np.full(12, 0.1, np.float32), geo, card=np.arange(12))
+    assert m["policy/card_tile_top10_share"] == pytest.approx(10 / 12)
     assert P.rollout_policy_metrics(np.zeros(3, np.int64), np.ones(3, np.int64), np.ones(3, np.float32), geo) == {}
+
+
+def test_decision_facts_read_the_played_slots_card_and_the_elixir_off_a_real_vector():
+    geo, obs_list = env_sample("default")
+    obs = obs_list[6]
+    v = torch.as_tensor(obs["vector"])
+    hw = geo.tiles[0] * geo.tiles[1]
+    a = torch.tensor([0, 1 + 2 * hw + 5] + [0] * (len(v) - 2))[:len(v)]          # row 0 waits, row 1 plays slot 2
+    card, elixir = P.decision_facts(v, a, geo)
+    ids = obs["vector"][:, geo.field(P.HAND_CARDS)].reshape(len(v), geo.hand_size, -1).argmax(-1)
+    assert card[0] == -1 and card[1] == ids[1, 2]
+    assert np.array_equal(elixir, obs["vector"][:, geo.field(P.OWN_ELIXIR)][:, 0])
 
 
 # --- wandb, the optional sink (spec 13.1) -------------------------------------------------------
