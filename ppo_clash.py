@@ -1316,6 +1316,18 @@ def profile_args(name: str) -> Args:
         # (batch 512 of 4,096), lr 5e-4, adam_eps 1e-8, ent_coef 0.003 put kl at 0.004-0.006 and
         # clip fraction at 0.05-0.07 within two iterations. Those are the cpu numbers: 3 epochs x
         # 4096/512 = 24 steps [A]. A 2-core box runs one worker and the parent.
+        # The network is C=16, N=2 on two torch threads (collection and update run in series, so
+        # the worker's core is idle while the parent updates). [M] 2026-11-29, this 2-core machine,
+        # a forward+backward of the critic on 256 copies of a real observation: C=32 N=2 on one
+        # thread 2.35 ms a row, the same on two 1.37, C=16 N=2 on two 0.45; the cpu iteration went
+        # from about 46 s (C=32, one thread) to 15-16 s (collect 5-6 s, update 7-8 s).
+        # lr_actor 1.5e-3 and gae_lambda 0.98, because at C=16 the actor did not move otherwise:
+        # [M] same machine, `--profile cpu` runs of 13-40 iterations: lr 5e-4 and 1e-3 (lambda 0.99)
+        # kept kl at 1e-4-2e-3, clip fraction ~0 and normalised entropy at 0.999; lr 1.5e-3 with
+        # lambda 0.98 reached kl 0.003-0.009, clip 0.04-0.11 and entropy 0.94 by iteration 28. The
+        # two were changed together and not separated. lambda 0.98 puts the credit horizon at
+        # 21.8 s [A: 0.5 s / (1 - 0.997 x 0.98)], under the SCHEMA's 40-50 s band (spec 9.3's
+        # deploy -> push -> tower): a variance trade for ~290 choice rows an iteration.
         smoke = name == "smoke"
         for k, v in {"net.device": "cpu", "net.autocast_dtype": "float32",
                      "net.channels": 8 if smoke else 16, "net.blocks": 1 if smoke else 2,
@@ -1333,17 +1345,16 @@ def profile_args(name: str) -> Args:
                      "ppo.ent_coef": Schedule("constant", 0.003, 0.003, 1.0),
                      "ppo.ent_coef_noop": Schedule("linear", 0.02, 0.0, 2e6),
                      "ppo.critic_chunk": 512,
-                     # [A] cpu: 2,736 game-steps an iteration at about 46 s [M, the cpu profile on this
-                     # 2-core machine, 2026-11-29], so 100k game-steps is 37 iterations, about 28 min:
-                     # the first gate lands inside the first hour. Its battles (80 + 2x40 anchor, 2x40
-                     # for v0's anchor record once, 2x20 stratified) at 0.13-0.31 s each [M, ladder.py
-                     # section 10] are one to two minutes. [M] 2026-11-29, this 2-core machine with
-                     # another cpu run training on it: the first gate (240 battles: 80 champion, 2x40
-                     # anchors, 2x40 for v0's anchor record) took 208 s (time/gate), ~0.9 s a battle;
-                     # `ppo_clash.py --profile cpu --ladder.candidate-every-env-steps 2000
-                     # --timestep-limit 4096`. [M] 2026-11-29, a cpu run from the start (`--profile cpu`,
-                     # other work on the machine part of the time): the first gate came after iteration 37, 31 minutes in, and
-                     # took 191 s. smoke never gates unless a test asks.
+                     # [A] cpu: 2,736 game-steps an iteration, so 200k game-steps is 74 iterations, at
+                     # 15-16 s about 20 minutes: a gate every ~20 minutes of training. The gate plays
+                     # 200 champion battles (100 frozen seeds x 2 sides), 2x40 anchor battles, 2x40
+                     # once for v0's anchor record and 2x20 stratified once the pool has members.
+                     # Wilson's bound at n=200 clears 0.52 from an observed 0.59 [A, spec 11.7's
+                     # formula]; at n=80 it took 0.63. [M] 2026-11-29, `--profile cpu` on this 2-core
+                     # machine (other work on it part of the time): the first gate came after
+                     # iteration 74, 21 minutes in, and took 210 s for 360 battles (0.58 s a battle),
+                     # 17% of the wall clock between gates, over spec 11.4's 8%: the cpu profile buys
+                     # a first verdict inside the hour with it. smoke never gates unless a test asks.
                      "ladder.candidate_every_env_steps": 200_000,
                      "ladder.floor_admit_every_env_steps": 100_000_000 if smoke else 2_000_000,
                      "ladder.probe_every_iterations": 0 if smoke else 40,
