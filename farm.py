@@ -673,6 +673,7 @@ def scripted_stream(w: int, slot: int, gen: int, ordinal: int) -> str:
     plus the episode's ordinal)."""
     return f"scripted/worker/{w}/slot/{slot}/gen/{gen}/ordinal/{ordinal}"
 
+
 def make_scripted(name: str) -> Any:
     """A fresh royalegym opponent for a SCRIPTED_NAMES entry (it keeps per-episode state, so one
     per seat per episode). Its act(obs, mask, rng) reads only legality (mask_planes / the mask)."""

@@ -45,7 +45,6 @@ CLI:
                                                              the WilsonGate, its decision file
 """
 
-
 import collections
 import dataclasses
 import datetime
