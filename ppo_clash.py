@@ -32,11 +32,12 @@ Spec sections implemented here (../shared/spec/harness-spec.txt):
        hall-of-fame eviction, the probe, kind="train" results, the ladder/* keys of 13.2
   snapshot_policy_builder(run_dir, device) is what `python ladder.py eval|gate` plays snap: with.
 
-NOT yet here (issue 4): part of spec 13.2's metric list (tile_entropy, card_tile_top10_share,
-per-card play frequency and heatmaps, rollout_legal_actions, reward_terms_step_abs/*, mean_elixir_at_decision, gpu_util_frac, the VRAM keys,
+NOT yet here (issue 4): part of spec 13.2's metric list (per-card play frequency and heatmaps,
+rollout_legal_actions, reward_terms_step_abs/*, gpu_util_frac, the VRAM keys,
 rollout_capacity_ratio: with collection and update in series it reduces to t_update / t_collect,
 which says which side of this machine is slower, not whether the harness is the bottleneck), the
-alarms that read those keys (artefact_exploit, capacity_ratio, vram_spilling), the bundle's replay trace (spec 13.4), the VRAM probe (7.7 step 12),
+alarms that read those keys (capacity_ratio, vram_spilling), artefact_exploit's dump of five
+winning traces, the bundle's replay trace (spec 13.4), the VRAM probe (7.7 step 12),
 frame liveness on the final-obs critic path when frame_stack > 1. The sentinel file is acted on
 at iteration boundaries, not once per round.
 
@@ -2204,8 +2205,9 @@ def _shaping_dominates(row: dict[str, Any]) -> bool | None:
 def alarm_table(args: Args) -> list[Alarm]:
     """Spec 13.3's table, the keys this row carries. Thresholds are config (excluded from the
     identity: an alarm can stop a run, never change a number); patience and severity are not.
-    Not here: artefact_exploit (policy/card_tile_top10_share is not computed), vram_spilling (no VRAM readings), capacity_ratio (no honest
-    rollout_capacity_ratio without overlap: see the module docstring)."""
+    Not here: vram_spilling (no VRAM readings), capacity_ratio (no honest rollout_capacity_ratio
+    without overlap: see the module docstring). artefact_exploit warns but does not dump the five
+    winning traces the spec asks for."""
     al = args.alarms
     return [
         Alarm("illegal_actions", "health/illegal_action_rate", ">", 0.0, 1, "halt", "a mask bug or a wrong action encoding"),
