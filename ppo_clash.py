@@ -1321,14 +1321,17 @@ def profile_args(name: str) -> Args:
         # the worker's core is idle while the parent updates). [M] 2026-11-29, this 2-core machine,
         # a forward+backward of the critic on 256 copies of a real observation: C=32 N=2 on one
         # thread 2.35 ms a row, the same on two 1.37, C=16 N=2 on two 0.45; the cpu iteration went
-        # from about 46 s (C=32, one thread) to 15-16 s (collect 5-6 s, update 7-8 s).
-        # lr_actor 1.5e-3 and gae_lambda 0.98, because at C=16 the actor did not move otherwise:
+        # from about 46 s (C=32, one thread) to a median 15.4 s (collect 6.0 s, update 7.9 s;
+        # docs/throughput.md).
+        # lr_actor 1.5e-3 and gae_lambda 0.98, because at C=16 the actor barely moved otherwise:
         # [M] same machine, `--profile cpu` runs of 13-40 iterations: lr 5e-4 and 1e-3 (lambda 0.99)
-        # kept kl at 1e-4-2e-3, clip fraction ~0 and normalised entropy at 0.999; lr 1.5e-3 with
-        # lambda 0.98 reached kl 0.003-0.009, clip 0.04-0.11 and entropy 0.94 by iteration 28. The
-        # two were changed together and not separated. lambda 0.98 puts the credit horizon at
-        # 21.8 s [A: 0.5 s / (1 - 0.997 x 0.98)], under the SCHEMA's 40-50 s band (spec 9.3's
-        # deploy -> push -> tower): a variance trade for ~290 choice rows an iteration.
+        # kept kl at 1e-4-2e-3, clip fraction ~0 and normalised entropy at 0.999; a 10-iteration
+        # pilot at lr 1.5e-3 (lambda 0.99) reached kl 0.002-0.03 and entropy 0.95-0.99, so the lr
+        # is the likelier cause; the run that then gated (lr 1.5e-3, lambda 0.98) reached kl
+        # 0.003-0.009, clip 0.04-0.11 and entropy 0.94 by iteration 28. lambda 0.98 against 0.99
+        # was not separated over a full run. It puts the credit horizon at 21.8 s [A: 0.5 s /
+        # (1 - 0.997 x 0.98)], under the SCHEMA's 40-50 s band (spec 9.3's deploy -> push ->
+        # tower): a variance trade for about 330 choice rows an iteration [A: 4,104 x (1 - 0.92)].
         smoke = name == "smoke"
         for k, v in {"net.device": "cpu", "net.autocast_dtype": "float32",
                      "net.channels": 8 if smoke else 16, "net.blocks": 1 if smoke else 2,
@@ -1352,10 +1355,11 @@ def profile_args(name: str) -> Args:
                      # once for v0's anchor record and 2x20 stratified once the pool has members.
                      # Wilson's bound at n=200 clears 0.52 from an observed 0.59 [A, spec 11.7's
                      # formula]; at n=80 it took 0.63. [M] 2026-11-29, `--profile cpu` on this 2-core
-                     # machine (other work on it part of the time): the first gate came after
-                     # iteration 74, 21 minutes in, and took 210 s for 360 battles (0.58 s a battle),
-                     # 17% of the wall clock between gates, over spec 11.4's 8%: the cpu profile buys
-                     # a first verdict inside the hour with it. smoke never gates unless a test asks.
+                     # machine (other work on it part of the time): gates after iterations 74, 148,
+                     # 222 and 296 (25, 48, 72 and 99 minutes in), 205-236 s each (the first, 360
+                     # battles, 0.58 s a battle); ladder/gate_seconds_frac 0.14-0.15, over spec 11.4's 8%:
+                     # the cpu profile buys a verdict every ~20 minutes with it. The third promoted
+                     # (docs/ladder.md section 9). smoke never gates unless a test asks.
                      "ladder.candidate_every_env_steps": 200_000,
                      "ladder.floor_admit_every_env_steps": 100_000_000 if smoke else 2_000_000,
                      "ladder.probe_every_iterations": 0 if smoke else 40,
