@@ -1,10 +1,12 @@
-"""ladder.py -- the ladder: "is the new policy better?" as a claim with an error bar.
+"""ladder.py -- the ladder: "is the new policy better?" as a claim with an error bar (design 7).
 
-Stage owned: everything between a frozen snapshot and a decision about it. The result log every
-rated battle is appended to, the batch rating fitted to that log, the statistics the promotion
-gate rests on, the gate itself, the paired evaluation bookkeeping, the content-addressed snapshot
-store, hall-of-fame eviction, and the matchmaker that lays the self-play mixture over the
-battles of an iteration.
+Stage owned: everything between a frozen snapshot and a decision about it, kept apart from
+training (design 7.1). The result log every rated battle is appended to, the batch rating fitted
+to that log (design 7.2), the matchmaker that lays the self-play mixture over the battles of an
+iteration (design 7.3), the promotion gate (design 7.4) and the statistics it rests on (design
+7.7), the paired evaluation that plays its battles (design 7.5), the content-addressed snapshot
+store and hall-of-fame eviction (design 7.6), the ladder's metric keys (design 7.8, 9.2) and the
+probe of the live policy (design 7.9).
 
 Reads (all under runs/<id>/ladder/):
     games.jsonl                 the append-only result log (section 2), the source of truth
@@ -18,11 +20,9 @@ Writes (same folder):
     eval_seeds.json, snapshots/<id>/, pool.json, eval_env.json
 Nothing is pickled: JSON (msgspec) and safetensors only. Never a checkpoint or a metric file.
 
-Spec sections implemented: D10-D11, 11.2 (rating: Bradley-Terry-Davidson MAP fit, Elo readout),
-11.3 (matchmaking: role counts, per-episode draw, PFSP), 11.4 (the gate), 11.5 (paired
-evaluation: the EvalRunner that plays it, bootstrap over seeds, paired_rho), 11.6 (result log,
-snapshot store, eviction), 11.7 (Wilson interval), 11.8 (transitivity residual), 11.9 (the
-probe of the live policy: run_probe + probe_metrics).
+Where to start reading: GameResult and ResultLog (section 2), the one record everything else
+reads; then fit_ratings (section 3) and WilsonGate.evaluate (section 5), the two consumers of
+that log; then EvalRunner.play (section 10), which produces it.
 
 Evaluation (section 10) plays real RustEngine battles: EvalRunner(train_env_spec, seeds, ...)
 strips the training env's truncation, builds its own farm per comparison (farm.py's evaluation
@@ -35,9 +35,10 @@ on the candidate cadence, floor admits, refits and the probe.
 Import rule: codec <- farm <- ladder. This module never imports torch, so
 `python ladder.py rate runs/<id>` and a scripted-vs-scripted `eval` work on a machine without it
 (tests/test_ladder.py runs them with torch made unimportable). A network is built by a callable
-the caller passes in (policy_builder); the CLI imports ppo_clash lazily, only for snap: players.
+the caller passes in (policy_builder); only the CLI's snapshot hook (_snapshot_builder) imports
+ppo_clash, lazily, for snap: players.
 
-CLI:
+CLI (section 11):
     python ladder.py rate runs/<id> [--context CTX]          the fitted table (torch-free)
     python ladder.py eval --run runs/<id> --a ID --b ID [--seeds N]
                                                              a paired comparison, appended
@@ -56,6 +57,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any, Callable, Mapping, Optional, Sequence, Union
+
+if __name__ == "__main__":   # so ppo_clash's `import ladder` finds this module instead of running the file twice
+    sys.modules["ladder"] = sys.modules[__name__]
 
 import msgspec
 import numpy as np
@@ -77,15 +81,15 @@ from farm import (
 # --- 1. Names and constants ---------------------------------------------------------------------
 
 ANCHOR = "scripted:noop"
-"""The rating gauge (spec 11.2, rater.anchor): pinned at 0 Elo. A scripted anchor exists from the
+"""The rating gauge (design 7.2, rater.anchor): pinned at 0 Elo. A scripted anchor exists from the
 first game, before any snapshot does, and its strength never changes."""
 
 GATE_ANCHORS = ("scripted:noop", "scripted:random_legal")
-"""The gate's anchors (spec 11.4 condition 2). They do not move with ladder.scripted_opponents."""
+"""The gate's anchors (design 7.4, condition 2). They do not move with ladder.scripted_opponents."""
 
 KINDS = ("eval", "train", "probe")
-"""The three cuts of games.jsonl (spec 11.6). Only "eval" is fitted: "train" is PFSP-selected
-(biased towards hard matchups) and "probe" names a one-moment player (spec 11.9)."""
+"""The three cuts of games.jsonl (design 7.6). Only "eval" is fitted: "train" is PFSP-selected
+(biased towards hard matchups) and "probe" names a one-moment player (design 7.9)."""
 
 SIDES = ("blue", "red")
 SCORES = (0.0, 0.5, 1.0)
@@ -96,7 +100,7 @@ C = 1.0 / ELO_PER_NAT
 
 PRIOR_SD = 400.0          # rater.prior_sd: weakly informative, keeps a player with no losses finite
 MIN_DRAW_RATE = 0.02      # rater.draws falls back to "half_win" under this measured draw rate
-RESIDUAL_MIN_GAMES = 30   # spec 11.8: pairs with at least 30 games enter the residual
+RESIDUAL_MIN_GAMES = 30   # design 7.8: pairs with at least 30 games enter the residual
 Z95 = 1.96
 
 ROLE_NAMES = {ROLE_MIRROR: "mirror", ROLE_POOL: "pool", ROLE_SCRIPTED: "scripted"}
@@ -106,8 +110,13 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write-then-rename, fsynced, so a crash leaves the old file or the new one, never half."""
+def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write `data` to `path` so that a crash leaves the old file or the new one, never half of
+    either: the parent folders are made, the bytes go to the sibling `<name>.partial`, are flushed
+    and fsynced, and that file is renamed over `path` (os.replace, atomic on one filesystem).
+    Every file the ladder writes goes through it; a writer that assembles a folder (a snapshot, a
+    checkpoint) writes each file with it, then renames the folder into place."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
     with open(tmp, "wb") as f:
@@ -125,10 +134,10 @@ def ladder_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "ladder"
 
 
-# --- 2. The result log (spec 11.6) ----------------------------------------------------------------
+# --- 2. The result log (design 7.6) ---------------------------------------------------------------
 # One line per battle, appended and never rewritten. The aggregate table is a cache derived from
 # it; the log is the truth. Draws are stored as draws (score 0.5), never folded into "wins":
-# five wins and five losses and ten draws carry different variance (spec 11.1).
+# five wins and five losses and ten draws carry different variance (design 7.1).
 
 class GameResult(msgspec.Struct, frozen=True):
     """One battle. score_a is a's score (1 win, 0.5 draw, 0 loss); side_a is the seat a held."""
@@ -272,7 +281,7 @@ class ResultLog:
                     agg.cells.setdefault(key, [0, 0, 0])[col] += 1
                 agg.cells = dict(sorted(agg.cells.items()))
                 agg.lines += len(games)
-            _write_atomic(self.aggregate_path, msgspec.json.encode(agg))
+            write_atomic(self.aggregate_path, msgspec.json.encode(agg))
             # the lock is released when f closes
 
     def _count_lines(self) -> int:
@@ -300,7 +309,7 @@ def contexts_of(games: Sequence[GameResult]) -> list[str]:
 
 def eval_view(games: Sequence[GameResult], context: str | None = None,
               kind: str = "eval") -> tuple[str | None, list[GameResult]]:
-    """The games of one kind in ONE context. Contexts are never pooled (spec 11.6): a policy shown
+    """The games of one kind in ONE context. Contexts are never pooled (design 7.6): a policy shown
     the opponent's hand and one that was not are different kinds of player. With context=None the
     view must hold a single context, else this refuses and names them."""
     games = [g for g in games if g.kind == kind]
@@ -313,11 +322,11 @@ def eval_view(games: Sequence[GameResult], context: str | None = None,
     return context, [g for g in games if g.context == context]
 
 
-# --- 3. Rating: Bradley-Terry-Davidson, MAP, Newton (spec 11.2, 11.8) ----------------------------
+# --- 3. Rating: Bradley-Terry-Davidson, MAP, Newton (design 7.2, 7.8) ----------------------------
 # With d = (r_i - r_j) / 173.7 and nu the draw parameter, the Davidson model reads
 #     P(i wins) = e^(d/2) / D,   P(draw) = nu / D,   P(j wins) = e^(-d/2) / D,
 #     D = e^(d/2) + e^(-d/2) + nu,
-# which is spec 11.2's q-form divided through by sqrt(q_i q_j). log D is a log-sum-exp of linear
+# which is design 7.2's q-form divided through by sqrt(q_i q_j). log D is a log-sum-exp of linear
 # functions of (d, log nu), so the negative log-likelihood is convex in (ratings, log nu) and the
 # prior adds a positive diagonal: Newton with a backtracking line search converges from zero.
 # The games enter only through integer counts per sorted pair, which is why the fit is a pure
@@ -347,7 +356,7 @@ def pair_counts(games: Sequence[GameResult], anchor: str = ANCHOR) -> PairCounts
 
 
 class RatingTable(msgspec.Struct, frozen=True):
-    """A fit's output (spec 4.5 RatingTable, plus what the dashboard and gate read)."""
+    """A fit's output (design 7.2 RatingTable, plus what the dashboard and gate read)."""
     rating: dict[str, float]          # Elo, anchor at exactly 0
     se: dict[str, float]              # sqrt of the inverse observed Fisher information's diagonal
     anchor: str
@@ -379,13 +388,6 @@ class RatingTable(msgspec.Struct, frozen=True):
                 raise KeyError(f"{p!r} is not in the fitted rating table (context {self.context}): "
                                f"it has no eval games yet; refit after it has played")
         return float(_outcome_probs((self.rating[a] - self.rating[b]) * C, self.draw_nu)[3])
-
-    def predict_se(self, a: str, b: str) -> float:
-        """Delta-method SE of predict(a, b) from se_diff (the nu uncertainty is not propagated)."""
-        d = (self.rating[a] - self.rating[b]) * C
-        pw, pd, pl, p = _outcome_probs(d, self.draw_nu)
-        slope = p * (1.0 - p) if self.draw_nu is None else pw / 2.0 - (pw - pl) / 2.0 * p
-        return abs(slope) * C * self.se_diff(a, b)
 
 
 def _outcome_probs(d: float | np.ndarray, nu: float | None):
@@ -511,21 +513,21 @@ def fit_pair_counts(pc: PairCounts, anchor: str = ANCHOR, prior_sd: float = PRIO
 
 def fit_ratings(games: Sequence[GameResult], anchor: str = ANCHOR, prior_sd: float = PRIOR_SD,
                 draws: str = "davidson") -> RatingTable:
-    """The authoritative rating (spec D11): a pure function of a ONE-context set of eval games."""
+    """The authoritative rating (design 7.2): a pure function of a ONE-context set of eval games."""
     ctxs = contexts_of(games)
     if len(ctxs) > 1:
         raise ValueError(f"fit_ratings got games from {len(ctxs)} contexts {ctxs}: contexts are never "
                          f"pooled; filter with eval_view(games, context)")
     kinds = sorted({g.kind for g in games} - {"eval"})
     if kinds:
-        raise ValueError(f"fit_ratings got {kinds} games: the fit reads kind='eval' only (spec 11.5, "
+        raise ValueError(f"fit_ratings got {kinds} games: the fit reads kind='eval' only (design 7.5, "
                          f"11.9); filter with eval_view")
     return fit_pair_counts(pair_counts(games, anchor), anchor, prior_sd, draws,
                            context=ctxs[0] if ctxs else None)
 
 
 def transitivity_residual(table: RatingTable, pc: PairCounts) -> tuple[float | None, int]:
-    """Spec 11.8: the fraction of head-to-head pairs with >= 30 games whose observed score rate
+    """Design 7.8: the fraction of head-to-head pairs with >= 30 games whose observed score rate
     contradicts the fit by more than two standard errors. The SE combines the pair's sampling
     SE under the model and the fit's own SE of the prediction (delta method on the 2x2 block).
     Above ~10% a scalar rating is not a meaningful summary of the population."""
@@ -550,7 +552,7 @@ def transitivity_residual(table: RatingTable, pc: PairCounts) -> tuple[float | N
 
 
 class EloReadout:
-    """Layer 1 (spec 11.2): zero-sum logistic Elo at k = 32 for the dashboard between refits.
+    """Layer 1 (design 7.2): zero-sum logistic Elo at k = 32 for the dashboard between refits.
     Order-dependent and never the gate."""
 
     def __init__(self, k_factor: float = 32.0):
@@ -566,14 +568,14 @@ class EloReadout:
 
 def write_ratings(run_dir: str | Path, table: RatingTable) -> Path:
     path = ladder_dir(run_dir) / "ratings.json"
-    _write_atomic(path, _json_pretty(table))
+    write_atomic(path, _json_pretty(table))
     return path
 
 
-# --- 4. The statistics: Wilson, paired scores, bootstrap, rho (spec 11.5, 11.7) -------------------
+# --- 4. The statistics: Wilson, paired scores, bootstrap, rho (design 7.5, 7.7) -------------------
 
 def wilson_interval(p_hat: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """The Wilson score interval, spec 11.7's formula. 55.2% at n = 1000 gives 0.521 (clears 0.52)."""
+    """The Wilson score interval, design 7.7's formula. 55.2% at n = 1000 gives 0.521 (clears 0.52)."""
     if n <= 0:
         raise ValueError(f"wilson_interval: n={n}, needs at least one battle")
     centre = (p_hat + z * z / (2 * n)) / (1 + z * z / n)
@@ -583,7 +585,7 @@ def wilson_interval(p_hat: float, n: int, z: float = Z95) -> tuple[float, float]
 
 class PairedScores(msgspec.Struct):
     """a's per-seed scores against b. x_s = (score as blue + score as red) / 2, in
-    {0, .25, .5, .75, 1}: the seed, not the battle, is the unit (spec 11.5)."""
+    {0, .25, .5, .75, 1}: the seed, not the battle, is the unit (design 7.5)."""
     a: str
     b: str
     seed_index: list[int]
@@ -644,7 +646,7 @@ def bootstrap_interval(x: Sequence[float], master_seed: int, comparison_id: str,
 
 def paired_rho(ps: PairedScores) -> float | None:
     """Correlation across seeds between a's score as blue and as red. None when undefined (every
-    seed decided one way on a side): 0.0 would read as 'uncorrelated' (spec 11.5)."""
+    seed decided one way on a side): 0.0 would read as 'uncorrelated' (design 7.5)."""
     if len(ps.x) < 2:
         return None
     u, v = np.asarray(ps.blue), np.asarray(ps.red)
@@ -654,7 +656,7 @@ def paired_rho(ps: PairedScores) -> float | None:
 
 
 class EvalSeedSet(msgspec.Struct, frozen=True):
-    """The fixed evaluation seed set, drawn once at run start and reused forever (spec 11.5)."""
+    """The fixed evaluation seed set, drawn once at run start and reused forever (design 7.5)."""
     master_seed: int
     path: str
     seeds: list[int]
@@ -683,13 +685,13 @@ def load_or_create_eval_seeds(run_dir: str | Path, master_seed: int, count: int)
                              f"asks for master_seed={master_seed}, count={count}: the set is frozen per run")
         return s
     s = draw_eval_seeds(master_seed, count)
-    _write_atomic(path, _json_pretty(s))
+    write_atomic(path, _json_pretty(s))
     return s
 
 
 def comparison_seed_indices(seeds: EvalSeedSet, n_battles: int) -> list[int]:
     """The seeds a comparison of n_battles plays: the FIRST n_battles / 2 of the frozen set, each
-    from both sides, so every comparison of a size plays the same start states (spec 11.5, 11.9)."""
+    from both sides, so every comparison of a size plays the same start states (design 7.5, 7.9)."""
     if n_battles % 2 or n_battles // 2 > len(seeds.seeds) or n_battles <= 0:
         raise ValueError(f"a comparison of {n_battles} battles needs an even count of at most "
                          f"2 x {len(seeds.seeds)} (ladder.eval_seed_count); got {n_battles}")
@@ -697,15 +699,16 @@ def comparison_seed_indices(seeds: EvalSeedSet, n_battles: int) -> list[int]:
 
 
 def eval_match_path(comparison_id: str, seed_index: int, side: str) -> str:
-    """The name of one evaluation battle's acting stream (spec 5.2): eval/match/{cid}/{s}/{side}."""
+    """The name of one evaluation battle's acting stream (design 2.2): eval/match/{cid}/{s}/{side}."""
     return f"eval/match/{comparison_id}/{seed_index}/{side}"
 
 
 def probe_metrics(games: Sequence[GameResult], learner_id: str, rung: str, master_seed: int,
                   resamples: int = 10_000) -> dict[str, float | int]:
-    """Spec 11.9's publication for one rung: ladder/score_vs/<rung>, its n in SEEDS (the two
-    battles of a seed are correlated) and the 95% bootstrap interval over seeds. The anchors are
-    also published under their older names. Nothing for a rung with no paired seeds."""
+    """Design 7.9's publication for one rung: ladder/score_vs/<rung>, its n in SEEDS (the two
+    battles of a seed are correlated) and the 95% bootstrap interval over seeds. The two anchors'
+    means also go under ladder/score_vs_noop and ladder/score_vs_random_legal, the short keys the
+    metric list names (design 9.2). Nothing for a rung with no paired seeds."""
     ps = paired_scores(games, learner_id, rung)
     if not ps.x:
         return {}
@@ -718,7 +721,7 @@ def probe_metrics(games: Sequence[GameResult], learner_id: str, rung: str, maste
     return out
 
 
-# --- 5. The gate (spec 11.4, 11.7) -------------------------------------------------------------------
+# --- 5. The gate (design 7.4, 7.7) -------------------------------------------------------------------
 
 class GateConfig(msgspec.Struct, frozen=True):
     champion_games: int = 1000        # 500 seeds x 2 sides
@@ -764,6 +767,9 @@ PlayFn = Callable[[str, str, int], list[GameResult]]
 frozen set from both sides, records nothing for training, and returns the games. EvalRunner is
 one, and it has already appended them to games.jsonl: do not append evaluate()'s `played` again."""
 
+_PlayPaired = Callable[[str, str, int], PairedScores]
+"""Inside WilsonGate.evaluate: play(a, b, n_battles), keep the games, return them as paired seeds."""
+
 
 class WilsonGate:
     """Admits candidate C iff (1) the Wilson 95% lower bound of its score rate against the champion
@@ -802,74 +808,87 @@ class WilsonGate:
         and the games played. `history` is the run's eval games, read for the champion's anchor
         record; a champion without one plays the anchor here, once."""
         t0 = time.monotonic()
-        cfg, played, cond = self.cfg, [], {}
         history = [g for g in history if g.kind == "eval"]
+        played: list[GameResult] = []
 
-        def paired(games: list[GameResult], a: str, b: str) -> PairedScores:
+        def play_paired(a: str, b: str, n_battles: int) -> PairedScores:
+            games = play(a, b, n_battles)
+            played.extend(games)
             ps = paired_scores(games, a, b)
             if not ps.x:   # a runner fault must not read as a failed condition
                 raise ValueError(f"gate {candidate}: play({a!r}, {b!r}) returned no seed played from "
                                  f"both sides; the evaluation runner is broken")
             return ps
 
-        # (1) The champion.
-        games = play(candidate, champion, cfg.champion_games)
-        played += games
-        ps = paired(games, candidate, champion)
+        cond = {"champion": self._champion_condition(candidate, champion, play_paired)}
+        for anchor in self.cfg.anchors:
+            cond[f"anchor:{anchor}"] = self._anchor_condition(candidate, champion, anchor, history,
+                                                              play_paired)
+        cond["pool"] = self._pool_condition(candidate, champion, pool_members, ratings, play_paired)
+        return self._decide(candidate, champion, cond, time.monotonic() - t0), played
+
+    def _champion_condition(self, candidate: str, champion: str,
+                            play_paired: _PlayPaired) -> ConditionResult:
+        """(1) The Wilson 95% lower bound of C's score rate against the champion clears the bar."""
+        cfg = self.cfg
+        ps = play_paired(candidate, champion, cfg.champion_games)
         lo, _ = wilson_interval(ps.mean, ps.n_battles)
         ci = bootstrap_interval(ps.x, self.master_seed, f"gate/{candidate}/vs/{champion}",
                                 cfg.bootstrap_resamples)
-        cond["champion"] = ConditionResult(
+        return ConditionResult(
             passed=lo >= cfg.champion_lower_bound, n=ps.n_battles, observed=ps.mean, bound=lo,
             reference=cfg.champion_lower_bound, ci95_lo=ci[0], ci95_hi=ci[1], paired_rho=paired_rho(ps))
-        # (2) No regression against the anchors, against the champion's RECORD.
-        for anchor in cfg.anchors:
-            games = play(candidate, anchor, cfg.anchor_games)
-            played += games
-            cs = paired(games, candidate, anchor)
-            rec = paired_scores(history, champion, anchor)
-            if not rec.x:   # a champion admitted free has no record: it plays the anchor once
-                rg = play(champion, anchor, cfg.anchor_games)
-                played += rg
-                rec = paired(rg, champion, anchor)
-            bound = rec.mean - cfg.anchor_tolerance_pp / 100.0
-            cond[f"anchor:{anchor}"] = ConditionResult(
-                passed=cs.mean >= bound - 1e-12, n=cs.n_battles, observed=cs.mean, bound=bound,
-                reference=rec.mean)
-        # (3) No pool-wide collapse.
+
+    def _anchor_condition(self, candidate: str, champion: str, anchor: str, history: Sequence[GameResult],
+                          play_paired: _PlayPaired) -> ConditionResult:
+        """(2) No regression against an anchor: C's mean is at most the tolerance below the
+        champion's RECORD against it (its eval games against that anchor in `history`)."""
+        cfg = self.cfg
+        cs = play_paired(candidate, anchor, cfg.anchor_games)
+        rec = paired_scores(history, champion, anchor)
+        if not rec.x:   # a champion admitted free has no record: it plays the anchor once
+            rec = play_paired(champion, anchor, cfg.anchor_games)
+        bound = rec.mean - cfg.anchor_tolerance_pp / 100.0
+        return ConditionResult(passed=cs.mean >= bound - 1e-12, n=cs.n_battles, observed=cs.mean,
+                               bound=bound, reference=rec.mean)
+
+    def _pool_condition(self, candidate: str, champion: str, pool_members: Sequence[str],
+                        ratings: RatingTable | None,
+                        play_paired: _PlayPaired) -> ConditionResult:
+        """(3) No pool-wide collapse: C's observed mean against the stratified sample is at least
+        the champion's fitted predicted mean against the same members, less one SE of C's mean.
+        SKIPPED when the pool holds no one besides the champion and the anchors."""
         members = self.stratified_sample(candidate, champion, pool_members, ratings)
         if not members:
-            cond["pool"] = ConditionResult(
+            return ConditionResult(
                 passed=True, n=0, observed=None, bound=None, reference=None,
                 skipped=True, reason="SKIPPED: no pool member besides the champion and the anchors")
-        else:
-            if ratings is None or champion not in ratings.rating:
-                raise ValueError(f"gate {candidate}: condition 3 needs the champion {champion} in the "
-                                 f"fitted table; refit before the gate")
-            xs, n_b = [], 0
-            for m in members:
-                games = play(candidate, m, cfg.stratified_games)
-                played += games
-                ps_m = paired(games, candidate, m)
-                xs += ps_m.x
-                n_b += ps_m.n_battles
-            observed = float(np.mean(xs))
-            se = float(np.std(xs, ddof=1) / math.sqrt(len(xs))) if len(xs) > 1 else 0.0
-            reference = float(np.mean([ratings.predict(champion, m) for m in members]))
-            cond["pool"] = ConditionResult(
-                passed=observed >= reference - se, n=n_b, observed=observed, bound=reference - se,
-                reference=reference, members=members)
+        if ratings is None or champion not in ratings.rating:
+            raise ValueError(f"gate {candidate}: condition 3 needs the champion {champion} in the "
+                             f"fitted table; refit before the gate")
+        xs, n_b = [], 0
+        for m in members:
+            ps_m = play_paired(candidate, m, self.cfg.stratified_games)
+            xs += ps_m.x
+            n_b += ps_m.n_battles
+        observed = float(np.mean(xs))
+        se = float(np.std(xs, ddof=1) / math.sqrt(len(xs))) if len(xs) > 1 else 0.0
+        reference = float(np.mean([ratings.predict(champion, m) for m in members]))
+        return ConditionResult(passed=observed >= reference - se, n=n_b, observed=observed,
+                               bound=reference - se, reference=reference, members=members)
+
+    def _decide(self, candidate: str, champion: str, cond: dict[str, ConditionResult],
+                wall_seconds: float) -> GateDecision:
+        """(1) and (2) decide admission; (3) then decides promotion or admission as a cycle."""
         failed = [k for k, c in cond.items() if not c.passed]
         core_ok = all(c.passed for k, c in cond.items() if k != "pool")
-        admit = core_ok
         promote = core_ok and cond["pool"].passed
         cycle = core_ok and not cond["pool"].passed
         outcome = "admit+promote" if promote else ("admit-as-cycle" if cycle else "discard")
-        decision = GateDecision(
-            candidate=candidate, champion=champion, outcome=outcome, admit=admit, promote=promote,
+        return GateDecision(
+            candidate=candidate, champion=champion, outcome=outcome, admit=core_ok, promote=promote,
             cycle=cycle, failed=failed, conditions=cond, eval_seed_set_sha=self.seed_sha,
-            wall_seconds=time.monotonic() - t0, wall=utc_now())
-        return decision, played
+            wall_seconds=wall_seconds, wall=utc_now())
 
 
 def _variance_weight(ratings: RatingTable | None, champion: str, m: str) -> float:
@@ -886,11 +905,11 @@ def _file_name(player_id: str) -> str:
 def write_gate_decision(run_dir: str | Path, decision: GateDecision) -> Path:
     """ladder/gates/<candidate>.json (':' and '/' in the id become '_')."""
     path = ladder_dir(run_dir) / "gates" / f"{_file_name(decision.candidate)}.json"
-    _write_atomic(path, _json_pretty(decision))
+    write_atomic(path, _json_pretty(decision))
     return path
 
 
-# --- 6. Snapshots: content-addressed, fp16, no pickle (spec 11.6) -----------------------------------
+# --- 6. Snapshots: content-addressed, fp16, no pickle (design 7.6) ----------------------------------
 
 DIGEST_FIELDS = ("arch_digest", "obs_digest", "codec_table_digest")
 """A load whose value of one of these differs from the current run's is refused, by field."""
@@ -940,12 +959,8 @@ class SnapshotStore:
         if final.exists():
             return sid
         tmp = self.root / f".partial-{sid}"
-        tmp.mkdir(parents=True, exist_ok=True)
         for name, data in (("actor.safetensors", blob), ("spec.json", spec_bytes)):
-            with open(tmp / name, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            write_atomic(tmp / name, data)
         os.replace(tmp, final)
         return sid
 
@@ -1014,7 +1029,7 @@ class LoadedPolicyCache:
         return policy
 
 
-# --- 7. The pool and hall-of-fame eviction (spec 11.6) ------------------------------------------------
+# --- 7. The pool and hall-of-fame eviction (design 7.6) -----------------------------------------------
 
 class PoolMember(msgspec.Struct):
     id: str                    # "snap:<sha16>" or "seed:<name>"
@@ -1057,7 +1072,7 @@ def write_pool(run_dir: str | Path, pool: Pool) -> Path:
     every admission; `ladder.py gate` reads it for the champion and the members (and never
     writes it: a CLI gate records a decision, it does not admit into a live run)."""
     path = ladder_dir(run_dir) / "pool.json"
-    _write_atomic(path, _json_pretty(pool))
+    write_atomic(path, _json_pretty(pool))
     return path
 
 
@@ -1098,7 +1113,7 @@ def hall_of_fame_evict(pool: Pool, ratings: RatingTable | None, working_size: in
     return sorted(evicted)
 
 
-# --- 8. Matchmaking (spec 11.3) -----------------------------------------------------------------------
+# --- 8. Matchmaking (design 7.3) ----------------------------------------------------------------------
 
 class MatchConfig(msgspec.Struct, frozen=True):
     mix: tuple[float, float, float] = (0.50, 0.35, 0.15)     # mirror / pool / scripted, in battles
@@ -1116,7 +1131,7 @@ def _round_half_up(x: float) -> int:
 
 
 def role_counts(mix: Sequence[float], n_battles: int) -> tuple[int, int, int]:
-    """Spec 11.3: mirror = round(mix0 * n); the rest split pool : scripted as mix1 : mix2 with pool
+    """Design 7.3: mirror = round(mix0 * n); the rest split pool : scripted as mix1 : mix2 with pool
     rounded and scripted the remainder. Sums to n; each within one battle of its exact share."""
     if len(mix) != 3 or min(mix) < 0 or abs(sum(mix) - 1.0) > 1e-6:
         raise ValueError(f"ladder.mix={tuple(mix)}: three non-negative shares summing to 1")
@@ -1154,7 +1169,7 @@ def pfsp_weights(p: Sequence[float], power: float = 2.0, uniform_mix: float = 0.
 
 
 def learner_stand_in(pool: Pool, ratings: RatingTable | None) -> PoolMember | None:
-    """The newest admitted, rated, non-seed snapshot stands in for the learner (spec 11.3)."""
+    """The newest admitted, rated, non-seed snapshot stands in for the learner (design 7.3)."""
     if ratings is None:
         return None
     cands = [m for m in pool.members if not m.seed and m.id in ratings.rating]
@@ -1204,7 +1219,7 @@ class Matchmaker:
     """The run's matchmaker: the role layout fixed at construction, the resident set and its PFSP
     weights fixed per iteration by plan(), and assign() for each battle's next episode."""
 
-    FORMAT_VERSION = 2   # spec 11.3: format 2 carries n_battles (format 1 is not produced here)
+    FORMAT_VERSION = 2   # design 7.3: format 2 carries n_battles (format 1 is not produced here)
 
     def __init__(self, master_seed: int, n_battles: int, cfg: MatchConfig = MatchConfig()):
         self.master_seed, self.n_battles, self.cfg = master_seed, n_battles, cfg
@@ -1272,14 +1287,14 @@ def learner_rows(plan: SlotPlan) -> int:
     return sum(sum(1 for g in a.group if g == GROUP_LEARNER) for a in plan.assignment)
 
 
-# --- 9. The ladder's metric keys (spec 13.2) ----------------------------------------------------------
+# --- 9. The ladder's metric keys (design 9.2) ---------------------------------------------------------
 
 def ladder_metrics(table: RatingTable | None, pool: Pool, mm: "Matchmaker | None" = None,
                    last_gate: GateDecision | None = None, gate_attempts: int = 0, gate_passes: int = 0,
                    evictions: int = 0) -> dict[str, float | int | str]:
     """The ladder/* keys of one metric row that this module can compute. A key whose value is
     undefined (no fit yet, no gate yet, rho undefined, no stand-in) is ABSENT, never 0 or 0.5:
-    those read as measurements (spec 11.5, 11.9)."""
+    those read as measurements (design 7.5, 7.9)."""
     m: dict[str, float | int | str] = {
         "ladder/pool_size": len(pool.members), "ladder/sampler_size": len(pool.sampler),
         "ladder/gate_attempts": gate_attempts, "ladder/gate_passes": gate_passes,
@@ -1324,20 +1339,20 @@ def role_count_metrics(ended: Sequence[Assignment], roles: np.ndarray) -> dict[s
     return out
 
 
-# --- 10. Evaluation: paired battles on their own env (spec 11.5, 11.9, D10) ----------------------
-# What plays the games the gate and the probe read. Four separations (spec 11.5), each kept here:
+# --- 10. Evaluation: paired battles on their own env (design 7.1, 7.5, 7.9) ---------------------
+# What plays the games the gate and the probe read. Four separations (design 7.5), each kept here:
 #   1. No experience is recorded: the runner keeps no observation, reward or log-prob; it writes
 #      GameResult lines to games.jsonl (and the aggregate cache that mirrors them) and nothing else.
 #   2. Its own env: the training EnvFactorySpec with every truncation removed -- a full match under
 #      real rules, ended by GameOverCondition only. A cut match is scored on crowns mostly not yet
-#      taken, so it is nearly always a draw (spec 11.5) and would make the rating barely move.
+#      taken, so it is nearly always a draw (design 7.5) and would make the rating barely move.
 #   3. Its own seeds: battle (seed s, side) resets its env with the FROZEN set's seed s, the same
 #      seed for both sides, so the two games of a seed start from the same position (decks and
 #      engine seed come from that one number: ClashParallelEnv.reset draws both from it). The
 #      acting randomness -- each seat's uniforms, or a scripted seat's generator -- is addressed
 #      eval/match/{comparison_id}/{s}/{side}/seat/{blue|red}: one stream per seat of each battle,
 #      so an action never depends on which other battles were live in the same batch.
-#   4. Its own farm (D10): each comparison builds a farm.py farm in its evaluation mode
+#   4. Its own farm (design 7.1): each comparison builds a farm.py farm in its evaluation mode
 #      (FarmConfig.eval_plan) and closes it when the comparison ends, also on error: InlineFarm in
 #      this process for workers <= 1 (the tests, the CLI by default), a ProcessFarm of
 #      rollout.eval_workers processes otherwise. The plan is data: episode k of the comparison is
@@ -1346,21 +1361,11 @@ def role_count_metrics(ended: Sequence[Assignment], roles: np.ndarray) -> dict[s
 #      what an episode plays); scripted seats are played inside the workers (mask-only
 #      observations, their own named generators), the other seats here, from the packed rows
 #      decoded by farm.unpack_numpy, batched per player over the live battles of a round.
-#
-# [M] 2026-11-29, this 2-core machine, default env, untruncated. One battle scripted:noop (blue)
-# vs scripted:random_legal (red) stepped by hand on three seeds: 125-200 decisions, 0.10-0.16 s
-# each, random_legal won all three. Building one env: about 0.35 s (8 in 2.77 s), the first about
-# 1 s with imports. Through the PREVIOUS EvalRunner (its own ClashParallelEnvs, no farm) at
-# battles_at_once=8, 20 seeds x 2 sides: random_legal vs
-# noop 40 battles in 10.6 s including building 7 more envs, score 1.000; push vs random_legal
-# 5.3 s (0.13 s a battle), score 0.675 [0.550, 0.800], paired_rho -0.20; a numpy stand-in
-# policy (a legal card with probability 0.1 from its uniform) vs random_legal 12.5 s (0.31 s a
-# battle: two full observations a decision instead of one mask), score 0.450 [0.325, 0.575].
-# [M] same machine, later, on the farm (load average 1.4-2.7 from other work), seeds
-# draw_eval_seeds(11, 20), push vs random_legal, 40 battles, battles_at_once=8, two runs each,
-# interleaved: previous loop 5.1-5.6 s, InlineFarm 7.5-7.7 s, ProcessFarm of 2 workers
-# 10.2-11.4 s (parent_wait_frac 0.89-0.91: two workers and this process on 2 shared cores);
-# all three gave identical results (score 0.575).
+# The parts, in the order a comparison uses them: EvalPlayers (who plays: ids to act functions,
+# pairings refused), comparison_episodes (the schedule: which seed, which seat, which stream),
+# FarmComparison (the play: one comparison's rounds on its farm) and EvalRunner.play (the score:
+# one GameResult per battle, appended). Cost: a full scripted battle takes 0.10-0.16 s on a 2-core
+# machine (measurements: docs/ladder.md section 10).
 
 ActFn = Callable[[dict[str, np.ndarray], np.ndarray], np.ndarray]
 """A policy: act(obs_batch, uniforms) -> actions. obs_batch holds the env's observation keys
@@ -1373,14 +1378,14 @@ PolicyBuilder = Callable[[str], ActFn]
 
 PAIR_DIGEST_FIELDS = ("obs_digest", "action_digest", "codec_version", "codec_table_digest")
 """Two snapshots that differ in one of these saw different observations or actions: a game
-between them measures the information, not the policy, and is refused by field (spec 11.6).
+between them measures the information, not the policy, and is refused by field (design 7.6).
 arch_digest may differ: two architectures can play each other."""
 
 PROBE_RUNGS = ("scripted:noop", "scripted:random_legal")
-"""ladder.probe_opponents' default (spec 11.9): the two anchors, the scale that never drifts."""
+"""ladder.probe_opponents' default (design 7.9): the two anchors, the scale that never drifts."""
 
 DECK_PROTOCOL = "default-state-mutator"
-"""The v1 deck protocol named in every context (spec 11.3): whatever decks the env's state
+"""The v1 deck protocol named in every context (design 7.3): whatever decks the env's state
 mutator deals from the battle's seed (DefaultStateMutator: random decks per seed)."""
 
 EVAL_KINDS = ("eval", "probe")
@@ -1393,14 +1398,14 @@ WINNER_SCORE = {1: 1.0, 0: 0.5, -1: 0.0}      # info["outcome"] from a's seat ->
 
 
 def eval_env_spec(train: EnvFactorySpec) -> EnvFactorySpec:
-    """The evaluation env: the training env with every truncation removed (spec 11.5). Built from
+    """The evaluation env: the training env with every truncation removed (design 7.5). Built from
     the spec as data, never by mutating a live env."""
     return msgspec.structs.replace(train, truncation=[])
 
 
 def eval_context(env_value: str, obs_digest: str, engine_build_digest: str,
                  deck_protocol: str = DECK_PROTOCOL) -> str:
-    """Spec 11.6: sha256(env digest + obs builder digest + deck protocol + engine build)[:16].
+    """Design 7.6: sha256(env digest + obs builder digest + deck protocol + engine build)[:16].
     env_value is the EVALUATION env's value digest (farm.env_value_digest); obs_digest is read at
     frame_stack 1, because frame stacking is a property of a network, not of the game."""
     return hashlib.sha256((env_value + obs_digest + deck_protocol + engine_build_digest)
@@ -1411,13 +1416,217 @@ def eval_context(env_value: str, obs_digest: str, engine_build_digest: str,
 def _eval_preflight(env_json: bytes, master_seed: int) -> tuple[Any, Any, np.ndarray]:
     """farm.preflight of the evaluation env (EnvSpec, codec table, statics): a pure function of
     the spec and the seed, so runners opened one after another in a process (a gate, a probe,
-    the next gate) share one instead of building envs to read it again ([M] an EvalRunner open
-    took 0.4-0.9 s here, 2026-11-29, timed around the constructor)."""
+    the next gate) share one instead of each building envs to read it again (an open costs
+    0.4-0.9 s on a 2-core machine: docs/ladder.md section 10)."""
     side: dict[str, Any] = {}
     es, table = farm.preflight(msgspec.json.decode(env_json, type=EnvFactorySpec), frame_stack=1,
                                master_seed=master_seed, out=side)
     side["statics"].setflags(write=False)
     return es, table, side["statics"]
+
+
+class EvalPlayers:
+    """Who plays: each player id resolved to the batched act that answers its seats, and a pairing
+    refused when a game between its two players would not measure the policies.
+
+    "scripted:<name>" (farm.SCRIPTED_NAMES) is played inside the farm's workers, so its act is
+    None here; "snap:<id>" (ladder/snapshots/<id>) is built once by policy_builder(id) and kept;
+    any other id must have been given to register() (the probe's learner@{step})."""
+
+    def __init__(self, store: SnapshotStore | None, policy_builder: PolicyBuilder | None) -> None:
+        self.store, self.policy_builder = store, policy_builder
+        self.policies: dict[str, ActFn] = {}
+
+    def register(self, player_id: str, act: ActFn) -> None:
+        """An ad-hoc player (the probe's learner@{step}); never a scripted: or snap: id."""
+        if player_id.startswith(("scripted:", "snap:")):
+            raise ValueError(f"register({player_id!r}): scripted: and snap: ids are resolved, not registered")
+        self.policies[player_id] = act
+
+    def unregister(self, player_id: str) -> None:
+        self.policies.pop(player_id, None)
+
+    def snapshot_spec(self, sid: str) -> SnapshotSpec:
+        if self.store is None:
+            raise ValueError(f"snap:{sid}: the runner has no run_dir, so no snapshot store to read it from")
+        return self.store.spec(sid)
+
+    def check_pair(self, a: str, b: str, obs_digest: str) -> None:
+        """Refuse a pairing the ladder could not interpret, naming the field and both values.
+        obs_digest is the evaluation env's: a snapshot trained on another observation is refused."""
+        specs = {p: self.snapshot_spec(p.removeprefix("snap:")) for p in (a, b) if p.startswith("snap:")}
+        for p, sp in specs.items():
+            if sp.frame_stack != 1:
+                raise SnapshotMismatch(
+                    f"{p}: frame_stack is {sp.frame_stack}; the evaluation runner hands a policy one "
+                    f"frame per decision, so a stacked network cannot be evaluated yet (frame_stack 1 only)")
+            if sp.obs_digest != obs_digest:
+                raise SnapshotMismatch(
+                    f"{p}: obs_digest is {sp.obs_digest} but the evaluation env's obs_digest is "
+                    f"{obs_digest}: the snapshot was trained on another observation; refused")
+        if len(specs) == 2:
+            sa, sb = specs[a], specs[b]
+            for field in PAIR_DIGEST_FIELDS:
+                va, vb = getattr(sa, field), getattr(sb, field)
+                if va != vb:
+                    raise SnapshotMismatch(
+                        f"pairing {a} vs {b} refused: {field} differs ({a} has {va}, {b} has {vb}); "
+                        f"a game between them would measure the {field.removesuffix('_digest')}, "
+                        f"not the policy")
+
+    def act(self, player: str) -> ActFn | None:
+        """The batched act of a non-scripted player (built once), None for a scripted one."""
+        if player.startswith("scripted:"):
+            name = player.removeprefix("scripted:")
+            if name not in farm.SCRIPTED_NAMES:
+                raise ValueError(f"{player}: unknown scripted player; farm.SCRIPTED_NAMES = {farm.SCRIPTED_NAMES}")
+            return None
+        if player in self.policies:
+            return self.policies[player]
+        if player.startswith("snap:"):
+            if self.policy_builder is None:
+                raise ValueError(f"{player}: a snapshot needs a policy_builder (ppo_clash builds networks); "
+                                 f"the runner was given none")
+            self.policies[player] = self.policy_builder(player.removeprefix("snap:"))
+            return self.policies[player]
+        raise ValueError(f"player {player!r}: not scripted:<name>, snap:<id>, or a registered id "
+                         f"{sorted(self.policies)}")
+
+
+def comparison_episodes(seeds: EvalSeedSet, order: Sequence[tuple[int, str]], a: str, b: str,
+                        comparison_id: str) -> list[farm.EvalEpisode]:
+    """The schedule of a comparison as data the farm's workers can read: for each (seed index s,
+    a's side) of `order`, episode k plays the frozen seed s (the same for both sides, so the pair
+    starts from one position), seats a on its side and b on the other, and names each seat's
+    acting stream eval/match/{comparison_id}/{s}/{side_a}/seat/{blue|red}."""
+    plan = []
+    for s, side_a in order:
+        players = (a, b) if side_a == "blue" else (b, a)
+        base = eval_match_path(comparison_id, s, side_a)
+        plan.append(farm.EvalEpisode(
+            seed=int(seeds.seeds[s]), seed_path=f"eval/seed_set/{s}", players=players,
+            streams=(f"{base}/seat/blue", f"{base}/seat/red")))
+    return plan
+
+
+class FarmComparison:
+    """The play: one comparison's episodes on the farm built for it, stepped round by round until
+    every episode has a result. Scripted seats are the workers'; every other seat (group -1) is
+    answered here by its player's act, one batched call per player per round, each seat drawing
+    one uniform per decision from its own stream (so an action never depends on the batching).
+
+    It reads the runner's evaluation env (codec table, statics, observation space, the longest
+    legal match) and master seed; what it returns, a's score per episode in plan order, is a pure
+    function of the plan and the players."""
+
+    def __init__(self, runner: "EvalRunner", plan: list[farm.EvalEpisode], order: Sequence[tuple[int, str]],
+                 a: str, acts: dict[str, ActFn | None], comparison_id: str) -> None:
+        self.table, self.statics = runner.table, runner.statics
+        self.obs_space, self.max_decisions = runner.env_spec.obs_space, runner.max_decisions
+        self.master_seed = runner.seeds.master_seed
+        self.plan, self.order, self.a, self.acts, self.cid = plan, order, a, acts, comparison_id
+        self.scores: list[float | None] = [None] * len(order)
+        self.left = len(order)                      # episodes without a result yet
+        self.rngs: dict[tuple[int, int], np.random.Generator] = {}     # (episode, seat) -> its stream
+        self.steps: dict[int, int] = {}             # episode -> decisions so far
+        self.summed: collections.Counter = collections.Counter()
+        self.farm_stats: dict[str, float] = {}
+
+    def play(self, f: Any) -> list[float]:
+        """Step farm f (in evaluation mode, built for this plan) until every episode has a result;
+        also sets farm_stats, the farm's stats with the per-iteration ones summed."""
+        t0, it = time.perf_counter(), 0
+        while self.left:
+            if it:
+                self.summed.update({k: f.stats[k] for k in EVAL_SUMMED_STATS})
+            f.begin_iteration(f.eval_slot_plan(it))
+            self._iteration(f)
+            it += 1
+        st = f.stats
+        self.summed.update({k: st[k] for k in EVAL_SUMMED_STATS})
+        self.farm_stats = {**st, **self.summed, "parent_wait_frac":
+                           self.summed["wait_ms"] / max((time.perf_counter() - t0) * 1e3, 1e-9)}
+        return [float(x) for x in self.scores]
+
+    def _iteration(self, f: Any) -> None:
+        """One farm iteration, T + 1 cycles of J rounds, left as soon as the last episode ends."""
+        for c in range(f.T + 1):
+            for _ in range(f.J):
+                rnd = f.next_round()
+                fails = f.drain_failures()
+                if fails:
+                    x = fails[0]
+                    raise RuntimeError(f"comparison {self.cid}: evaluation worker {x.worker} failed "
+                                       f"({x.kind}) at cycle {x.cycle}:\n{x.message}")
+                self._score(rnd)
+                if not self.left:
+                    return
+                if c < f.T:
+                    f.submit(self._actions(f, rnd), 1.0)
+
+    def _score(self, rnd: Any) -> None:
+        """The episodes that ended this round, scored from a's seat."""
+        for rec in rnd.episodes:
+            i = rec.eval_index
+            if self.plan[i].players[rec.seat] != self.a:
+                continue
+            if rec.winner < 0 or rec.outcome not in WINNER_SCORE:
+                raise RuntimeError(
+                    f"comparison {self.cid}: seed {self.order[i][0]} side_a {self.order[i][1]} ended "
+                    f"without a result (winner={rec.winner}, outcome={rec.outcome}); "
+                    f"the evaluation env must end only by GameOverCondition")
+            self.scores[i] = WINNER_SCORE[rec.outcome]
+            self.left -= 1
+
+    def _actions(self, f: Any, rnd: Any) -> np.ndarray:
+        """This round's actions: every parent-acted seat (group -1) answered by its player, one
+        batched call per player (sorted ids, ascending slots), each seat drawing one uniform from
+        its own stream. Scripted and stopped seats are the worker's: 0 here."""
+        out = np.zeros(len(rnd.slots), np.int64)
+        for player, entries in sorted(self._seats_by_player(f, rnd).items()):
+            rows = np.array([n_ for n_, _, _ in entries])
+            obs = farm.unpack_numpy(self.table, f.rect[rnd.cycle + f.k - 1, rnd.slots[rows]],
+                                    self.statics, rnd.slots[rows] % 2, self.obs_space)
+            u = np.empty(len(entries), np.float64)
+            for e, (_, i, seat) in enumerate(entries):
+                if (i, seat) not in self.rngs:
+                    self.rngs[(i, seat)] = derive_generator(self.master_seed, self.plan[i].streams[seat])
+                u[e] = self.rngs[(i, seat)].random()
+            out[rows] = self._checked(player, entries, obs, np.asarray(self.acts[player](obs, u)).reshape(-1))
+        return out
+
+    def _seats_by_player(self, f: Any, rnd: Any) -> dict[str, list[tuple[int, int, int]]]:
+        """player -> [(row in the round, episode, seat)] of the parent-acted seats, counting each
+        live episode's decisions (a match longer than twice the longest legal one is a fault)."""
+        batched: dict[str, list[tuple[int, int, int]]] = {}
+        eval_ix = f.eval_index
+        for n_, r in enumerate(rnd.slots.tolist()):
+            i = int(eval_ix[r // 2])
+            if i < 0:
+                continue
+            if r % 2 == 0:
+                self.steps[i] = self.steps.get(i, 0) + 1
+                if self.steps[i] > self.max_decisions:
+                    raise RuntimeError(f"comparison {self.cid}: seed {self.plan[i].seed_path} battle {i} ran "
+                                       f"{self.steps[i] - 1} decisions, twice a full match; the engine "
+                                       f"did not end it")
+            if rnd.group[n_] == farm.GROUP_LEARNER:
+                batched.setdefault(self.plan[i].players[r % 2], []).append((n_, i, r % 2))
+        return batched
+
+    def _checked(self, player: str, entries: list[tuple[int, int, int]], obs: dict[str, np.ndarray],
+                 actions: np.ndarray) -> np.ndarray:
+        """A player's answer, refused unless it is one legal action per seat."""
+        if actions.shape != (len(entries),):
+            raise ValueError(f"{player}: act returned {actions.shape} actions for {len(entries)} seats")
+        legal = obs["action_mask"][np.arange(len(entries)), actions] != 0
+        if not legal.all():
+            e = int(np.flatnonzero(~legal)[0])
+            _, i, seat = entries[e]
+            raise ValueError(f"{player}: illegal action {int(actions[e])} at {self.plan[i].seed_path} "
+                             f"seat {SIDES[seat]} (comparison battle {i}) decision "
+                             f"{self.steps.get(i, 0) - 1}; a policy must mask before sampling")
+        return actions
 
 
 class EvalRunner:
@@ -1427,11 +1636,10 @@ class EvalRunner:
             games = r.play("snap:ab12...", "scripted:noop", 40)       # 20 seeds x 2 sides
             decision, _ = WilsonGate(...).evaluate(..., play=r, ...)  # r is the gate's `play`
 
-    Player ids: "scripted:<name>" (farm.SCRIPTED_NAMES, played inside the farm's workers with their
-    own generators), "snap:<id>" (ladder/snapshots/<id>, acted here by policy_builder(id)), or an
-    id given to register() (the probe's learner@{step}). Everything in a GameResult except `wall`
-    is a pure function of the seed set, the ids, the comparison id and the policies: not of
-    battles_at_once, nor of `workers` (tests/test_ladder.py replays a comparison both ways).
+    Player ids: "scripted:<name>", "snap:<id>", or an id given to register() (see EvalPlayers).
+    Everything in a GameResult except `wall` is a pure function of the seed set, the ids, the
+    comparison id and the policies: not of battles_at_once, nor of `workers`
+    (tests/test_ladder.py replays a comparison both ways).
 
     battles_at_once: battles the evaluation farm plays at once. workers: its worker processes
     (rollout.eval_workers); <= 1 plays in this process (farm.InlineFarm), more spawns a
@@ -1446,16 +1654,14 @@ class EvalRunner:
             raise ValueError(f"battles_at_once={battles_at_once}: at least one battle")
         self.env_factory_spec = eval_env_spec(env)
         self.seeds, self.run_dir, self.run_id = seeds, run_dir, run_id
-        self.policy_builder, self.battles_at_once = policy_builder, battles_at_once
+        self.battles_at_once = battles_at_once
         self.workers = max(1, int(workers))
         self.iteration, self.clock = iteration, clock
         self.log = ResultLog(run_dir) if run_dir is not None else None
-        self.store = SnapshotStore(run_dir) if run_dir is not None else None
-        self.policies: dict[str, ActFn] = {}
+        self.players = EvalPlayers(SnapshotStore(run_dir) if run_dir is not None else None, policy_builder)
         self.envs: list[Any] = []          # the farm of the comparison being played; [] between
         self.obs_digest = self.context = ""
         self.closed = False
-        self.battles_played = 0
         self.comparison_prefix = ""        # prepended to default comparison ids: "gate/<candidate>/"
         self.seconds = 0.0
         self.farm_stats: dict[str, float] = {}     # the last comparison's farm.stats
@@ -1487,62 +1693,21 @@ class EvalRunner:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # -- players --
+    # -- players (EvalPlayers) --
+    @property
+    def policies(self) -> dict[str, ActFn]:
+        return self.players.policies
+
     def register(self, player_id: str, act: ActFn) -> None:
-        """An ad-hoc player (the probe's learner@{step}); never a scripted: or snap: id."""
-        if player_id.startswith(("scripted:", "snap:")):
-            raise ValueError(f"register({player_id!r}): scripted: and snap: ids are resolved, not registered")
-        self.policies[player_id] = act
+        self.players.register(player_id, act)
 
     def unregister(self, player_id: str) -> None:
-        self.policies.pop(player_id, None)
-
-    def _snapshot_spec(self, sid: str) -> SnapshotSpec:
-        if self.store is None:
-            raise ValueError(f"snap:{sid}: the runner has no run_dir, so no snapshot store to read it from")
-        return self.store.spec(sid)
+        self.players.unregister(player_id)
 
     def check_pair(self, a: str, b: str) -> None:
-        """Refuse a pairing the ladder could not interpret, naming the field and both values."""
-        specs = {p: self._snapshot_spec(p.removeprefix("snap:")) for p in (a, b) if p.startswith("snap:")}
-        for p, sp in specs.items():
-            if sp.frame_stack != 1:
-                raise SnapshotMismatch(
-                    f"{p}: frame_stack is {sp.frame_stack}; the evaluation runner hands a policy one "
-                    f"frame per decision, so a stacked network cannot be evaluated yet (frame_stack 1 only)")
-            if sp.obs_digest != self.obs_digest:
-                raise SnapshotMismatch(
-                    f"{p}: obs_digest is {sp.obs_digest} but the evaluation env's obs_digest is "
-                    f"{self.obs_digest}: the snapshot was trained on another observation; refused")
-        if len(specs) == 2:
-            sa, sb = specs[a], specs[b]
-            for field in PAIR_DIGEST_FIELDS:
-                va, vb = getattr(sa, field), getattr(sb, field)
-                if va != vb:
-                    raise SnapshotMismatch(
-                        f"pairing {a} vs {b} refused: {field} differs ({a} has {va}, {b} has {vb}); "
-                        f"a game between them would measure the {field.removesuffix('_digest')}, "
-                        f"not the policy")
+        self.players.check_pair(a, b, self.obs_digest)
 
-    def _policy(self, player: str) -> ActFn | None:
-        """The batched act of a non-scripted player (built once per runner), None for scripted."""
-        if player.startswith("scripted:"):
-            name = player.removeprefix("scripted:")
-            if name not in farm.SCRIPTED_NAMES:
-                raise ValueError(f"{player}: unknown scripted player; farm.SCRIPTED_NAMES = {farm.SCRIPTED_NAMES}")
-            return None
-        if player in self.policies:
-            return self.policies[player]
-        if player.startswith("snap:"):
-            if self.policy_builder is None:
-                raise ValueError(f"{player}: a snapshot needs a policy_builder (ppo_clash builds networks); "
-                                 f"the runner was given none")
-            self.policies[player] = self.policy_builder(player.removeprefix("snap:"))
-            return self.policies[player]
-        raise ValueError(f"player {player!r}: not scripted:<name>, snap:<id>, or a registered id "
-                         f"{sorted(self.policies)}")
-
-    # -- playing --
+    # -- playing: schedule, play, score --
     def play(self, a: str, b: str, n_battles: int, *, comparison_id: str | None = None,
              kind: str = "eval") -> list[GameResult]:
         """n_battles / 2 seeds of the frozen set (the FIRST ones), each from both sides; results
@@ -1557,7 +1722,7 @@ class EvalRunner:
         cid = comparison_id or f"{self.comparison_prefix}{a}/vs/{b}/n{n_battles}"
         indices = comparison_seed_indices(self.seeds, n_battles)
         self.check_pair(a, b)
-        acts = {p: self._policy(p) for p in (a, b)}
+        acts = {p: self.players.act(p) for p in (a, b)}
         order = [(s, side) for s in indices for side in SIDES]
         scores = self._run(order, a, b, acts, cid)
         wall = self.clock()
@@ -1566,27 +1731,29 @@ class EvalRunner:
                  for k, (s, side) in enumerate(order)]
         if self.log is not None:
             self.log.append(games)
-        self.battles_played += len(games)
         self.seconds += time.monotonic() - t0
         return games
 
     __call__ = play   # the WilsonGate's `play(a, b, n_battles)`
 
-    def _plan(self, order: list[tuple[int, str]], a: str, b: str, cid: str) -> list[farm.EvalEpisode]:
-        """Episode k of the comparison as data the farm's workers can read: the frozen seed s (the
-        same for both sides, so the pair starts from one position), who sits where, and each
-        seat's acting stream eval/match/{cid}/{s}/{side_a}/seat/{blue|red}."""
-        plan = []
-        for s, side_a in order:
-            players = (a, b) if side_a == "blue" else (b, a)
-            base = eval_match_path(cid, s, side_a)
-            plan.append(farm.EvalEpisode(
-                seed=int(self.seeds.seeds[s]), seed_path=f"eval/seed_set/{s}", players=players,
-                streams=(f"{base}/seat/blue", f"{base}/seat/red")))
-        return plan
+    def _run(self, order: list[tuple[int, str]], a: str, b: str, acts: dict[str, ActFn | None],
+             cid: str) -> list[float]:
+        """a's score in each episode of `order`, played on a farm built for this comparison and
+        closed after it, also on error (design 7.1)."""
+        plan = comparison_episodes(self.seeds, order, a, b, cid)
+        comparison = FarmComparison(self, plan, order, a, acts, cid)
+        f = self._build_farm(plan)
+        self.envs = [f]
+        try:
+            scores = comparison.play(f)
+            self.farm_stats, self.last_farm = comparison.farm_stats, type(f).__name__
+        finally:
+            f.close()
+            self.envs = []
+        return scores
 
     def _build_farm(self, plan: list[farm.EvalEpisode]) -> Any:
-        """The comparison's own farm (D10): InlineFarm for workers <= 1, else a ProcessFarm of
+        """The comparison's own farm: InlineFarm for workers <= 1, else a ProcessFarm of
         min(workers, battles) processes. Its geometry decides only which battle hosts which
         episode (farm section 6: per-shard queues), never what an episode plays."""
         n = min(self.battles_at_once, len(plan))
@@ -1599,106 +1766,11 @@ class EvalRunner:
             return farm.InlineFarm(cfg, self.table)
         return farm.ProcessFarm(cfg, self.table, None, env_spec=self.env_spec)
 
-    def _actions(self, f: Any, rnd: Any, plan: list[farm.EvalEpisode], acts: dict[str, ActFn | None],
-                 rngs: dict[tuple[int, int], np.random.Generator], steps: dict[int, int],
-                 cid: str) -> np.ndarray:
-        """This round's actions: every parent-acted seat (group -1) answered by its player, one
-        batched call per player (sorted ids, ascending slots), each seat drawing one uniform from
-        its own stream. Scripted and stopped seats are the worker's: 0 here."""
-        out = np.zeros(len(rnd.slots), np.int64)
-        eval_ix = f.eval_index
-        batched: dict[str, list[tuple[int, int, int]]] = {}     # player -> [(row in round, i, seat)]
-        for n_, r in enumerate(rnd.slots.tolist()):
-            i = int(eval_ix[r // 2])
-            if i < 0:
-                continue
-            if r % 2 == 0:
-                steps[i] = steps.get(i, 0) + 1
-                if steps[i] > self.max_decisions:
-                    raise RuntimeError(f"comparison {cid}: seed {plan[i].seed_path} battle {i} ran "
-                                       f"{steps[i] - 1} decisions, twice a full match; the engine "
-                                       f"did not end it")
-            if rnd.group[n_] == farm.GROUP_LEARNER:
-                batched.setdefault(plan[i].players[r % 2], []).append((n_, i, r % 2))
-        for player in sorted(batched):
-            entries = batched[player]
-            rows = np.array([n_ for n_, _, _ in entries])
-            obs = farm.unpack_numpy(self.table, f.rect[rnd.cycle + f.k - 1, rnd.slots[rows]],
-                                    self.statics, rnd.slots[rows] % 2, self.env_spec.obs_space)
-            u = np.empty(len(entries), np.float64)
-            for e, (_, i, seat) in enumerate(entries):
-                if (i, seat) not in rngs:
-                    rngs[(i, seat)] = derive_generator(self.seeds.master_seed, plan[i].streams[seat])
-                u[e] = rngs[(i, seat)].random()
-            actions = np.asarray(acts[player](obs, u)).reshape(-1)
-            if actions.shape != (len(entries),):
-                raise ValueError(f"{player}: act returned {actions.shape} actions for {len(entries)} seats")
-            legal = obs["action_mask"][np.arange(len(entries)), actions] != 0
-            if not legal.all():
-                e = int(np.flatnonzero(~legal)[0])
-                _, i, seat = entries[e]
-                raise ValueError(f"{player}: illegal action {int(actions[e])} at {plan[i].seed_path} "
-                                 f"seat {SIDES[seat]} (comparison battle {i}) decision "
-                                 f"{steps.get(i, 0) - 1}; a policy must mask before sampling")
-            out[rows] = actions
-        return out
-
-    def _run(self, order: list[tuple[int, str]], a: str, b: str, acts: dict[str, ActFn | None],
-             cid: str) -> list[float]:
-        plan = self._plan(order, a, b, cid)
-        scores: list[float | None] = [None] * len(order)
-        rngs: dict[tuple[int, int], np.random.Generator] = {}
-        steps: dict[int, int] = {}
-        f = self._build_farm(plan)
-        self.envs = [f]
-        t0, summed = time.perf_counter(), collections.Counter()
-        try:
-            it, left = 0, len(order)
-            while left:
-                if it:
-                    summed.update({k: f.stats[k] for k in EVAL_SUMMED_STATS})
-                f.begin_iteration(f.eval_slot_plan(it))
-                for c in range(f.T + 1):
-                    for _ in range(f.J):
-                        rnd = f.next_round()
-                        fails = f.drain_failures()
-                        if fails:
-                            x = fails[0]
-                            raise RuntimeError(f"comparison {cid}: evaluation worker {x.worker} failed "
-                                               f"({x.kind}) at cycle {x.cycle}:\n{x.message}")
-                        for rec in rnd.episodes:
-                            i = rec.eval_index
-                            if plan[i].players[rec.seat] != a:
-                                continue
-                            if rec.winner < 0 or rec.outcome not in WINNER_SCORE:
-                                raise RuntimeError(
-                                    f"comparison {cid}: seed {order[i][0]} side_a {order[i][1]} ended "
-                                    f"without a result (winner={rec.winner}, outcome={rec.outcome}); "
-                                    f"the evaluation env must end only by GameOverCondition")
-                            scores[i] = WINNER_SCORE[rec.outcome]
-                            left -= 1
-                        if not left:
-                            break
-                        if c < f.T:
-                            f.submit(self._actions(f, rnd, plan, acts, rngs, steps, cid), 1.0)
-                    if not left:
-                        break
-                it += 1
-            st = f.stats
-            summed.update({k: st[k] for k in EVAL_SUMMED_STATS})
-            self.farm_stats = {**st, **summed, "parent_wait_frac":
-                               summed["wait_ms"] / max((time.perf_counter() - t0) * 1e3, 1e-9)}
-            self.last_farm = type(f).__name__
-        finally:
-            f.close()
-            self.envs = []
-        return [float(x) for x in scores]
-
 
 def run_probe(runner: EvalRunner, learner_act: ActFn, env_steps: int, *,
               rungs: Sequence[str] = PROBE_RUNGS, probe_games: int = 40,
               resamples: int = 10_000) -> tuple[list[GameResult], dict[str, float | int]]:
-    """Spec 11.9: the live policy, named learner@{env_steps}, against each rung: probe_games
+    """Design 7.9: the live policy, named learner@{env_steps}, against each rung: probe_games
     battles per rung on the first probe_games / 2 frozen seeds, written kind="probe" (the fit
     never reads them), published through probe_metrics. The comparison id carries the step, so
     each probe draws its own action noise over the same start states. Returns the games and the
@@ -1789,7 +1861,7 @@ def write_eval_env(run_dir: str | Path, train: EnvFactorySpec) -> Path:
     """ladder/eval_env.json: the evaluation env of the run (the training env without truncation),
     written once at run start so `ladder.py eval|gate` play exactly what the run's gates play."""
     path = ladder_dir(run_dir) / "eval_env.json"
-    _write_atomic(path, _json_pretty(eval_env_spec(train)))
+    write_atomic(path, _json_pretty(eval_env_spec(train)))
     return path
 
 
@@ -1909,7 +1981,7 @@ def cmd_gate(args: Any) -> int:
     decision_path = ladder_dir(run) / "gates" / f"{_file_name(args.candidate)}.json"
     if decision_path.exists():
         raise CliError(f"{args.candidate} was already gated ({decision_path}); a candidate is evaluated "
-                       f"once and a failed one is discarded, not retried (spec 11.4)")
+                       f"once and a failed one is discarded, not retried (design 7.4)")
     members = list(pool.sampler) if pool is not None else []
     cfg = _gate_config(run)
     with _open_runner(args, (args.candidate, champion, *members)) as r:

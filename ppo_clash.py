@@ -1,57 +1,42 @@
-"""ppo_clash.py -- the learner: networks, the masked distribution, GAE, the PPO update, the
-run's arguments, its identity, its checkpoints and the training loop.
+"""ppo_clash.py -- the learner: self-play PPO on the farm's rectangle of experience, and the run
+it leaves on disk. The file to read to learn the method, and the file to fork for an ablation.
 
-Stage owned: everything after collection. farm.py fills the rectangle of T cycles x R slots
-(spec D1) with packed observation rows and scalar columns; this file turns those into a
-better policy, and writes what a run leaves on disk.
+Stage owned: everything after collection. farm.py fills a rectangle of T cycles x R slots with
+packed observation rows and scalar columns (design 1.1); this file turns it into a better policy,
+and ladder.py says, with an error bar, whether it is one.
 
     python ppo_clash.py --profile smoke            three tiny iterations, about ten seconds
     python ppo_clash.py --profile cpu              a 2-4 core machine without a GPU
     python ppo_clash.py --profile laptop           the default; wants CUDA
     python ppo_clash.py --resume runs/<dir> [--checkpoint DIR] [--allow-identity-drift]
 
-Reads:  the env's own spaces and layouts (through farm.preflight and NetGeometry, section 2);
-        codec.Obs minibatches; farm's name-addressed seeding; ladder's matchmaker, pool, gate,
-        rater, evaluation runner and probe (sections 12-13).
-Writes: <runs_dir>/<run_name>-<run_id>/ config.json (canonical JSON of the resolved Args),
-        identity.json, metrics.jsonl, episodes.jsonl, alarms.jsonl, bundles/<iteration>/ on a halt
-        (section 11), checkpoints/<env_steps:012d>/ (section 10):
-        safetensors for tensors, JSON for everything else, a manifest with a sha256 per file
-        (ladder/state.json in it: matchmaker, pool, ratings, resident table, cadence positions);
-        ladder/ (through ladder.py): eval_env.json, eval_seeds.json, snapshots/<sha16>/,
-        pool.json, gates/<candidate>.json, ratings.json, games.jsonl (eval, train, probe).
-        Nothing pickled.
+Reads:  the env's own spaces and layouts (farm.preflight, NetGeometry); codec.Obs minibatches;
+        farm's name-addressed seeding; ladder's matchmaker, pool, gate, rater and probe.
+Writes: <runs_dir>/<run_name>-<run_id>/: config.json, identity.json, metrics.jsonl (one row an
+        iteration), episodes.jsonl, alarms.jsonl, bundles/<iteration>/ on a halt,
+        checkpoints/<env_steps:012d>/ (safetensors and JSON with a sha256 manifest), and, through
+        ladder.py, ladder/ (eval seeds, snapshots, pool, gates, ratings, games.jsonl). Nothing
+        pickled. Section references ("design 6.3") are to docs/design.md.
 
-Spec sections implemented here (../shared/spec/harness-spec.txt):
-  5.1 determinism tier run_exact     5.3 run identity and run_id     5.4 resume (first cut)
-  6   arguments (tyro dataclasses, profiles)     8.1-8.4 networks, MaskedCategorical
-  9.3 GAE, 9.4 return scaler, 9.5 update, 9.6 ratio invariant     12 checkpoints
-  14.1 the loop's order and its invariants, as named exceptions   18.1 ppo.forced_rows
-  11   the ladder in the loop: v0 admitted free, matchmaker plans, pool seats acted here by
-       their snapshots, the gate every candidate_every_env_steps, floor admits, refits,
-       hall-of-fame eviction, the probe, kind="train" results, the ladder/* keys of 13.2
-  snapshot_policy_builder(run_dir, device) is what `python ladder.py eval|gate` plays snap: with.
-
-NOT yet here (issue 4): part of spec 13.2's metric list (per-card play frequency and heatmaps,
-rollout_legal_actions, reward_terms_step_abs/*, gpu_util_frac, the VRAM keys,
-rollout_capacity_ratio: with collection and update in series it reduces to t_update / t_collect,
-which says which side of this machine is slower, not whether the harness is the bottleneck), the
-alarms that read those keys (capacity_ratio, vram_spilling), artefact_exploit's dump of five
-winning traces, the bundle's replay trace (spec 13.4), the VRAM probe (7.7 step 12),
-frame liveness on the final-obs critic path when frame_stack > 1. The sentinel file is acted on
-at iteration boundaries, not once per round.
-
-Sections:
-  1. Seeding and small helpers          7. Iteration invariants (spec 14.1)
-  2. Geometry, read off the env         8. Arguments and profiles (spec 6, 2.2)
-  3. The masked distribution (8.3)      9. Run identity (spec 5.3)
-  4. Networks (8.1, 8.2, 8.4)          10. Checkpoints (spec 12)
-  5. GAE and reward scaling (9.3, 9.4) 11. Metrics schema and alarms (spec 13)
-  6. PPO update (spec 9.5, 9.6, 18.1)  12. Snapshots and the ladder's side of the loop (11)
-                                       13. The loop (spec 14.1, 7.5, 9.1, 5.4)
+How to read it. Sections 1-7 are the method and section 8 is the loop that runs it; a reader who
+stops after the loop has read the whole method. Sections 9-12 are the run's bookkeeping.
+  1. Arguments and profiles        what can be set, and the presets (start with Args)
+  2. Geometry, read off the env    every width the network needs, never a literal
+  3. The masked distribution       the one place a mask meets a logit
+  4. Networks                      two trunks, a pointer head, a value head
+  5. GAE and return scaling        advantages over the rectangle in one backward scan
+  6. The PPO update                minibatches, forced rows, the ratio invariant
+  7. Iteration invariants          what must hold before a batch is trained on
+  8. The loop                      train(): plan and collect -> critic pass -> advantages ->
+                                   update -> ladder step -> record
+  9. Run identity                  run_id, and why a resume may refuse
+ 10. Checkpoints                   atomic, hashed, resumable byte for byte
+ 11. Metrics, alarms and sinks     the row's schema, the alarm table, the console
+ 12. Snapshots and the ladder      the ladder's side of the loop
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import hashlib
@@ -60,6 +45,7 @@ import math
 import os
 import platform
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Sequence
@@ -73,805 +59,21 @@ import torch.nn.functional as F
 import codec
 import farm
 import ladder
-from farm import derive_generator, derive_int  # spec 5.2: one definition of the seeding rule
-
-# --- 1. Seeding and small helpers --------------------------------------------------------------
+from farm import derive_generator, derive_int  # design 2.2: one definition of the seeding rule
 
 
-def canonical_json(obj: Any) -> bytes:
-    """The hashed form of anything we record: msgspec JSON with sorted keys (spec 5.3)."""
-    return msgspec.json.encode(obj, order="deterministic")
-
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def torch_generator(master_seed: int, path: str, device: str = "cpu") -> torch.Generator:
-    """A torch generator seeded by name (spec 5.2), e.g. "torch/init". Never the global one."""
-    g = torch.Generator(device=device)
-    g.manual_seed(derive_int(master_seed, path))
-    return g
+# --- 1. Arguments and profiles (design 1.2, 1.3) ---------------------------------------------------
+# One tyro dataclass tree; each field's docstring is its --help and says why the default is what
+# it is. Defaults are the laptop column of design 1.2; the other profiles are functions that change
+# only numbers. `--profile` picks one, every field stays overridable, `--config run.json` loads
+# one, and a misspelt key or flag is refused naming the nearest valid one.
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run: names the field and the remedy."""
 
 
-# --- 2. Geometry, read off the env -------------------------------------------------------------
-# The network is built from this small description and from nothing else, so a plane added
-# upstream changes the stem's width without an edit here (spec 8.1: "never a literal").
-
-# The vector fields the pointer head reads, by the env's own names (DESIGN.md section 3: the
-# spec calls them hand_card_onehot / hand_cost / hand_affordable; RoyaleGym does not).
-HAND_CARDS, HAND_COST, HAND_AFFORDABLE = "own_hand_cards", "own_hand_cost", "own_hand_affordable"
-OWN_ELIXIR = "own_elixir"   # read for env/mean_elixir_at_decision only; a builder without it omits the key
-
-# Width of the per-tile card-identity embedding (spec 8.1): a module constant, not a config
-# field, so runs without card identity keep their arch_digest.
-CARD_ID_EMBED = 8
-
-
-class NetGeometry(msgspec.Struct, frozen=True):
-    """What the network needs to know about the env, every number read off its spaces."""
-
-    spatial_shape: tuple[int, int, int]          # (S, H, W) per frame
-    vector_layout: tuple[tuple[str, int], ...]   # (field, width) in order; sum = V
-    n_actions: int                               # A = 1 + P*H*W + NB
-    hand_size: int                               # P
-    tiles: tuple[int, int]                       # (H, W): the board the pointer head tiles
-    frame_stack: int = 1                         # k
-    mask_planes: bool = True                     # whether obs carries (k*P, H, W) mask planes
-    card_id_channels: int = 0                    # per frame, 0 without card identity
-    card_id_vocab: int = 0                       # the card_ids Box's high + 1
-
-    @property
-    def vector_size(self) -> int:
-        return sum(w for _, w in self.vector_layout)
-
-    @property
-    def n_buttons(self) -> int:
-        """Ability buttons after the grid (spec 8.1: A = G + NB). 0 on today's env."""
-        return self.n_actions - 1 - self.hand_size * self.tiles[0] * self.tiles[1]
-
-    def field(self, name: str) -> slice:
-        """The slice of the flat vector the env declared for `name`; raise naming it if absent."""
-        off = 0
-        for key, width in self.vector_layout:
-            if key == name:
-                return slice(off, off + width)
-            off += width
-        raise ConfigError(
-            f"the env's vector_layout has no field {name!r}, which the pointer head reads "
-            f"(fields: {[k for k, _ in self.vector_layout][:12]}...). The obs builder changed; "
-            f"update HAND_* in ppo_clash.py section 2 to its new names.")
-
-    def card_vocab(self) -> int:
-        """K: card ids including "empty", from the one-hot width of the hand field."""
-        width = self.field(HAND_CARDS).stop - self.field(HAND_CARDS).start
-        if width % self.hand_size:
-            raise ConfigError(f"{HAND_CARDS} is {width} wide, not a multiple of hand_size {self.hand_size}")
-        return width // self.hand_size
-
-
-def geometry_from_env(obs_space: Any, builder: Any, frame_stack: int = 1) -> NetGeometry:
-    """Read the geometry off a vec env's single_observation_space and its obs builder."""
-    sp = obs_space["spatial"].shape
-    A = int(obs_space["action_mask"].shape[0])
-    layout = tuple((f.key, int(f.size)) for f in builder.vector_layout())
-    V = int(obs_space["vector"].shape[0])
-    if sum(w for _, w in layout) != V:
-        raise ConfigError(f"vector_layout sums to {sum(w for _, w in layout)} but the obs space's vector is {V}")
-    has_planes = "mask_planes" in obs_space.spaces
-    if has_planes:
-        P = int(obs_space["mask_planes"].shape[0])
-    else:  # the hand's cost field has one entry per hand slot
-        P = dict(layout)[HAND_COST]
-    ids = obs_space.spaces.get("card_ids")
-    geo = NetGeometry(
-        spatial_shape=(int(sp[0]), int(sp[1]), int(sp[2])), vector_layout=layout, n_actions=A,
-        hand_size=P, tiles=(int(sp[1]), int(sp[2])), frame_stack=int(frame_stack),
-        mask_planes=has_planes,
-        card_id_channels=0 if ids is None else int(ids.shape[0]),
-        card_id_vocab=0 if ids is None else int(np.max(ids.high)) + 1)
-    if geo.n_buttons < 0:
-        raise ConfigError(f"action space {A} is smaller than 1 + hand*tiles = {1 + P * sp[1] * sp[2]}")
-    for name in (HAND_CARDS, HAND_COST, HAND_AFFORDABLE):
-        geo.field(name)  # fail now, naming the field, not halfway through a run (spec 8.1)
-    return geo
-
-
-# --- 3. The masked distribution (spec 8.3) -----------------------------------------------------
-# The only place a mask meets a logit. Mask BEFORE the softmax with finfo.min (never -inf, whose
-# 0 * -inf is NaN in the entropy); logits are float32 so the masking and log_softmax are exact.
-
-
-class MaskedCategorical:
-    def __init__(self, logits: torch.Tensor, mask: torch.Tensor, check_noop: bool = True) -> None:
-        if logits.dtype != torch.float32:
-            raise TypeError(f"MaskedCategorical needs float32 logits (spec 8.2), got {logits.dtype}")
-        if mask.dtype != torch.bool or mask.shape != logits.shape:
-            raise TypeError(f"mask must be bool of shape {tuple(logits.shape)}, got {mask.dtype} {tuple(mask.shape)}")
-        if check_noop and not bool(mask[:, 0].all()):
-            rows = torch.nonzero(~mask[:, 0]).flatten()[:16].tolist()
-            raise ValueError(f"mask[NOOP] must be True (royalegym action.py sets it always); rows {rows} have it clear")
-        self.mask = mask
-        self.logp = torch.log_softmax(logits.masked_fill(~mask, torch.finfo(torch.float32).min), -1)
-
-    def sample(self, u: torch.Tensor) -> torch.Tensor:
-        """Inverse CDF on caller-supplied uniforms (B,): a sampled action is a pure function of
-        (master_seed, iteration, cycle, slot), independent of batch composition (D8). With
-        right=True an illegal action's zero-width interval can never be selected."""
-        cdf = self.logp.exp().cumsum(-1)
-        cdf = cdf / cdf[..., -1:].clamp_min(1e-30)
-        idx = torch.searchsorted(cdf, u.to(cdf.dtype).unsqueeze(-1).clamp(0.0, 1.0 - 1e-7), right=True)
-        return idx.squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
-
-    def mode(self) -> torch.Tensor:
-        return self.logp.argmax(-1)  # of the masked, normalised log-probs: never illegal
-
-    def log_prob(self, a: torch.Tensor) -> torch.Tensor:
-        return self.logp.gather(-1, a.long().unsqueeze(-1)).squeeze(-1)
-
-    def entropy(self) -> torch.Tensor:
-        p = self.logp.exp()
-        return -(p * torch.where(self.mask, self.logp, torch.zeros_like(self.logp))).sum(-1)
-
-    def noop_entropy(self) -> torch.Tensor:
-        """Binary entropy of play vs wait, bounded by ln 2 = 0.693 nats."""
-        p = self.logp[:, 0].exp().clamp(1e-7, 1 - 1e-7)
-        return -(p * p.log() + (1 - p) * (1 - p).log())
-
-    def n_legal(self) -> torch.Tensor:
-        return self.mask.sum(-1)
-
-
-# --- 4. Networks (spec 8.1, 8.2, 8.4) ----------------------------------------------------------
-# Two trunks of identical shape (actor, critic), separate weights by default, so "the mask and
-# the entropy bonus never touch the critic" is structural rather than a discipline.
-# GroupNorm, never BatchNorm: BatchNorm is a different function at rollout (small batch) than at
-# update, which would break the stored-log-prob contract (spec 8.2).
-
-
-def _conv_gn(cin: int, cout: int, groups: int) -> list[nn.Module]:
-    return [nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(groups, cout)]
-
-
-class ResBlock(nn.Module):
-    def __init__(self, c: int, groups: int) -> None:
-        super().__init__()
-        self.a = nn.Sequential(*_conv_gn(c, c, groups), nn.ReLU(), *_conv_gn(c, c, groups))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(x + self.a(x))
-
-
-def legal_frac(mask: torch.Tensor, geo: NetGeometry) -> torch.Tensor:
-    """(B, P): the mean of each hand slot's slice of the mask; the critic's view of legality."""
-    H, W = geo.tiles
-    P = geo.hand_size
-    return mask[:, 1:1 + P * H * W].reshape(-1, P, H * W).float().mean(-1)
-
-
-class Trunk(nn.Module):
-    """cat[spatial, mask_planes, coords, broadcast vector embedding, card-id embedding]
-    -> Conv3x3 GN ReLU -> N residual blocks  ->  (B, C, H, W)."""
-
-    def __init__(self, geo: NetGeometry, net: "NetArgs") -> None:
-        super().__init__()
-        S, H, W = geo.spatial_shape
-        k, P, NB = geo.frame_stack, geo.hand_size, geo.n_buttons
-        self.geo, self.coord_conv = geo, net.coord_conv
-        self.vemb = nn.Linear(geo.vector_size + NB, net.vector_embed)
-        in_ch = k * (S + P) + (2 if net.coord_conv else 0) + net.vector_embed
-        if geo.card_id_channels:
-            self.card_ids = nn.Embedding(geo.card_id_vocab, CARD_ID_EMBED, padding_idx=0)
-            in_ch += k * geo.card_id_channels * CARD_ID_EMBED
-        ys = torch.linspace(0.0, 1.0, H).view(H, 1).expand(H, W)
-        xs = torch.linspace(0.0, 1.0, W).view(1, W).expand(H, W)
-        self.register_buffer("coords", torch.stack([ys, xs]), persistent=False)
-        self.stem = nn.Sequential(*_conv_gn(in_ch, net.channels, net.norm_groups), nn.ReLU())
-        self.body = nn.Sequential(*[ResBlock(net.channels, net.norm_groups) for _ in range(net.blocks)])
-        self.in_channels = in_ch
-
-    def forward(self, obs: Any) -> torch.Tensor:
-        geo = self.geo
-        B = obs.vector.shape[0]
-        H, W = geo.tiles
-        G = 1 + geo.hand_size * H * W
-        planes = obs.mask_planes
-        if planes is None:  # derived from the mask: a reshape of bytes the row already carries
-            if geo.frame_stack != 1:
-                raise ValueError("frame_stack > 1 needs stacked mask_planes from codec.unpack; got None")
-            planes = obs.mask[:, 1:G].reshape(B, geo.hand_size, H, W).float()
-        vin = obs.vector
-        if geo.n_buttons:  # the ability buttons' readiness rides with the vector (spec 8.1)
-            vin = torch.cat([vin, obs.mask[:, G:G + geo.n_buttons].to(vin.dtype)], -1)
-        v = self.vemb(vin)
-        parts = [obs.spatial, planes.to(obs.spatial.dtype)]
-        if self.coord_conv:
-            parts.append(self.coords.to(obs.spatial.dtype).unsqueeze(0).expand(B, -1, -1, -1))
-        parts.append(v.view(B, -1, 1, 1).expand(-1, -1, H, W).to(obs.spatial.dtype))
-        if geo.card_id_channels:
-            e = self.card_ids(obs.card_ids)                      # (B, k*c, H, W, 8)
-            parts.append(e.permute(0, 1, 4, 2, 3).reshape(B, -1, H, W).to(obs.spatial.dtype))
-        return self.body(self.stem(torch.cat(parts, 1)))
-
-
-class PointerHead(nn.Module):
-    """logits = [noop, (P, H, W) tiles, buttons]: a card-conditioned inner product with every
-    tile (spec 8.1). The head's shape is royalegym's encode(slot, x, y) = 1 + slot*H*W + y*W + x."""
-
-    def __init__(self, geo: NetGeometry, net: "NetArgs") -> None:
-        super().__init__()
-        C = net.channels
-        self.geo = geo
-        self.cards_at, self.cost_at, self.afford_at = geo.field(HAND_CARDS), geo.field(HAND_COST), geo.field(HAND_AFFORDABLE)
-        self.K = geo.card_vocab()
-        self.fp = nn.Sequential(*_conv_gn(C, C, net.norm_groups), nn.ReLU())
-        self.card = nn.Embedding(self.K, C)
-        self.q = nn.Linear(C + 2, C)
-        self.qb = nn.Linear(C + 2, 1)
-        self.noop = nn.Linear(2 * C, 1)
-        self.buttons = nn.Linear(2 * C, geo.n_buttons) if geo.n_buttons else None
-        self.scale = C ** -0.5          # logit_scale "rsqrt_c"
-        self.noop_bias = float(net.noop_bias)
-
-    def forward(self, x: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
-        B, P = x.shape[0], self.geo.hand_size
-        fp = self.fp(x)
-        card_id = vector[:, self.cards_at].reshape(B, P, self.K).argmax(-1)
-        q_in = torch.cat([self.card(card_id), vector[:, self.cost_at, None], vector[:, self.afford_at, None]], -1).to(fp.dtype)
-        tiles = torch.einsum("bcyx,bkc->bkyx", fp, self.q(q_in)) * self.scale + self.qb(q_in)[..., None]
-        pooled = torch.cat([fp.mean((2, 3)), fp.amax((2, 3))], 1)
-        parts = [self.noop(pooled).float() + self.noop_bias, tiles.reshape(B, -1).float()]
-        if self.buttons is not None:
-            parts.append(self.buttons(pooled).float())
-        return torch.cat(parts, -1)  # float32 always (spec 8.2)
-
-
-class ValueHead(nn.Module):
-    def __init__(self, geo: NetGeometry, net: "NetArgs") -> None:
-        super().__init__()
-        C = net.channels
-        self.geo = geo
-        self.vfeat = nn.Linear(geo.vector_size, net.vector_embed)
-        self.mlp = nn.Sequential(nn.Linear(2 * C + net.vector_embed + geo.hand_size, net.value_hidden), nn.ReLU(),
-                                 nn.Linear(net.value_hidden, 1))
-
-    def forward(self, x: torch.Tensor, obs: Any) -> torch.Tensor:
-        pooled = torch.cat([x.mean((2, 3)), x.amax((2, 3))], 1)
-        feat = torch.cat([pooled, self.vfeat(obs.vector).to(pooled.dtype), legal_frac(obs.mask, self.geo).to(pooled.dtype)], 1)
-        return self.mlp(feat).squeeze(-1).float()
-
-
-class ActorCritic(nn.Module):
-    def __init__(self, geo: NetGeometry, net: "NetArgs", master_seed: int) -> None:
-        super().__init__()
-        if net.channels % net.norm_groups:
-            raise ConfigError(f"net.channels {net.channels} is not divisible by net.norm_groups {net.norm_groups}")
-        self.geo, self.net = geo, net
-        self.actor_trunk = Trunk(geo, net)
-        self.critic_trunk = Trunk(geo, net) if net.separate_trunks else None
-        self.policy = PointerHead(geo, net)
-        self.value_head = ValueHead(geo, net)
-        self.autocast = net.autocast_dtype
-        init_weights(self, torch_generator(master_seed, "torch/init"))
-
-    def actor_parameters(self) -> list[nn.Parameter]:
-        return list(self.actor_trunk.parameters()) + list(self.policy.parameters())
-
-    def critic_parameters(self) -> list[nn.Parameter]:
-        """Disjoint from actor_parameters. Under a shared trunk the trunk is the actor's (its
-        value gradient still reaches it through the one backward)."""
-        trunk = list(self.critic_trunk.parameters()) if self.critic_trunk is not None else []
-        return trunk + list(self.value_head.parameters())
-
-    def _ctx(self, device_type: str):
-        on = self.autocast == "bfloat16"
-        return torch.autocast(device_type, dtype=torch.bfloat16, enabled=on)
-
-    def logits(self, obs: Any) -> torch.Tensor:
-        with self._ctx(obs.vector.device.type):
-            return self.policy(self.actor_trunk(obs), obs.vector).float()
-
-    def value(self, obs: Any) -> torch.Tensor:
-        with self._ctx(obs.vector.device.type):
-            trunk = self.critic_trunk if self.critic_trunk is not None else self.actor_trunk
-            return self.value_head(trunk(obs), obs).float()
-
-    def dist(self, obs: Any, check_noop: bool = True) -> MaskedCategorical:
-        return MaskedCategorical(self.logits(obs), obs.mask, check_noop=check_noop)
-
-    @torch.no_grad()
-    def act(self, obs: Any, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rollout inference: actions from the caller's uniforms, and their log-probs to store."""
-        a, lp, _ = self.act_and_hold(obs, u)
-        return a, lp
-
-    @torch.no_grad()
-    def act_and_hold(self, obs: Any, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """act, plus each row's p(no-op): the rollout's own hold probability (spec 13.2's
-        policy/rollout_hold_*, measured on the policy that chose, not the one the update moved)."""
-        d = self.dist(obs)
-        a = d.sample(u)
-        return a, d.log_prob(a), d.logp[:, 0].exp()
-
-
-def init_weights(model: ActorCritic, gen: torch.Generator) -> None:
-    """Spec 8.4: orthogonal, gain sqrt(2) on hidden convs/linears, 0.01 on the pointer head's
-    q, qb, no-op (and button) linears, 1.0 on the value head's last linear, zero biases,
-    embeddings N(0, 0.02). Every draw from the torch/init generator: weights = f(master_seed)."""
-    small = {id(model.policy.q), id(model.policy.qb), id(model.policy.noop)}
-    if model.policy.buttons is not None:
-        small.add(id(model.policy.buttons))
-    last_value = model.value_head.mlp[-1]
-    for m in model.modules():
-        if isinstance(m, (nn.Conv2d, nn.Linear)):
-            gain = 0.01 if id(m) in small else 1.0 if m is last_value else math.sqrt(2.0)
-            nn.init.orthogonal_(m.weight, gain=gain, generator=gen)
-            nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, 0.0, 0.02, generator=gen)
-            if m.padding_idx is not None:
-                with torch.no_grad():
-                    m.weight[m.padding_idx].zero_()
-
-
-def arch_description(geo: NetGeometry, net: "NetArgs") -> dict[str, Any]:
-    """What arch_digest covers: every shape-determining number and the forward's constants."""
-    d = {"geometry": msgspec.to_builtins(geo), "head": "pointer", "trunk": "Trunk/ResBlock/GroupNorm",
-         "channels": net.channels, "blocks": net.blocks, "norm_groups": net.norm_groups,
-         "vector_embed": net.vector_embed, "value_hidden": net.value_hidden, "coord_conv": net.coord_conv,
-         "separate_trunks": net.separate_trunks, "logit_scale": "rsqrt_c", "noop_bias": float(net.noop_bias)}
-    if geo.card_id_channels:
-        d["card_id_embed"] = CARD_ID_EMBED
-    return d
-
-
-def arch_digest(geo: NetGeometry, net: "NetArgs") -> str:
-    return sha256_hex(canonical_json(arch_description(geo, net)))
-
-
-class ArchMismatch(ValueError):
-    """A load whose saved architecture differs from the model's, named field by field."""
-
-
-def check_arch(saved: dict[str, Any], model: ActorCritic, what: str) -> None:
-    want = arch_description(model.geo, model.net)
-    if sha256_hex(canonical_json(saved)) == sha256_hex(canonical_json(want)):
-        return
-    diffs = []
-    for key in sorted(set(saved) | set(want)):
-        if saved.get(key) != want.get(key):
-            if key == "geometry" and isinstance(saved.get(key), dict):
-                sub = [f"geometry.{g}" for g in sorted(set(saved[key]) | set(want[key])) if saved[key].get(g) != want[key].get(g)]
-                diffs += sub
-            else:
-                diffs.append(f"{key}: saved {saved.get(key)!r} vs model {want.get(key)!r}")
-    raise ArchMismatch(f"{what} was written by a different architecture (arch_digest differs): {'; '.join(diffs)}. "
-                       f"Build the network with the saved config, or start a new run.")
-
-
-# --- 5. GAE and reward scaling (spec 9.3, 9.4) -------------------------------------------------
-
-
-def gae(rewards: torch.Tensor, values: torch.Tensor, final_values: torch.Tensor, terminated: torch.Tensor,
-        truncated: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Vectorised over slots: one backward loop of T steps over (R,) vectors.
-
-    rewards, final_values, terminated, truncated: (T, R); values: (T+1, R), row T the bootstrap.
-    A terminated cell bootstraps from 0, a truncated one from final_value (the critic on
-    final_obs), any other cell from values[t+1] -- the true next observation, because SAME_STEP
-    autoreset only replaces a row whose episode ended. ~ended breaks the recursion at every end,
-    terminated or truncated (terminated alone would leak the next episode's advantage back
-    across a truncation). Returns (advantages, returns), both (T, R)."""
-    T = rewards.shape[0]
-    ended = terminated | truncated
-    zeros = torch.zeros_like(final_values)
-    boot = torch.where(terminated, zeros, torch.where(truncated, final_values, values[1:]))
-    adv = torch.zeros_like(rewards[0])
-    out = torch.empty_like(rewards)
-    for t in reversed(range(T)):
-        delta = rewards[t] + gamma * boot[t] - values[t]
-        adv = delta + gamma * lam * (~ended[t]).to(rewards.dtype) * adv
-        out[t] = adv
-    return out, out + values[:T]
-
-
-def reference_gae(rewards: Sequence[Sequence[float]], values: Sequence[Sequence[float]],
-                  final_values: Sequence[Sequence[float]], terminated: Sequence[Sequence[bool]],
-                  truncated: Sequence[Sequence[bool]], gamma: float, lam: float) -> tuple[list[list[float]], list[list[float]]]:
-    """The per-slot pure-python reading of the same rule, one episode segment at a time; the
-    test holds `gae` to it. Indexing is [t][r] like the vectorised form."""
-    T, R = len(rewards), len(rewards[0])
-    adv = [[0.0] * R for _ in range(T)]
-    for r in range(R):
-        running = 0.0
-        for t in range(T - 1, -1, -1):
-            if terminated[t][r]:
-                nxt, cont = 0.0, 0.0
-            elif truncated[t][r]:
-                nxt, cont = final_values[t][r], 0.0
-            else:
-                nxt, cont = values[t + 1][r], 1.0
-            delta = rewards[t][r] + gamma * nxt - values[t][r]
-            running = delta + gamma * lam * cont * running
-            adv[t][r] = running
-    ret = [[adv[t][r] + values[t][r] for r in range(R)] for t in range(T)]
-    return adv, ret
-
-
-def discounted_return_per_episode(rewards: np.ndarray, ended: np.ndarray, gamma: float) -> np.ndarray:
-    """(T, R) return-to-go of the raw rewards, G_t = r_t + gamma * G_{t+1}, cut at each episode
-    end (the discount_cumsum of the references), within this iteration: an episode still running
-    at cycle T contributes its partial sum, with no bootstrap, since this only sets a scale.
-    Backward and not the forward running sum: with the potential reward the forward sum is the
-    shaping's small drift plus, once per episode, the terminal +-1, so its std sits near 0.05 and
-    a terminal reward divided by it passed reward_clip = 10 on 0.1-0.5% of cells every iteration
-    [M: --profile cpu, iterations 1-10: 0.0015-0.0048]; the return-to-go carries the terminal
-    reward back over the whole episode, which is the magnitude the scale is meant to measure
-    [M: the same profile and seed, iterations 1-3 after the change: exactly 0.0]."""
-    out = np.empty_like(rewards, dtype=np.float64)
-    run = np.zeros(rewards.shape[1], dtype=np.float64)
-    for t in range(rewards.shape[0] - 1, -1, -1):
-        run = rewards[t] + gamma * np.where(ended[t], 0.0, run)
-        out[t] = run
-    return out
-
-
-class WelfordReturnScaler:
-    """Divide rewards by the running std of raw discounted returns (n-1 variance), then clip.
-    The mean is never subtracted: that would change the sign structure of a zero-sum reward.
-    The (mean, count, m2) triple is checkpointed (spec 9.4)."""
-
-    def __init__(self, standardize: bool = True, reward_clip: float = 10.0) -> None:
-        self.standardize, self.reward_clip = standardize, reward_clip
-        self.mean, self.count, self.m2 = 0.0, 0, 0.0
-
-    def update(self, x: np.ndarray) -> None:
-        """Chan et al.'s parallel merge of a batch into the running triple, in float64."""
-        x = np.asarray(x, dtype=np.float64).ravel()
-        if x.size == 0:
-            return
-        n_b, mean_b = x.size, float(x.mean())
-        m2_b = float(((x - mean_b) ** 2).sum())
-        n = self.count + n_b
-        delta = mean_b - self.mean
-        self.mean += delta * n_b / n
-        self.m2 += m2_b + delta * delta * self.count * n_b / n
-        self.count = n
-
-    @property
-    def std(self) -> float:
-        return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 1.0
-
-    def scale(self, rewards: np.ndarray) -> tuple[np.ndarray, float]:
-        """(scaled and clipped rewards, fraction of cells clipped)."""
-        s = self.std if (self.standardize and self.count > 1) else 1.0
-        scaled = np.asarray(rewards, dtype=np.float64) / max(s, 1e-8)
-        clipped = np.clip(scaled, -self.reward_clip, self.reward_clip)
-        return clipped.astype(np.float32), float((clipped != scaled).mean()) if scaled.size else 0.0
-
-    def state(self) -> dict[str, Any]:
-        return {"mean": self.mean, "count": self.count, "m2": self.m2}
-
-    def load_state(self, d: dict[str, Any]) -> None:
-        self.mean, self.count, self.m2 = float(d["mean"]), int(d["count"]), float(d["m2"])
-
-
-def standardize_advantages(adv: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
-    """Once per iteration, over the cells that reach the update (spec 9.5). Under
-    critic_only_choice_mean `cells` is the trainable valid CHOICE cells (spec 18.1)."""
-    a = adv[cells]
-    return (adv - a.mean()) / (a.std() + 1e-8)
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
-    var = float(returns.var()) if returns.numel() > 1 else 0.0
-    return 1.0 - float((returns - values).var()) / max(var, 1e-8) if returns.numel() > 1 else float("nan")
-
-
-def credit_horizon_seconds(decision_ms: int, gamma: float, lam: float) -> float:
-    return decision_ms / 1000.0 / (1.0 - gamma * lam)
-
-
-# --- 6. The PPO update (spec 9.5, 9.6, 18.1) ---------------------------------------------------
-# The update reads its samples through a two-method seam, UpdateData (n, n_legal, gather(idx)),
-# so the rectangle buffer and the tests feed it the same way. Minibatches never drop a sample:
-# the last batch is smaller and weighted by its true size, and gradients accumulate as sums
-# divided by the BATCH's count with one optimizer step per batch, which makes minibatch_size a
-# pure memory knob (a test holds the accumulated gradient to the full-batch one).
-
-FORCED_ROWS = ("all", "critic_only", "critic_only_choice_mean")
-
-
-class Minibatch(NamedTuple):
-    obs: Any                 # codec.Obs on the device
-    action: torch.Tensor     # (n,) int64
-    log_prob: torch.Tensor   # (n,) float32, stored at rollout
-    adv: torch.Tensor        # (n,) float32, standardised once per iteration
-    ret: torch.Tensor        # (n,) float32
-    n_legal: torch.Tensor    # (n,) int64: the stored mask-count column (spec 18.1)
-
-
-def obs_rows(obs: Any, sel: torch.Tensor) -> Any:
-    """Rows `sel` of a codec.Obs (a NamedTuple; None fields stay None)."""
-    return type(obs)._make(None if x is None else x[sel] for x in obs)
-
-
-class TensorData:
-    """UpdateData held in device tensors: what the tests use, and a small run can. `labels`
-    names each sample (e.g. "cycle 12 slot 3") for the ratio invariant's message."""
-
-    def __init__(self, obs: Any, action: torch.Tensor, log_prob: torch.Tensor, adv: torch.Tensor,
-                 ret: torch.Tensor, n_legal: torch.Tensor | None = None, labels: Sequence[str] | None = None) -> None:
-        self.obs, self.action, self.log_prob, self.adv, self.ret = obs, action.long(), log_prob.float(), adv.float(), ret.float()
-        nl = obs.mask.sum(-1) if n_legal is None else n_legal
-        self.n_legal_t = nl.long()
-        self.n_legal = self.n_legal_t.cpu().numpy()
-        self.n = int(action.shape[0])
-        self.labels = list(labels) if labels is not None else [f"sample {i}" for i in range(self.n)]
-
-    def gather(self, idx: np.ndarray) -> Minibatch:
-        i = torch.as_tensor(idx, dtype=torch.long, device=self.action.device)
-        return Minibatch(obs_rows(self.obs, i), self.action[i], self.log_prob[i], self.adv[i], self.ret[i], self.n_legal_t[i])
-
-    def label(self, idx: Sequence[int]) -> list[str]:
-        return [self.labels[int(i)] for i in idx]
-
-
-def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_range: float, dual_clip_c: float) -> torch.Tensor:
-    """Per-sample PPO objective L_i (to be maximised). For A < 0 the plain min does not bound
-    the loss below, and in a masked space of thousands of actions a rarely sampled action's ratio can be
-    enormous, so the dual clip floors it at c * A (spec 9.5)."""
-    surr = torch.min(ratio * adv, ratio.clamp(1 - clip_range, 1 + clip_range) * adv)
-    return torch.where(adv < 0, torch.max(surr, dual_clip_c * adv), surr)
-
-
-class RatioInvariantError(AssertionError):
-    """Spec 9.6 / D5: at epoch 0, minibatch 0, before any step, every ratio must be 1."""
-
-
-class StoredActionIllegal(AssertionError):
-    """A stored action is not legal under its stored mask (spec 8.3's first assert)."""
-
-
-class NonFiniteLogProb(AssertionError):
-    """A stored or recomputed log-prob is not finite (spec 8.3's second assert)."""
-
-
-class MaskCountMismatch(AssertionError):
-    """The stored n_legal column disagrees with the minibatch's unpacked mask (spec 18.1)."""
-
-
-class NonFiniteGradient(FloatingPointError):
-    """A loss or gradient went non-finite; the step is refused so the weights stay intact."""
-
-
-class _Acc:
-    """Diagnostics accumulated as device tensors under no_grad; read back once at the end
-    (a per-minibatch .item() would put a device sync between every backward and forward)."""
-
-    def __init__(self, n_epochs: int) -> None:
-        self.s: dict[str, torch.Tensor | float] = {}
-        self.epoch_kl = [0.0] * n_epochs
-        self.epoch_clip = [0.0] * n_epochs
-        self.epoch_n = [0.0] * n_epochs
-        self.ratio_dev = 0.0
-        self.grad_norm_actor: list[torch.Tensor] = []
-        self.grad_norm_critic: list[torch.Tensor] = []
-        self.actor_rows = 0
-        self.actor_forwards = 0
-        self.rows = 0
-        self.choice_rows = 0
-
-    def add(self, key: str, v: torch.Tensor | float) -> None:
-        self.s[key] = self.s.get(key, 0.0) + v
-
-
-def ratio_invariant(ac: ActorCritic, data: Any, perm0: np.ndarray, minibatch_size: int, check: bool,
-                    atol: float, outliers: list[dict[str, Any]] | None = None) -> float:
-    """Spec 9.6 / D5, measured before any optimizer step: on the first minibatch_size CHOICE rows
-    of epoch 0's permutation (a forced row's ratio is exactly 1 and says nothing), every ratio
-    must be 1 to atol. Measured in its own no-grad forward rather than inside the first batch:
-    under critic_only a first batch can hold no choice row, and by the time a later batch's actor
-    runs Adam's momentum has already moved it [M: 3.5e-4 on the smoke profile's iteration 2].
-    `outliers`, when given, is filled with the ten worst samples (spec 13.4's bundle), worst first:
-    their label, (cycle, slot) where the data is a rectangle (RectData), ratio and |ratio - 1|."""
-    first = perm0[data.n_legal[perm0] > 1][:minibatch_size]
-    if first.size == 0:
-        return 0.0
-    idx = np.sort(first)
-    m = data.gather(idx)
-    with torch.no_grad():
-        ratio = torch.exp(ac.dist(m.obs, check_noop=False).log_prob(m.action) - m.log_prob)
-        dev = (ratio - 1).abs()
-    worst = float(dev.max())
-    if outliers is not None:
-        top = torch.argsort(dev, descending=True, stable=True)[:10].cpu().numpy()
-        for j, lab in zip(top, data.label(idx[top])):
-            o: dict[str, Any] = {"sample": lab, "ratio": float(ratio[j]), "abs_dev": float(dev[j])}
-            if hasattr(data, "t") and hasattr(data, "r"):
-                o["cycle"], o["slot"] = int(data.t[idx[j]]), int(data.r[idx[j]])
-            outliers.append(o)
-    if check and not worst <= atol:
-        rows = idx[torch.argsort(dev, descending=True)[:10].cpu().numpy()]
-        raise RatioInvariantError(
-            f"ratio invariant broken: max |ratio - 1| = {worst:.3g} > ratio_atol {atol:g} on the first "
-            f"minibatch of choice rows, before any step. Worst samples: {data.label(rows)}. Check, in "
-            f"order: (1) the rollout and update masks agree, (2) the codec table is the one the rows "
-            f"were packed with, (3) the weights that acted are the weights being updated (D5, spec 9.6).")
-    return worst
-
-
-def accumulate_batch(ac: ActorCritic, data: Any, bidx: np.ndarray, ppo: "PPOArgs", ent_coef: float,
-                     ent_coef_noop: float, acc: _Acc, epoch: int = 0, debug: bool = True) -> None:
-    """Forward and backward one batch, minibatch by minibatch; leaves the summed gradient in
-    .grad. Under critic_only* the batch's cells are stably partitioned choice rows first, so the
-    actor runs on whole minibatches of choice rows; the critic always runs on every row at
-    weight 1/N. The actor's three terms are sums over its rows divided by N (all, critic_only)
-    or by the batch's choice count (critic_only_choice_mean) -- spec 18.1's table."""
-    mode = ppo.forced_rows
-    N = int(len(bidx))
-    nl = data.n_legal[bidx]
-    choice = nl > 1
-    order = bidx if mode == "all" else np.concatenate([bidx[choice], bidx[~choice]])
-    n_choice = int(choice.sum())
-    d_pol = max(n_choice, 1) if mode == "critic_only_choice_mean" else N
-    acc.rows += N
-    acc.choice_rows += n_choice
-    for s in range(0, N, ppo.minibatch_size):
-        # sorted inside the minibatch (locality for the buffer's gather; a sum does not care), so
-        # data.gather returns rows in idx's order and labels line up with rows
-        idx = np.sort(order[s:s + ppo.minibatch_size])
-        m = data.gather(idx)
-        if debug:
-            _debug_checks(m, data, idx)
-        values = ac.value(m.obs)
-        sq = (values - m.ret) ** 2
-        loss = ppo.vf_coef * sq.sum() / N
-        sel = torch.ones_like(m.n_legal, dtype=torch.bool) if mode == "all" else m.n_legal > 1
-        n_actor = len(idx) if mode == "all" else int((data.n_legal[idx] > 1).sum())
-        with torch.no_grad():
-            acc.add("value_sq", sq.sum())
-        if n_actor:
-            obs_a = m.obs if mode == "all" else obs_rows(m.obs, sel)
-            a, old, adv, nla = (m.action, m.log_prob, m.adv, m.n_legal) if mode == "all" else \
-                (m.action[sel], m.log_prob[sel], m.adv[sel], m.n_legal[sel])
-            dist = ac.dist(obs_a, check_noop=debug)
-            logp = dist.log_prob(a)
-            ratio = torch.exp(logp - old)
-            obj = clipped_surrogate(ratio, adv, ppo.clip_range, ppo.dual_clip_c)
-            ent, ent2 = dist.entropy(), dist.noop_entropy()
-            loss = loss + (-obj.sum() - ent_coef * ent.sum() - ent_coef_noop * ent2.sum()) / d_pol
-            acc.actor_rows += n_actor
-            acc.actor_forwards += 1
-            with torch.no_grad():
-                lr = torch.log(ratio)
-                ch = nla > 1
-                chf = ch.to(torch.float32)
-                surr = torch.min(ratio * adv, ratio.clamp(1 - ppo.clip_range, 1 + ppo.clip_range) * adv)
-                kl = (((ratio - 1) - lr) * chf).sum()
-                clip = (((ratio - 1).abs() > ppo.clip_range) & ch).to(torch.float32).sum()
-                acc.add("kl", kl)
-                acc.add("clip", clip)
-                acc.add("dual", ((adv < 0) & (ppo.dual_clip_c * adv > surr) & ch).to(torch.float32).sum())
-                acc.add("entropy", (ent * chf).sum())
-                acc.add("entropy_norm", (ent / torch.log(nla.clamp_min(2).to(torch.float32)) * chf).sum())
-                acc.add("noop_entropy", (ent2 * chf).sum())
-                acc.add("policy_obj_choice", (obj * chf).sum())
-                acc.add("policy_obj_all", obj.sum())
-                acc.epoch_kl[epoch] = acc.epoch_kl[epoch] + kl
-                acc.epoch_clip[epoch] = acc.epoch_clip[epoch] + clip
-        if mode != "all":
-            with torch.no_grad():  # the skipped forced rows' constant surrogate, added back (ratio is 1)
-                acc.add("policy_obj_all", (m.adv * (~sel).to(m.adv.dtype)).sum())
-        acc.epoch_n[epoch] += int((data.n_legal[idx] > 1).sum())
-        loss.backward()
-
-
-def _debug_checks(m: Minibatch, data: Any, idx: np.ndarray) -> None:
-    """The two mask asserts of spec 8.3 and the n_legal column check of 18.1, debug iterations."""
-    legal = m.obs.mask.gather(-1, m.action.unsqueeze(-1)).squeeze(-1)
-    if not bool(legal.all()):
-        bad = np.asarray(idx)[(~legal).cpu().numpy()][:10]
-        raise StoredActionIllegal(f"stored actions illegal under their stored masks at {data.label(bad)}: "
-                                  f"the rollout and update masks disagree (a mask bug, not a learning problem)")
-    if not bool(torch.isfinite(m.log_prob).all()):
-        bad = np.asarray(idx)[(~torch.isfinite(m.log_prob)).cpu().numpy()][:10]
-        raise NonFiniteLogProb(f"stored log-probs not finite at {data.label(bad)}")
-    cnt = m.obs.mask.sum(-1)
-    if not bool((cnt == m.n_legal).all()):
-        bad = np.asarray(idx)[(cnt != m.n_legal).cpu().numpy()][:10]
-        raise MaskCountMismatch(f"n_legal column disagrees with the unpacked mask at {data.label(bad)}: the "
-                                f"minibatch gather put one row's count beside another row's observation")
-
-
-def _ensure_grads(params: Sequence[nn.Parameter]) -> None:
-    """A batch with no choice row gives the actor a ZERO gradient rather than none, so Adam takes
-    the same momentum step it takes under forced_rows=all (spec 18.1)."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-
-
-def make_optimizers(ac: ActorCritic, ppo: "PPOArgs") -> tuple[torch.optim.Adam, torch.optim.Adam]:
-    """Separate Adam for actor and critic (spec 9.5): disjoint parameter sets, own lr each."""
-    return (torch.optim.Adam(ac.actor_parameters(), lr=ppo.lr_actor, eps=ppo.adam_eps),
-            torch.optim.Adam(ac.critic_parameters(), lr=ppo.lr_critic, eps=ppo.adam_eps))
-
-
-def _flat(params: Sequence[nn.Parameter]) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in params])
-
-
-def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer, data: Any,
-               ppo: "PPOArgs", *, ent_coef: float, ent_coef_noop: float, master_seed: int, iteration: int,
-               debug: bool, check_ratio: bool, ratio_atol: float,
-               ratio_outliers: list[dict[str, Any]] | None = None) -> dict[str, float]:
-    """n_epochs passes over data in batches of ppo.batch_size (the last one smaller, never
-    dropped), one optimizer step per batch, each optimizer's gradient clipped on its own.
-    The permutation comes from ppo/minibatch/iteration/{i}/epoch/{e} (spec 5.2). ratio_outliers:
-    see ratio_invariant (filled only when given; nothing of it enters the returned row)."""
-    acc = _Acc(ppo.n_epochs)
-    pa, pc = ac.actor_parameters(), ac.critic_parameters()
-    before_a, before_c = _flat(pa), _flat(pc)
-    steps = 0
-    perm0 = derive_generator(master_seed, f"ppo/minibatch/iteration/{iteration}/epoch/0").permutation(data.n)
-    acc.ratio_dev = ratio_invariant(ac, data, perm0, ppo.minibatch_size, check_ratio, ratio_atol, ratio_outliers)
-    for e in range(ppo.n_epochs):
-        perm = perm0 if e == 0 else \
-            derive_generator(master_seed, f"ppo/minibatch/iteration/{iteration}/epoch/{e}").permutation(data.n)
-        for start in range(0, data.n, ppo.batch_size):
-            opt_actor.zero_grad(set_to_none=True)
-            opt_critic.zero_grad(set_to_none=True)
-            accumulate_batch(ac, data, perm[start:start + ppo.batch_size], ppo, ent_coef, ent_coef_noop, acc,
-                             epoch=e, debug=debug)
-            _ensure_grads(pa)
-            _ensure_grads(pc)
-            gna = nn.utils.clip_grad_norm_(pa, ppo.max_grad_norm)   # returns the PRE-clip norm
-            gnc = nn.utils.clip_grad_norm_(pc, ppo.max_grad_norm)
-            if not bool(torch.isfinite(gna) & torch.isfinite(gnc)):  # one sync per optimizer step
-                raise NonFiniteGradient(f"non-finite gradient at iteration {iteration} epoch {e} batch "
-                                        f"{start // ppo.batch_size}: actor norm {float(gna)}, critic norm {float(gnc)}")
-            acc.grad_norm_actor.append(gna.detach())
-            acc.grad_norm_critic.append(gnc.detach())
-            opt_actor.step()
-            opt_critic.step()
-            steps += 1
-    s = {k: float(v) for k, v in acc.s.items()}
-    nc = max(acc.choice_rows, 1)
-    ga, gc = torch.stack(acc.grad_norm_actor), torch.stack(acc.grad_norm_critic)
-    out = {
-        "ppo/policy_loss": -s.get("policy_obj_all", 0.0) / max(acc.rows, 1),
-        "ppo/policy_loss_choice": -s.get("policy_obj_choice", 0.0) / nc,
-        "ppo/value_loss": s.get("value_sq", 0.0) / max(acc.rows, 1),
-        "ppo/entropy": s.get("entropy", 0.0) / nc,
-        "ppo/entropy_normalised": s.get("entropy_norm", 0.0) / nc,
-        "ppo/noop_entropy": s.get("noop_entropy", 0.0) / nc,
-        "ppo/kl": s.get("kl", 0.0) / nc,
-        "ppo/clip_fraction": s.get("clip", 0.0) / nc,
-        "ppo/dual_clip_fraction": s.get("dual", 0.0) / nc,
-        "ppo/forced_frac": 1.0 - acc.choice_rows / max(acc.rows, 1),
-        "ppo/actor_rows": float(acc.actor_rows),
-        "ppo/actor_forwards": float(acc.actor_forwards),
-        "ppo/optimizer_steps": float(steps),
-        "ppo/actor_rows_seen": float(acc.rows),
-        "ppo/ratio_max_abs_dev": float(acc.ratio_dev) if acc.ratio_dev is not None else 0.0,
-        "ppo/grad_norm_actor": float(ga.mean()), "ppo/grad_norm_actor_max": float(ga.max()),
-        "ppo/grad_norm_critic": float(gc.mean()), "ppo/grad_norm_critic_max": float(gc.max()),
-        "ppo/update_magnitude_actor": float((_flat(pa) - before_a).norm()),
-        "ppo/update_magnitude_critic": float((_flat(pc) - before_c).norm()),
-    }
-    for e in range(ppo.n_epochs):
-        n = max(acc.epoch_n[e], 1)
-        out[f"ppo/kl_epoch{e}"] = float(acc.epoch_kl[e]) / n
-        out[f"ppo/clip_fraction_epoch{e}"] = float(acc.epoch_clip[e]) / n
-    return out
-
-
-# Schedules are written in env steps (spec 6), so a profile's anneal means the same game time
+# Schedules are written in env steps (design 1.3), so a profile's anneal means the same game time
 # whatever the batch geometry. One dataclass with a kind, so tyro exposes it as plain flags.
 @dataclass
 class Schedule:
@@ -895,105 +97,6 @@ class Schedule:
         return float(self.start * (self.end / self.start) ** f)
 
 
-class LrBackoff:
-    """If kl > kl_threshold for `patience` consecutive iterations, multiply both learning rates
-    by factor (floored at lr_min), reset the counter, and report the event (spec 9.5). The
-    counter and the current rates are checkpointed."""
-
-    def __init__(self, cfg: "LrBackoffArgs", lr_actor: float, lr_critic: float) -> None:
-        self.cfg, self.lr_actor, self.lr_critic, self.count = cfg, lr_actor, lr_critic, 0
-
-    def observe(self, kl: float) -> bool:
-        self.count = self.count + 1 if kl > self.cfg.kl_threshold else 0
-        if self.count < self.cfg.patience:
-            return False
-        self.count = 0
-        self.lr_actor = max(self.lr_actor * self.cfg.factor, self.cfg.lr_min)
-        self.lr_critic = max(self.lr_critic * self.cfg.factor, self.cfg.lr_min)
-        return True
-
-    def apply(self, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer) -> None:
-        for g in opt_actor.param_groups:
-            g["lr"] = self.lr_actor
-        for g in opt_critic.param_groups:
-            g["lr"] = self.lr_critic
-
-    def state(self) -> dict[str, Any]:
-        return {"count": self.count, "lr_actor": self.lr_actor, "lr_critic": self.lr_critic}
-
-    def load_state(self, d: dict[str, Any]) -> None:
-        self.count, self.lr_actor, self.lr_critic = int(d["count"]), float(d["lr_actor"]), float(d["lr_critic"])
-
-
-# --- 7. Iteration invariants (spec 14.1) -------------------------------------------------------
-# Judged on what collection wrote, before anything learns from it: a refused batch is never
-# trained on. Each raises a named exception carrying the offending slot and cycle.
-
-
-class IterationInvariantError(AssertionError):
-    """Base of the spec 14.1 invariants."""
-
-
-class RoundsMissing(IterationInvariantError): ...
-class TrainableRowsShort(IterationInvariantError): ...
-class DeployRefused(IterationInvariantError): ...
-class EpisodesUnpaired(IterationInvariantError): ...
-class MixtureDrifted(IterationInvariantError): ...
-class AssignmentInsideEpisode(IterationInvariantError): ...
-class ForcedRowInconsistent(IterationInvariantError): ...
-
-
-def _cells(mask: np.ndarray, n: int = 10) -> str:
-    t, r = np.nonzero(mask)
-    return ", ".join(f"(cycle {a}, slot {b})" for a, b in zip(t[:n].tolist(), r[:n].tolist())) + \
-        (f" and {len(t) - n} more" if len(t) > n else "")
-
-
-def check_iteration(*, rounds: int, expected_rounds: int, trainable: np.ndarray, timesteps_per_iteration: int,
-                    log_prob: np.ndarray, action_legal: np.ndarray, deploy_status: np.ndarray,
-                    episode_end: np.ndarray, group: np.ndarray, discarded_rows_frac: float,
-                    expected_discarded_frac: float, action: np.ndarray, n_legal: np.ndarray) -> None:
-    """Every array is (T, R) in cycle-major order; slot 2g is battle g's blue seat, 2g+1 red."""
-    if rounds != expected_rounds:
-        raise RoundsMissing(f"{rounds} rounds collected, expected T * shards_per_worker = {expected_rounds}")
-    if trainable.sum() < 0.98 * timesteps_per_iteration:
-        raise TrainableRowsShort(f"{int(trainable.sum())} trainable cells, under 98% of ppo.timesteps_per_iteration "
-                                 f"{timesteps_per_iteration}: workers died or the mixture starves the learner")
-    bad = trainable & ~np.isfinite(log_prob)
-    if bad.any():
-        raise NonFiniteLogProb(f"non-finite stored log-prob at {_cells(bad)}")
-    bad = trainable & ~action_legal
-    if bad.any():
-        raise StoredActionIllegal(f"stored action illegal under its stored mask at {_cells(bad)}")
-    bad = trainable & (deploy_status > 0)
-    if bad.any():
-        raise DeployRefused(f"the engine refused a deploy the mask allowed at {_cells(bad)}")
-    blue, red = episode_end[:, 0::2], episode_end[:, 1::2]
-    if blue.shape != red.shape or (blue != red).any():
-        g = np.zeros_like(episode_end, dtype=bool)
-        g[:, 0::2] = blue != red
-        raise EpisodesUnpaired(f"a battle's two seats ended episodes on different cycles at {_cells(g)}")
-    if abs(discarded_rows_frac - expected_discarded_frac) >= 0.05:
-        raise MixtureDrifted(f"discarded_rows_frac {discarded_rows_frac:.3f} vs {expected_discarded_frac:.3f} expected "
-                             f"from ladder.mix: the matchmaker is not drawing the configured mixture")
-    changed = np.zeros_like(group, dtype=bool)
-    changed[1:] = (group[1:] != group[:-1]) & ~episode_end[:-1].astype(bool)
-    if changed.any():
-        raise AssignmentInsideEpisode(f"a slot's policy group changed mid-episode at {_cells(changed)}")
-    forced = trainable & (n_legal == 1)
-    bad = forced & ((log_prob != 0.0) | (action != 0))
-    if bad.any():
-        raise ForcedRowInconsistent(f"forced cells (one legal action) must store log-prob exactly 0.0 and the no-op "
-                                    f"(spec 18.1); not so at {_cells(bad)}")
-
-
-# --- 8. Arguments and profiles (spec 6, 2.2) ---------------------------------------------------
-# One tyro dataclass tree; each field's docstring is its --help and says why the default is what
-# it is. Defaults are the laptop column of spec 2.2; the other profiles are functions that change
-# only numbers. `--profile` picks one, every field stays overridable, `--config run.json` loads
-# one, and a misspelt key or flag is refused naming the nearest valid one.
-
-
 @dataclass
 class ObsArgs:
     frame_stack: int = 1
@@ -1013,27 +116,26 @@ class RolloutArgs:
     source: Literal["process", "inline"] = "process"
     """inline is the semantic reference and runs the fast tests; process is the farm of workers"""
     workers: int = 3
-    """worker processes (K). The learner is the bottleneck, so more workers buy little (spec 2.3)"""
+    """worker processes (K). The learner is the bottleneck, so more workers buy little (design 1.2)"""
     games_per_worker: int = 32
     """battles per worker (M): 3 x 32 = 96 battles, 192 slots at the laptop profile"""
     shards_per_worker: int = 2
     """vec envs per worker, alternated so a worker steps one while the parent infers on the other"""
     spin_us: int = 100
-    """microseconds to spin before sleeping on a round's semaphore (spec 7.3)"""
+    """microseconds to spin before sleeping on a round's semaphore (design 3.4)"""
     round_timeout_s: float = 30.0
     """every wait has a timeout; a timeout is a typed WorkerFailure, never a block"""
     restart_failed_workers: bool = True
-    """restart a dead worker and mark its rows invalid rather than end the run"""
+    """restart a dead worker and mark its rows invalid rather than end the run (not wired yet: the
+    reliability issue reads it; today a dead worker is always restarted up to the limit below)"""
     max_restarts_per_worker: int = 3
     """three restarts of one worker raises rather than silently degrading throughput"""
     launch_delay_s: float = 0.5
     """stagger worker start: each RustEngine construction decodes its data files"""
-    stagger_first_reset: bool = True
-    """desynchronise episode phase at run start so episode ends spread across cycles"""
     overlap: bool = False
-    """lag-1 collection under the update. Not built: start-up refuses true (spec 14.1)"""
+    """lag-1 collection under the update. Not built: start-up refuses true (design 10.1)"""
     eval_workers: int = 2
-    """processes of the gate's own farm, built at gate time and closed after (D10)"""
+    """processes of the gate's own farm, built at gate time and closed after (design 7.1)"""
     eval_games_per_worker: int = 24
     """battles per evaluation worker"""
 
@@ -1041,7 +143,7 @@ class RolloutArgs:
 @dataclass
 class NetArgs:
     channels: int = 64
-    """C: about 430 k parameters per network at 4 blocks (spec 8.1)"""
+    """C: about 430 k parameters per network at 4 blocks (design 5.1)"""
     blocks: int = 4
     """N residual blocks"""
     norm_groups: int = 8
@@ -1055,7 +157,7 @@ class NetArgs:
     separate_trunks: bool = True
     """actor and critic trunks apart: the mask and entropy bonus never touch the critic, structurally"""
     noop_bias: float = 0.0
-    """added to the no-op logit. 0: a near-uniform start is self-limiting (spec 8.4)"""
+    """added to the no-op logit. 0: a near-uniform start is self-limiting (design 5.4)"""
     autocast_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """bf16 keeps fp32's exponent range, so finfo.min masking is safe and no GradScaler is needed"""
     device: str = "cuda"
@@ -1101,28 +203,24 @@ class PPOArgs:
     lr_critic: float = 2e-4
     """the critic's own optimizer"""
     adam_eps: float = 1e-8
-    """NOT the PPO paper's 1e-5: below eps Adam is SGD at lr/eps and the actor's tiny gradients do not
-    move it (DESIGN.md section 3, spec 18.1 item 5: 1e-8 moved the actor 11-12x further per iteration)"""
+    """NOT the PPO paper's 1e-5: below eps Adam is SGD at lr/eps, and the actor's tiny gradients do not
+    move it (design 6.5; docs/running.md section 6)"""
     lr_backoff: LrBackoffArgs = field(default_factory=LrBackoffArgs)
-    """the four-line guard against a blow-up (spec 9.5)"""
+    """the four-line guard against a blow-up (design 6.3)"""
     advantage_standardization: bool = True
     """once per iteration over the cells that reach the update, before any split"""
     critic_chunk: int = 1024
     """rows per chunk of the whole-iteration critic pass (an unchunked pass is a memory spike)"""
-    discard_opponent_rows: bool = True
-    """a frozen seat's log-probs came from other weights; they are not trained on"""
-    keep_previous_iterations: int = 0
-    """0: each timestep is trained on exactly n_epochs times, then discarded"""
     debug_assert_iterations: int = 10
     """mask asserts and the ratio invariant run for this many iterations from a run's start"""
     check_ratio_invariant_every: int = 50
     """and every this many iterations thereafter"""
     ratio_atol_fp32: float = 1e-4
-    """ratio invariant tolerance with autocast off (spec 9.6)"""
+    """ratio invariant tolerance with autocast off (design 6.4)"""
     ratio_atol_bf16: float = 2e-2
     """under bf16 autocast: the rollout and update forwards differ at the 1e-2 level"""
     forced_rows: Literal["all", "critic_only", "critic_only_choice_mean"] = "critic_only"
-    """what the update does with one-legal-action rows (spec 18.1). critic_only is exact (a forced row
+    """what the update does with one-legal-action rows (design 6.5). critic_only is exact (a forced row
     gives the actor zero gradient) and skips their actor compute; needs net.separate_trunks"""
 
 
@@ -1138,12 +236,12 @@ class AdvantageArgs:
     """standard deviations"""
 
 
-_GATE = ladder.GateConfig()  # the gate's spec defaults live in ladder.py
+_GATE = ladder.GateConfig()  # the gate's defaults live in ladder.py
 
 
 @dataclass
 class GateArgs:
-    """The gate's sizes (spec 11.4). The defaults are ladder.GateConfig's, read from it, so the
+    """The gate's sizes (design 7.4). The defaults are ladder.GateConfig's, read from it, so the
     numbers have one home; profiles shrink them for machines that cannot afford 2,200 battles."""
     champion_games: int = _GATE.champion_games
     """500 seeds x 2 side assignments"""
@@ -1167,11 +265,8 @@ class LadderArgs:
     """mirror / pool / scripted share of training battles"""
     max_resident_opponents: int = 2
     """snapshots held in memory: at most four batched forwards per shard-round"""
-    pfsp_weighting: Literal["hard"] = "hard"
-    """training wants opponents that still beat the learner (spec 11.3). The only one built:
-    "variance" is for evaluation, and "uniform" is what the floor already mixes in"""
     pfsp_power: float = 2.0
-    """exponent of the hard weighting"""
+    """exponent of PFSP's "hard" weighting: training wants opponents that still beat the learner (design 7.3)"""
     pfsp_uniform_floor: float = 0.2
     """the anti-forgetting guard"""
     candidate_every_env_steps: int = 4_000_000
@@ -1185,15 +280,15 @@ class LadderArgs:
     refit_every_iterations: int = 10
     """ratings refit cadence"""
     probe_every_iterations: int = 0
-    """0 is off: a probe plays real battles in the parent (spec 11.9)"""
+    """0 is off: a probe plays real battles in the parent (design 7.9)"""
     probe_games: int = 40
     """battles per rung, paired"""
     scripted_opponents: tuple[str, ...] = ("scripted:noop", "scripted:random_legal")
     """who the scripted share trains against, drawn uniformly per episode"""
     gate: GateArgs = field(default_factory=GateArgs)
-    """the gate's numbers (spec 11.4)"""
+    """the gate's numbers (design 7.4)"""
     release_mode: Literal["stochastic", "argmax"] = "stochastic"
-    """how a snapshot or the probed learner picks its action in evaluation (spec 11.5): sampled from
+    """how a snapshot or the probed learner picks its action in evaluation (design 7.5): sampled from
     its own stream, or the most probable legal action. One mode per run (it is in the identity):
     rating both variants would double the pool for no decision value"""
 
@@ -1242,19 +337,9 @@ class AlarmArgs:
 @dataclass
 class DeterminismArgs:
     tier: Literal["run_exact", "throughput"] = "run_exact"
-    """run_exact: deterministic kernels, bit-identical metric rows on the same device class (spec 5.1)"""
+    """run_exact: deterministic kernels, bit-identical metric rows on the same device class (design 2.1)"""
     torch_threads: int = 1
     """thread count changes CPU float reduction order"""
-
-
-@dataclass
-class DoctorArgs:
-    ram_budget_mb: int = 6500
-    """start-up refuses a geometry whose RAM ledger exceeds this"""
-    run_mask_disagreement_gate: bool = True
-    """check every non-no-op action at one state against the engine before the run"""
-    vram_headroom_mb: int = 256
-    """device memory that must stay free after one minibatch's measured peak; 0 turns the gate off"""
 
 
 @dataclass
@@ -1271,7 +356,7 @@ class Args:
     runs_dir: str = "runs"
     """where run folders live. Not in the identity"""
     master_seed: int = 20260921
-    """every random stream derives from this by name (spec 5.2). In the identity"""
+    """every random stream derives from this by name (design 2.2). In the identity"""
     timestep_limit: int = 100_000_000
     """learner transitions to train for"""
     obs: ObsArgs = field(default_factory=ObsArgs)
@@ -1284,7 +369,6 @@ class Args:
     metrics: MetricsArgs = field(default_factory=MetricsArgs)
     alarms: AlarmArgs = field(default_factory=AlarmArgs)
     determinism: DeterminismArgs = field(default_factory=DeterminismArgs)
-    doctor: DoctorArgs = field(default_factory=DoctorArgs)
 
 
 def _set(args: Args, path: str, value: Any) -> None:
@@ -1298,7 +382,7 @@ def _set(args: Args, path: str, value: Any) -> None:
 
 
 def profile_args(name: str) -> Args:
-    """The presets. Only numbers change between them (spec 2.2)."""
+    """The presets. Only numbers change between them (design 1.2)."""
     a = Args(profile=name)
     if name == "laptop":
         return a
@@ -1312,26 +396,12 @@ def profile_args(name: str) -> Args:
             _set(a, k, v)
         return a
     if name in ("cpu", "smoke"):
-        # DESIGN.md section 3 [M, another implementation of this spec, this CPU]: 4 optimizer
-        # steps an iteration at adam_eps 1e-5 never moved the actor (kl ~4e-8, clip 0); 24 steps
-        # (batch 512 of 4,096), lr 5e-4, adam_eps 1e-8, ent_coef 0.003 put kl at 0.004-0.006 and
-        # clip fraction at 0.05-0.07 within two iterations. Those are the cpu numbers: 3 epochs x
-        # 4096/512 = 24 steps [A]. A 2-core box runs one worker and the parent.
-        # The network is C=16, N=2 on two torch threads (collection and update run in series, so
-        # the worker's core is idle while the parent updates). [M] 2026-11-29, this 2-core machine,
-        # a forward+backward of the critic on 256 copies of a real observation: C=32 N=2 on one
-        # thread 2.35 ms a row, the same on two 1.37, C=16 N=2 on two 0.45; the cpu iteration went
-        # from about 46 s (C=32, one thread) to a median 15.4 s (collect 6.0 s, update 7.9 s;
-        # docs/throughput.md).
-        # lr_actor 1.5e-3 and gae_lambda 0.98, because at C=16 the actor barely moved otherwise:
-        # [M] same machine, `--profile cpu` runs of 13-40 iterations: lr 5e-4 and 1e-3 (lambda 0.99)
-        # kept kl at 1e-4-2e-3, clip fraction ~0 and normalised entropy at 0.999; a 10-iteration
-        # pilot at lr 1.5e-3 (lambda 0.99) reached kl 0.002-0.03 and entropy 0.95-0.99, so the lr
-        # is the likelier cause; the run that then gated (lr 1.5e-3, lambda 0.98) reached kl
-        # 0.003-0.009, clip 0.04-0.11 and entropy 0.94 by iteration 28. lambda 0.98 against 0.99
-        # was not separated over a full run. It puts the credit horizon at 21.8 s [A: 0.5 s /
-        # (1 - 0.997 x 0.98)], under the SCHEMA's 40-50 s band (spec 9.3's deploy -> push ->
-        # tower): a variance trade for about 330 choice rows an iteration [A: 4,104 x (1 - 0.92)].
+        # The cpu numbers are the ones that made the actor move on a 2-core machine: 24 optimizer
+        # steps an iteration [A: 3 epochs x 4,096 / 512], adam_eps 1e-8, lr_actor 1.5e-3, a C=16 N=2
+        # network on two torch threads (collection and update run in series, so the worker's core
+        # is free while the parent updates). gae_lambda 0.98 puts the credit horizon at 21.8 s
+        # [A: 0.5 s / (1 - 0.997 x 0.98)], under the SCHEMA's band, on purpose. The measurements
+        # and what was tried: docs/running.md section 6.
         smoke = name == "smoke"
         for k, v in {"net.device": "cpu", "net.autocast_dtype": "float32",
                      "net.channels": 8 if smoke else 16, "net.blocks": 1 if smoke else 2,
@@ -1349,17 +419,9 @@ def profile_args(name: str) -> Args:
                      "ppo.ent_coef": Schedule("constant", 0.003, 0.003, 1.0),
                      "ppo.ent_coef_noop": Schedule("linear", 0.02, 0.0, 2e6),
                      "ppo.critic_chunk": 512,
-                     # [A] cpu: 2,736 game-steps an iteration, so 200k game-steps is 74 iterations, at
-                     # 15-16 s about 20 minutes: a gate every ~20 minutes of training. The gate plays
-                     # 200 champion battles (100 frozen seeds x 2 sides), 2x40 anchor battles, 2x40
-                     # once for v0's anchor record and 2x20 stratified once the pool has members.
-                     # Wilson's bound at n=200 clears 0.52 from an observed 0.59 [A, spec 11.7's
-                     # formula]; at n=80 it took 0.63. [M] 2026-11-29, `--profile cpu` on this 2-core
-                     # machine (other work on it part of the time): gates after iterations 74, 148,
-                     # 222 and 296 (25, 48, 72 and 99 minutes in), 205-236 s each (the first, 360
-                     # battles, 0.58 s a battle); ladder/gate_seconds_frac 0.14-0.15, over spec 11.4's 8%:
-                     # the cpu profile buys a verdict every ~20 minutes with it. The third promoted
-                     # (docs/ladder.md section 9). smoke never gates unless a test asks.
+                     # a gate every ~20 minutes of cpu training [A: 2,736 game-steps an iteration,
+                     # 74 iterations at 15-16 s]; at n=200 Wilson's bound clears 0.52 from an observed
+                     # 0.59 [A, design 7.7] (docs/running.md section 6). smoke gates only when asked.
                      "ladder.candidate_every_env_steps": 200_000,
                      "ladder.floor_admit_every_env_steps": 100_000_000 if smoke else 2_000_000,
                      "ladder.probe_every_iterations": 0 if smoke else 40,
@@ -1369,8 +431,7 @@ def profile_args(name: str) -> Args:
                                              stratified_snapshots=1 if smoke else 2,
                                              stratified_games=4 if smoke else 20, bootstrap_resamples=200 if smoke else 2000),
                      "checkpoint.every_env_steps": 2_000 if smoke else 100_000,
-                     "timestep_limit": 3 * 256 if smoke else 100_000_000,
-                     "doctor.vram_headroom_mb": 0}.items():
+                     "timestep_limit": 3 * 256 if smoke else 100_000_000}.items():
             _set(a, k, v)
         return a
     raise ConfigError(f"unknown profile {name!r}; valid: {', '.join(PROFILES)}" + _nearest(name, PROFILES))
@@ -1507,17 +568,17 @@ def parse_args(argv: Sequence[str] | None = None) -> Args:
 
 
 def check_consistency(args: Args) -> None:
-    """Refusals that need two fields to see (spec 6, 14.1, 18.1). Each names the fix."""
+    """Refusals that need two fields to see (design 1.3, 10.1, 6.5). Each names the fix."""
     p, n = args.ppo, args.net
     if args.profile not in PROFILES:
         raise ConfigError(f"profile {args.profile!r} is not one of {PROFILES}")
     if args.rollout.overlap:
-        raise ConfigError("rollout.overlap=true is not built (spec 14.1): set --rollout.no-overlap")
+        raise ConfigError("rollout.overlap=true is not built (design 10.1): set --rollout.no-overlap")
     if p.forced_rows not in FORCED_ROWS:
         raise ConfigError(f"ppo.forced_rows {p.forced_rows!r} is not one of {FORCED_ROWS}")
     if p.forced_rows != "all" and not n.separate_trunks:
         raise ConfigError(f"ppo.forced_rows={p.forced_rows} needs net.separate_trunks: under one trunk the "
-                          "critic's forward IS the actor's, so skipping a row saves nothing (spec 18.1). "
+                          "critic's forward IS the actor's, so skipping a row saves nothing (design 6.5). "
                           "Use --ppo.forced-rows all with a shared trunk")
     if n.channels % n.norm_groups:
         raise ConfigError(f"net.norm_groups {n.norm_groups} must divide net.channels {n.channels}")
@@ -1541,15 +602,1467 @@ def ratio_atol(args: Args) -> float:
     return args.ppo.ratio_atol_bf16 if args.net.autocast_dtype == "bfloat16" else args.ppo.ratio_atol_fp32
 
 
-# --- 9. Run identity (spec 5.3) ----------------------------------------------------------------
+
+# --- 2. Geometry, read off the env -------------------------------------------------------------
+# The network is built from this small description and from nothing else, so a plane added
+# upstream changes the stem's width without an edit here (design 5.1: "never a literal").
+
+# The vector fields the pointer head reads, by the env's own names (design 5.1), so a renamed
+# field fails at start-up, naming itself.
+HAND_CARDS, HAND_COST, HAND_AFFORDABLE = "own_hand_cards", "own_hand_cost", "own_hand_affordable"
+OWN_ELIXIR = "own_elixir"   # read for env/mean_elixir_at_decision only; a builder without it omits the key
+
+# Width of the per-tile card-identity embedding (design 5.1): a module constant, not a config
+# field, so runs without card identity keep their arch_digest.
+CARD_ID_EMBED = 8
+
+
+class NetGeometry(msgspec.Struct, frozen=True):
+    """What the network needs to know about the env, every number read off its spaces."""
+
+    spatial_shape: tuple[int, int, int]          # (S, H, W) per frame
+    vector_layout: tuple[tuple[str, int], ...]   # (field, width) in order; sum = V
+    n_actions: int                               # A = 1 + P*H*W + NB
+    hand_size: int                               # P
+    tiles: tuple[int, int]                       # (H, W): the board the pointer head tiles
+    frame_stack: int = 1                         # k
+    mask_planes: bool = True                     # whether obs carries (k*P, H, W) mask planes
+    card_id_channels: int = 0                    # per frame, 0 without card identity
+    card_id_vocab: int = 0                       # the card_ids Box's high + 1
+
+    @property
+    def vector_size(self) -> int:
+        return sum(w for _, w in self.vector_layout)
+
+    @property
+    def n_buttons(self) -> int:
+        """Ability buttons after the grid (design 5.1: A = G + NB). 0 on today's env."""
+        return self.n_actions - 1 - self.hand_size * self.tiles[0] * self.tiles[1]
+
+    def field(self, name: str) -> slice:
+        """The slice of the flat vector the env declared for `name`; raise naming it if absent."""
+        off = 0
+        for key, width in self.vector_layout:
+            if key == name:
+                return slice(off, off + width)
+            off += width
+        raise ConfigError(
+            f"the env's vector_layout has no field {name!r}, which the pointer head reads "
+            f"(fields: {[k for k, _ in self.vector_layout][:12]}...). The obs builder changed; "
+            f"update HAND_* in ppo_clash.py section 2 to its new names.")
+
+    def card_vocab(self) -> int:
+        """K: card ids including "empty", from the one-hot width of the hand field."""
+        width = self.field(HAND_CARDS).stop - self.field(HAND_CARDS).start
+        if width % self.hand_size:
+            raise ConfigError(f"{HAND_CARDS} is {width} wide, not a multiple of hand_size {self.hand_size}")
+        return width // self.hand_size
+
+
+def geometry_from_env(obs_space: Any, builder: Any, frame_stack: int = 1) -> NetGeometry:
+    """Read the geometry off a vec env's single_observation_space and its obs builder."""
+    sp = obs_space["spatial"].shape
+    A = int(obs_space["action_mask"].shape[0])
+    layout = tuple((f.key, int(f.size)) for f in builder.vector_layout())
+    V = int(obs_space["vector"].shape[0])
+    if sum(w for _, w in layout) != V:
+        raise ConfigError(f"vector_layout sums to {sum(w for _, w in layout)} but the obs space's vector is {V}")
+    has_planes = "mask_planes" in obs_space.spaces
+    if has_planes:
+        P = int(obs_space["mask_planes"].shape[0])
+    else:  # the hand's cost field has one entry per hand slot
+        P = dict(layout)[HAND_COST]
+    ids = obs_space.spaces.get("card_ids")
+    geo = NetGeometry(
+        spatial_shape=(int(sp[0]), int(sp[1]), int(sp[2])), vector_layout=layout, n_actions=A,
+        hand_size=P, tiles=(int(sp[1]), int(sp[2])), frame_stack=int(frame_stack),
+        mask_planes=has_planes,
+        card_id_channels=0 if ids is None else int(ids.shape[0]),
+        card_id_vocab=0 if ids is None else int(np.max(ids.high)) + 1)
+    if geo.n_buttons < 0:
+        raise ConfigError(f"action space {A} is smaller than 1 + hand*tiles = {1 + P * sp[1] * sp[2]}")
+    for name in (HAND_CARDS, HAND_COST, HAND_AFFORDABLE):
+        geo.field(name)  # fail now, naming the field, not halfway through a run (design 5.1)
+    return geo
+
+
+
+# --- 3. The masked distribution (design 5.3) -----------------------------------------------------
+# The only place a mask meets a logit. Mask BEFORE the softmax with finfo.min (never -inf, whose
+# 0 * -inf is NaN in the entropy); logits are float32 so the masking and log_softmax are exact.
+
+
+class MaskedCategorical:
+    def __init__(self, logits: torch.Tensor, mask: torch.Tensor, check_noop: bool = True) -> None:
+        if logits.dtype != torch.float32:
+            raise TypeError(f"MaskedCategorical needs float32 logits (design 5.2), got {logits.dtype}")
+        if mask.dtype != torch.bool or mask.shape != logits.shape:
+            raise TypeError(f"mask must be bool of shape {tuple(logits.shape)}, got {mask.dtype} {tuple(mask.shape)}")
+        if check_noop and not bool(mask[:, 0].all()):
+            rows = torch.nonzero(~mask[:, 0]).flatten()[:16].tolist()
+            raise ValueError(f"mask[NOOP] must be True (royalegym action.py sets it always); rows {rows} have it clear")
+        self.mask = mask
+        self.logp = torch.log_softmax(logits.masked_fill(~mask, torch.finfo(torch.float32).min), -1)
+
+    def sample(self, u: torch.Tensor) -> torch.Tensor:
+        """Inverse CDF on caller-supplied uniforms (B,): a sampled action is a pure function of
+        (master_seed, iteration, cycle, slot), independent of batch composition (design 2.2). With
+        right=True an illegal action's zero-width interval can never be selected."""
+        cdf = self.logp.exp().cumsum(-1)
+        cdf = cdf / cdf[..., -1:].clamp_min(1e-30)
+        idx = torch.searchsorted(cdf, u.to(cdf.dtype).unsqueeze(-1).clamp(0.0, 1.0 - 1e-7), right=True)
+        return idx.squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+
+    def mode(self) -> torch.Tensor:
+        return self.logp.argmax(-1)  # of the masked, normalised log-probs: never illegal
+
+    def log_prob(self, a: torch.Tensor) -> torch.Tensor:
+        return self.logp.gather(-1, a.long().unsqueeze(-1)).squeeze(-1)
+
+    def entropy(self) -> torch.Tensor:
+        p = self.logp.exp()
+        return -(p * torch.where(self.mask, self.logp, torch.zeros_like(self.logp))).sum(-1)
+
+    def noop_entropy(self) -> torch.Tensor:
+        """Binary entropy of play vs wait, bounded by ln 2 = 0.693 nats."""
+        p = self.logp[:, 0].exp().clamp(1e-7, 1 - 1e-7)
+        return -(p * p.log() + (1 - p) * (1 - p).log())
+
+    def n_legal(self) -> torch.Tensor:
+        return self.mask.sum(-1)
+
+
+
+# --- 4. Networks (design 5.1, 5.2, 5.4) ----------------------------------------------------------
+# Two trunks of identical shape (actor, critic), separate weights by default, so "the mask and
+# the entropy bonus never touch the critic" is structural rather than a discipline.
+# GroupNorm, never BatchNorm: BatchNorm is a different function at rollout (small batch) than at
+# update, which would break the stored-log-prob contract (design 5.2).
+
+
+def torch_generator(master_seed: int, path: str, device: str = "cpu") -> torch.Generator:
+    """A torch generator seeded by name (design 2.2), e.g. "torch/init". Never the global one."""
+    g = torch.Generator(device=device)
+    g.manual_seed(derive_int(master_seed, path))
+    return g
+
+
+def _conv_gn(cin: int, cout: int, groups: int) -> list[nn.Module]:
+    return [nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(groups, cout)]
+
+
+class ResBlock(nn.Module):
+    def __init__(self, c: int, groups: int) -> None:
+        super().__init__()
+        self.a = nn.Sequential(*_conv_gn(c, c, groups), nn.ReLU(), *_conv_gn(c, c, groups))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.a(x))
+
+
+def legal_frac(mask: torch.Tensor, geo: NetGeometry) -> torch.Tensor:
+    """(B, P): the mean of each hand slot's slice of the mask; the critic's view of legality."""
+    H, W = geo.tiles
+    P = geo.hand_size
+    return mask[:, 1:1 + P * H * W].reshape(-1, P, H * W).float().mean(-1)
+
+
+class Trunk(nn.Module):
+    """cat[spatial, mask_planes, coords, broadcast vector embedding, card-id embedding]
+    -> Conv3x3 GN ReLU -> N residual blocks  ->  (B, C, H, W)."""
+
+    def __init__(self, geo: NetGeometry, net: "NetArgs") -> None:
+        super().__init__()
+        S, H, W = geo.spatial_shape
+        k, P, NB = geo.frame_stack, geo.hand_size, geo.n_buttons
+        self.geo, self.coord_conv = geo, net.coord_conv
+        self.vemb = nn.Linear(geo.vector_size + NB, net.vector_embed)
+        in_ch = k * (S + P) + (2 if net.coord_conv else 0) + net.vector_embed
+        if geo.card_id_channels:
+            self.card_ids = nn.Embedding(geo.card_id_vocab, CARD_ID_EMBED, padding_idx=0)
+            in_ch += k * geo.card_id_channels * CARD_ID_EMBED
+        ys = torch.linspace(0.0, 1.0, H).view(H, 1).expand(H, W)
+        xs = torch.linspace(0.0, 1.0, W).view(1, W).expand(H, W)
+        self.register_buffer("coords", torch.stack([ys, xs]), persistent=False)
+        self.stem = nn.Sequential(*_conv_gn(in_ch, net.channels, net.norm_groups), nn.ReLU())
+        self.body = nn.Sequential(*[ResBlock(net.channels, net.norm_groups) for _ in range(net.blocks)])
+        self.in_channels = in_ch
+
+    def forward(self, obs: Any) -> torch.Tensor:
+        geo = self.geo
+        B = obs.vector.shape[0]
+        H, W = geo.tiles
+        G = 1 + geo.hand_size * H * W
+        planes = obs.mask_planes
+        if planes is None:  # derived from the mask: a reshape of bytes the row already carries
+            if geo.frame_stack != 1:
+                raise ValueError("frame_stack > 1 needs stacked mask_planes from codec.unpack; got None")
+            planes = obs.mask[:, 1:G].reshape(B, geo.hand_size, H, W).float()
+        vin = obs.vector
+        if geo.n_buttons:  # the ability buttons' readiness rides with the vector (design 5.1)
+            vin = torch.cat([vin, obs.mask[:, G:G + geo.n_buttons].to(vin.dtype)], -1)
+        v = self.vemb(vin)
+        parts = [obs.spatial, planes.to(obs.spatial.dtype)]
+        if self.coord_conv:
+            parts.append(self.coords.to(obs.spatial.dtype).unsqueeze(0).expand(B, -1, -1, -1))
+        parts.append(v.view(B, -1, 1, 1).expand(-1, -1, H, W).to(obs.spatial.dtype))
+        if geo.card_id_channels:
+            e = self.card_ids(obs.card_ids)                      # (B, k*c, H, W, 8)
+            parts.append(e.permute(0, 1, 4, 2, 3).reshape(B, -1, H, W).to(obs.spatial.dtype))
+        return self.body(self.stem(torch.cat(parts, 1)))
+
+
+class PointerHead(nn.Module):
+    """logits = [noop, (P, H, W) tiles, buttons]: a card-conditioned inner product with every
+    tile (design 5.1). The head's shape is royalegym's encode(slot, x, y) = 1 + slot*H*W + y*W + x."""
+
+    def __init__(self, geo: NetGeometry, net: "NetArgs") -> None:
+        super().__init__()
+        C = net.channels
+        self.geo = geo
+        self.cards_at, self.cost_at, self.afford_at = geo.field(HAND_CARDS), geo.field(HAND_COST), geo.field(HAND_AFFORDABLE)
+        self.K = geo.card_vocab()
+        self.fp = nn.Sequential(*_conv_gn(C, C, net.norm_groups), nn.ReLU())
+        self.card = nn.Embedding(self.K, C)
+        self.q = nn.Linear(C + 2, C)
+        self.qb = nn.Linear(C + 2, 1)
+        self.noop = nn.Linear(2 * C, 1)
+        self.buttons = nn.Linear(2 * C, geo.n_buttons) if geo.n_buttons else None
+        self.scale = C ** -0.5          # logit_scale "rsqrt_c"
+        self.noop_bias = float(net.noop_bias)
+
+    def forward(self, x: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+        B, P = x.shape[0], self.geo.hand_size
+        fp = self.fp(x)
+        card_id = vector[:, self.cards_at].reshape(B, P, self.K).argmax(-1)
+        q_in = torch.cat([self.card(card_id), vector[:, self.cost_at, None], vector[:, self.afford_at, None]], -1).to(fp.dtype)
+        tiles = torch.einsum("bcyx,bkc->bkyx", fp, self.q(q_in)) * self.scale + self.qb(q_in)[..., None]
+        pooled = torch.cat([fp.mean((2, 3)), fp.amax((2, 3))], 1)
+        parts = [self.noop(pooled).float() + self.noop_bias, tiles.reshape(B, -1).float()]
+        if self.buttons is not None:
+            parts.append(self.buttons(pooled).float())
+        return torch.cat(parts, -1)  # float32 always (design 5.2)
+
+
+class ValueHead(nn.Module):
+    def __init__(self, geo: NetGeometry, net: "NetArgs") -> None:
+        super().__init__()
+        C = net.channels
+        self.geo = geo
+        self.vfeat = nn.Linear(geo.vector_size, net.vector_embed)
+        self.mlp = nn.Sequential(nn.Linear(2 * C + net.vector_embed + geo.hand_size, net.value_hidden), nn.ReLU(),
+                                 nn.Linear(net.value_hidden, 1))
+
+    def forward(self, x: torch.Tensor, obs: Any) -> torch.Tensor:
+        pooled = torch.cat([x.mean((2, 3)), x.amax((2, 3))], 1)
+        feat = torch.cat([pooled, self.vfeat(obs.vector).to(pooled.dtype), legal_frac(obs.mask, self.geo).to(pooled.dtype)], 1)
+        return self.mlp(feat).squeeze(-1).float()
+
+
+class ActorCritic(nn.Module):
+    def __init__(self, geo: NetGeometry, net: "NetArgs", master_seed: int) -> None:
+        super().__init__()
+        if net.channels % net.norm_groups:
+            raise ConfigError(f"net.channels {net.channels} is not divisible by net.norm_groups {net.norm_groups}")
+        self.geo, self.net = geo, net
+        self.actor_trunk = Trunk(geo, net)
+        self.critic_trunk = Trunk(geo, net) if net.separate_trunks else None
+        self.policy = PointerHead(geo, net)
+        self.value_head = ValueHead(geo, net)
+        self.autocast = net.autocast_dtype
+        init_weights(self, torch_generator(master_seed, "torch/init"))
+
+    def actor_parameters(self) -> list[nn.Parameter]:
+        return list(self.actor_trunk.parameters()) + list(self.policy.parameters())
+
+    def critic_parameters(self) -> list[nn.Parameter]:
+        """Disjoint from actor_parameters. Under a shared trunk the trunk is the actor's (its
+        value gradient still reaches it through the one backward)."""
+        trunk = list(self.critic_trunk.parameters()) if self.critic_trunk is not None else []
+        return trunk + list(self.value_head.parameters())
+
+    def _ctx(self, device_type: str):
+        on = self.autocast == "bfloat16"
+        return torch.autocast(device_type, dtype=torch.bfloat16, enabled=on)
+
+    def logits(self, obs: Any) -> torch.Tensor:
+        with self._ctx(obs.vector.device.type):
+            return self.policy(self.actor_trunk(obs), obs.vector).float()
+
+    def value(self, obs: Any) -> torch.Tensor:
+        with self._ctx(obs.vector.device.type):
+            trunk = self.critic_trunk if self.critic_trunk is not None else self.actor_trunk
+            return self.value_head(trunk(obs), obs).float()
+
+    def dist(self, obs: Any, check_noop: bool = True) -> MaskedCategorical:
+        return MaskedCategorical(self.logits(obs), obs.mask, check_noop=check_noop)
+
+    @torch.no_grad()
+    def act(self, obs: Any, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rollout inference: actions from the caller's uniforms, and their log-probs to store."""
+        a, lp, _ = self.act_and_hold(obs, u)
+        return a, lp
+
+    @torch.no_grad()
+    def act_and_hold(self, obs: Any, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """act, plus each row's p(no-op): the rollout's own hold probability (design 9.2's
+        policy/rollout_hold_*, measured on the policy that chose, not the one the update moved)."""
+        d = self.dist(obs)
+        a = d.sample(u)
+        return a, d.log_prob(a), d.logp[:, 0].exp()
+
+
+def init_weights(model: ActorCritic, gen: torch.Generator) -> None:
+    """design 5.4: orthogonal, gain sqrt(2) on hidden convs/linears, 0.01 on the pointer head's
+    q, qb, no-op (and button) linears, 1.0 on the value head's last linear, zero biases,
+    embeddings N(0, 0.02). Every draw from the torch/init generator: weights = f(master_seed)."""
+    small = {id(model.policy.q), id(model.policy.qb), id(model.policy.noop)}
+    if model.policy.buttons is not None:
+        small.add(id(model.policy.buttons))
+    last_value = model.value_head.mlp[-1]
+    for m in model.modules():
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            gain = 0.01 if id(m) in small else 1.0 if m is last_value else math.sqrt(2.0)
+            nn.init.orthogonal_(m.weight, gain=gain, generator=gen)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, 0.02, generator=gen)
+            if m.padding_idx is not None:
+                with torch.no_grad():
+                    m.weight[m.padding_idx].zero_()
+
+
+def arch_description(geo: NetGeometry, net: "NetArgs") -> dict[str, Any]:
+    """What arch_digest covers: every shape-determining number and the forward's constants."""
+    d = {"geometry": msgspec.to_builtins(geo), "head": "pointer", "trunk": "Trunk/ResBlock/GroupNorm",
+         "channels": net.channels, "blocks": net.blocks, "norm_groups": net.norm_groups,
+         "vector_embed": net.vector_embed, "value_hidden": net.value_hidden, "coord_conv": net.coord_conv,
+         "separate_trunks": net.separate_trunks, "logit_scale": "rsqrt_c", "noop_bias": float(net.noop_bias)}
+    if geo.card_id_channels:
+        d["card_id_embed"] = CARD_ID_EMBED
+    return d
+
+
+def arch_digest(geo: NetGeometry, net: "NetArgs") -> str:
+    return sha256_hex(canonical_json(arch_description(geo, net)))
+
+
+
+# --- 5. GAE and reward scaling (design 6.1, 6.2) -------------------------------------------------
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, final_values: torch.Tensor, terminated: torch.Tensor,
+        truncated: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vectorised over slots: one backward loop of T steps over (R,) vectors.
+
+    rewards, final_values, terminated, truncated: (T, R); values: (T+1, R), row T the bootstrap.
+    A terminated cell bootstraps from 0, a truncated one from final_value (the critic on
+    final_obs), any other cell from values[t+1] -- the true next observation, because SAME_STEP
+    autoreset only replaces a row whose episode ended. ~ended breaks the recursion at every end,
+    terminated or truncated (terminated alone would leak the next episode's advantage back
+    across a truncation). Returns (advantages, returns), both (T, R)."""
+    T = rewards.shape[0]
+    ended = terminated | truncated
+    zeros = torch.zeros_like(final_values)
+    boot = torch.where(terminated, zeros, torch.where(truncated, final_values, values[1:]))
+    adv = torch.zeros_like(rewards[0])
+    out = torch.empty_like(rewards)
+    for t in reversed(range(T)):
+        delta = rewards[t] + gamma * boot[t] - values[t]
+        adv = delta + gamma * lam * (~ended[t]).to(rewards.dtype) * adv
+        out[t] = adv
+    return out, out + values[:T]
+
+
+def discounted_return_per_episode(rewards: np.ndarray, ended: np.ndarray, gamma: float) -> np.ndarray:
+    """(T, R) return-to-go of the raw rewards, G_t = r_t + gamma * G_{t+1}, cut at each episode
+    end (the discount_cumsum of the references), within this iteration: an episode still running
+    at cycle T contributes its partial sum, with no bootstrap, since this only sets a scale.
+    Backward, not the forward running sum: under the potential reward the forward sum is the
+    shaping's small drift plus one terminal +-1 an episode, so its std sits near 0.05 and a
+    terminal reward divided by it hit reward_clip on 0.15-0.48% of cells [M, --profile cpu]; the
+    return-to-go carries the terminal reward over the whole episode, the magnitude the scale is
+    meant to measure (0 cells clipped on the same run)."""
+    out = np.empty_like(rewards, dtype=np.float64)
+    run = np.zeros(rewards.shape[1], dtype=np.float64)
+    for t in range(rewards.shape[0] - 1, -1, -1):
+        run = rewards[t] + gamma * np.where(ended[t], 0.0, run)
+        out[t] = run
+    return out
+
+
+class WelfordReturnScaler:
+    """Divide rewards by the running std of raw discounted returns (n-1 variance), then clip.
+    The mean is never subtracted: that would change the sign structure of a zero-sum reward.
+    The (mean, count, m2) triple is checkpointed (design 6.2)."""
+
+    def __init__(self, standardize: bool = True, reward_clip: float = 10.0) -> None:
+        self.standardize, self.reward_clip = standardize, reward_clip
+        self.mean, self.count, self.m2 = 0.0, 0, 0.0
+
+    def update(self, x: np.ndarray) -> None:
+        """Chan et al.'s parallel merge of a batch into the running triple, in float64."""
+        x = np.asarray(x, dtype=np.float64).ravel()
+        if x.size == 0:
+            return
+        n_b, mean_b = x.size, float(x.mean())
+        m2_b = float(((x - mean_b) ** 2).sum())
+        n = self.count + n_b
+        delta = mean_b - self.mean
+        self.mean += delta * n_b / n
+        self.m2 += m2_b + delta * delta * self.count * n_b / n
+        self.count = n
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 1.0
+
+    def scale(self, rewards: np.ndarray) -> tuple[np.ndarray, float]:
+        """(scaled and clipped rewards, fraction of cells clipped)."""
+        s = self.std if (self.standardize and self.count > 1) else 1.0
+        scaled = np.asarray(rewards, dtype=np.float64) / max(s, 1e-8)
+        clipped = np.clip(scaled, -self.reward_clip, self.reward_clip)
+        return clipped.astype(np.float32), float((clipped != scaled).mean()) if scaled.size else 0.0
+
+    def state(self) -> dict[str, Any]:
+        return {"mean": self.mean, "count": self.count, "m2": self.m2}
+
+    def load_state(self, d: dict[str, Any]) -> None:
+        self.mean, self.count, self.m2 = float(d["mean"]), int(d["count"]), float(d["m2"])
+
+
+def standardize_advantages(adv: np.ndarray, cells: np.ndarray) -> np.ndarray:
+    """Once per iteration, over the cells that reach the update (design 6.3): every trainable
+    cell, or under critic_only_choice_mean the choice cells alone (design 6.5)."""
+    a = adv[cells]
+    return (adv - a.mean()) / (a.std(ddof=1) + 1e-8)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    var = float(returns.var()) if returns.numel() > 1 else 0.0
+    return 1.0 - float((returns - values).var()) / max(var, 1e-8) if returns.numel() > 1 else float("nan")
+
+
+def credit_horizon_seconds(decision_ms: int, gamma: float, lam: float) -> float:
+    return decision_ms / 1000.0 / (1.0 - gamma * lam)
+
+
+
+# --- 6. The PPO update (design 6.3, 6.4, 6.5) ---------------------------------------------------
+# The update reads its samples through a two-method seam, UpdateData (n, n_legal, gather(idx)),
+# so the rectangle buffer and the tests feed it the same way. Minibatches never drop a sample:
+# the last batch is smaller and weighted by its true size, and gradients accumulate as sums
+# divided by the BATCH's count with one optimizer step per batch, which makes minibatch_size a
+# pure memory knob (a test holds the accumulated gradient to the full-batch one).
+
+FORCED_ROWS = ("all", "critic_only", "critic_only_choice_mean")
+
+
+class Minibatch(NamedTuple):
+    obs: Any                 # codec.Obs on the device
+    action: torch.Tensor     # (n,) int64
+    log_prob: torch.Tensor   # (n,) float32, stored at rollout
+    adv: torch.Tensor        # (n,) float32, standardised once per iteration
+    ret: torch.Tensor        # (n,) float32
+    n_legal: torch.Tensor    # (n,) int64: the stored mask-count column (design 6.5)
+
+
+def obs_rows(obs: Any, sel: torch.Tensor) -> Any:
+    """Rows `sel` of a codec.Obs (a NamedTuple; None fields stay None)."""
+    return type(obs)._make(None if x is None else x[sel] for x in obs)
+
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_range: float, dual_clip_c: float) -> torch.Tensor:
+    """Per-sample PPO objective L_i (to be maximised). For A < 0 the plain min does not bound
+    the loss below, and in a masked space of thousands of actions a rarely sampled action's ratio can be
+    enormous, so the dual clip floors it at c * A (design 6.3)."""
+    surr = torch.min(ratio * adv, ratio.clamp(1 - clip_range, 1 + clip_range) * adv)
+    return torch.where(adv < 0, torch.max(surr, dual_clip_c * adv), surr)
+
+
+class RatioInvariantError(AssertionError):
+    """design 6.4 / 3.3: at epoch 0, minibatch 0, before any step, every ratio must be 1."""
+
+
+class StoredActionIllegal(AssertionError):
+    """A stored action is not legal under its stored mask (design 5.3's first assert)."""
+
+
+class NonFiniteLogProb(AssertionError):
+    """A stored or recomputed log-prob is not finite (design 5.3's second assert)."""
+
+
+class MaskCountMismatch(AssertionError):
+    """The stored n_legal column disagrees with the minibatch's unpacked mask (design 6.5)."""
+
+
+class NonFiniteGradient(FloatingPointError):
+    """A loss or gradient went non-finite; the step is refused so the weights stay intact."""
+
+
+class _Acc:
+    """Diagnostics accumulated as device tensors under no_grad; read back once at the end
+    (a per-minibatch .item() would put a device sync between every backward and forward)."""
+
+    def __init__(self, n_epochs: int) -> None:
+        self.s: dict[str, torch.Tensor | float] = {}
+        self.epoch_kl = [0.0] * n_epochs
+        self.epoch_clip = [0.0] * n_epochs
+        self.epoch_n = [0.0] * n_epochs
+        self.ratio_dev = 0.0
+        self.grad_norm_actor: list[torch.Tensor] = []
+        self.grad_norm_critic: list[torch.Tensor] = []
+        self.actor_rows = 0
+        self.actor_forwards = 0
+        self.rows = 0
+        self.choice_rows = 0
+
+    def add(self, key: str, v: torch.Tensor | float) -> None:
+        self.s[key] = self.s.get(key, 0.0) + v
+
+
+def ratio_invariant(ac: ActorCritic, data: Any, perm0: np.ndarray, minibatch_size: int, check: bool,
+                    atol: float, outliers: list[dict[str, Any]] | None = None) -> float:
+    """design 6.4 / 3.3, measured before any optimizer step: on the first minibatch_size CHOICE rows
+    of epoch 0's permutation (a forced row's ratio is exactly 1 and says nothing), every ratio
+    must be 1 to atol. Measured in its own no-grad forward rather than inside the first batch:
+    under critic_only a first batch can hold no choice row, and by the time a later batch's actor
+    runs Adam's momentum has already moved it [M: 3.5e-4 on the smoke profile's iteration 2].
+    `outliers`, when given, is filled with the ten worst samples (design 9.4's bundle), worst first:
+    their label, (cycle, slot) where the data is a rectangle (RectData), ratio and |ratio - 1|."""
+    first = perm0[data.n_legal[perm0] > 1][:minibatch_size]
+    if first.size == 0:
+        return 0.0
+    idx = np.sort(first)
+    m = data.gather(idx)
+    with torch.no_grad():
+        ratio = torch.exp(ac.dist(m.obs, check_noop=False).log_prob(m.action) - m.log_prob)
+        dev = (ratio - 1).abs()
+    worst = float(dev.max())
+    if outliers is not None:
+        top = torch.argsort(dev, descending=True, stable=True)[:10].cpu().numpy()
+        for j, lab in zip(top, data.label(idx[top])):
+            o: dict[str, Any] = {"sample": lab, "ratio": float(ratio[j]), "abs_dev": float(dev[j])}
+            if hasattr(data, "t") and hasattr(data, "r"):
+                o["cycle"], o["slot"] = int(data.t[idx[j]]), int(data.r[idx[j]])
+            outliers.append(o)
+    if check and not worst <= atol:
+        rows = idx[torch.argsort(dev, descending=True)[:10].cpu().numpy()]
+        raise RatioInvariantError(
+            f"ratio invariant broken: max |ratio - 1| = {worst:.3g} > ratio_atol {atol:g} on the first "
+            f"minibatch of choice rows, before any step. Worst samples: {data.label(rows)}. Check, in "
+            f"order: (1) the rollout and update masks agree, (2) the codec table is the one the rows "
+            f"were packed with, (3) the weights that acted are the weights being updated (design 3.3, 6.4).")
+    return worst
+
+
+def accumulate_batch(ac: ActorCritic, data: Any, bidx: np.ndarray, ppo: "PPOArgs", ent_coef: float,
+                     ent_coef_noop: float, acc: _Acc, epoch: int = 0, debug: bool = True) -> None:
+    """Forward and backward one batch, minibatch by minibatch; leaves the summed gradient in
+    .grad. Under critic_only* the batch's cells are stably partitioned choice rows first, so the
+    actor runs on whole minibatches of choice rows; the critic always runs on every row at
+    weight 1/N. The actor's three terms are sums over its rows divided by N (all, critic_only)
+    or by the batch's choice count (critic_only_choice_mean) -- design 6.5's table."""
+    mode = ppo.forced_rows
+    N = int(len(bidx))
+    nl = data.n_legal[bidx]
+    choice = nl > 1
+    order = bidx if mode == "all" else np.concatenate([bidx[choice], bidx[~choice]])
+    n_choice = int(choice.sum())
+    d_pol = max(n_choice, 1) if mode == "critic_only_choice_mean" else N
+    acc.rows += N
+    acc.choice_rows += n_choice
+    for s in range(0, N, ppo.minibatch_size):
+        # sorted inside the minibatch (locality for the buffer's gather; a sum does not care), so
+        # data.gather returns rows in idx's order and labels line up with rows
+        idx = np.sort(order[s:s + ppo.minibatch_size])
+        m = data.gather(idx)
+        if debug:
+            _debug_checks(m, data, idx)
+        values = ac.value(m.obs)
+        sq = (values - m.ret) ** 2
+        loss = ppo.vf_coef * sq.sum() / N
+        sel = torch.ones_like(m.n_legal, dtype=torch.bool) if mode == "all" else m.n_legal > 1
+        n_actor = len(idx) if mode == "all" else int((data.n_legal[idx] > 1).sum())
+        with torch.no_grad():
+            acc.add("value_sq", sq.sum())
+        if n_actor:
+            obs_a = m.obs if mode == "all" else obs_rows(m.obs, sel)
+            a, old, adv, nla = (m.action, m.log_prob, m.adv, m.n_legal) if mode == "all" else \
+                (m.action[sel], m.log_prob[sel], m.adv[sel], m.n_legal[sel])
+            dist = ac.dist(obs_a, check_noop=debug)
+            logp = dist.log_prob(a)
+            ratio = torch.exp(logp - old)
+            obj = clipped_surrogate(ratio, adv, ppo.clip_range, ppo.dual_clip_c)
+            ent, ent2 = dist.entropy(), dist.noop_entropy()
+            loss = loss + (-obj.sum() - ent_coef * ent.sum() - ent_coef_noop * ent2.sum()) / d_pol
+            acc.actor_rows += n_actor
+            acc.actor_forwards += 1
+            with torch.no_grad():
+                lr = torch.log(ratio)
+                ch = nla > 1
+                chf = ch.to(torch.float32)
+                surr = torch.min(ratio * adv, ratio.clamp(1 - ppo.clip_range, 1 + ppo.clip_range) * adv)
+                kl = (((ratio - 1) - lr) * chf).sum()
+                clip = (((ratio - 1).abs() > ppo.clip_range) & ch).to(torch.float32).sum()
+                acc.add("kl", kl)
+                acc.add("clip", clip)
+                acc.add("dual", ((adv < 0) & (ppo.dual_clip_c * adv > surr) & ch).to(torch.float32).sum())
+                acc.add("entropy", (ent * chf).sum())
+                acc.add("entropy_norm", (ent / torch.log(nla.clamp_min(2).to(torch.float32)) * chf).sum())
+                acc.add("noop_entropy", (ent2 * chf).sum())
+                acc.add("policy_obj_choice", (obj * chf).sum())
+                acc.add("policy_obj_all", obj.sum())
+                acc.epoch_kl[epoch] = acc.epoch_kl[epoch] + kl
+                acc.epoch_clip[epoch] = acc.epoch_clip[epoch] + clip
+        if mode != "all":
+            with torch.no_grad():  # the skipped forced rows' constant surrogate, added back (ratio is 1)
+                acc.add("policy_obj_all", (m.adv * (~sel).to(m.adv.dtype)).sum())
+        acc.epoch_n[epoch] += int((data.n_legal[idx] > 1).sum())
+        loss.backward()
+
+
+def _debug_checks(m: Minibatch, data: Any, idx: np.ndarray) -> None:
+    """The two mask asserts of design 5.3 and the n_legal column check of design 6.5, debug iterations."""
+    legal = m.obs.mask.gather(-1, m.action.unsqueeze(-1)).squeeze(-1)
+    if not bool(legal.all()):
+        bad = np.asarray(idx)[(~legal).cpu().numpy()][:10]
+        raise StoredActionIllegal(f"stored actions illegal under their stored masks at {data.label(bad)}: "
+                                  f"the rollout and update masks disagree (a mask bug, not a learning problem)")
+    if not bool(torch.isfinite(m.log_prob).all()):
+        bad = np.asarray(idx)[(~torch.isfinite(m.log_prob)).cpu().numpy()][:10]
+        raise NonFiniteLogProb(f"stored log-probs not finite at {data.label(bad)}")
+    cnt = m.obs.mask.sum(-1)
+    if not bool((cnt == m.n_legal).all()):
+        bad = np.asarray(idx)[(cnt != m.n_legal).cpu().numpy()][:10]
+        raise MaskCountMismatch(f"n_legal column disagrees with the unpacked mask at {data.label(bad)}: the "
+                                f"minibatch gather put one row's count beside another row's observation")
+
+
+def _ensure_grads(params: Sequence[nn.Parameter]) -> None:
+    """A batch with no choice row gives the actor a ZERO gradient rather than none, so Adam takes
+    the same momentum step it takes under forced_rows=all (design 6.5)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def make_optimizers(ac: ActorCritic, ppo: "PPOArgs") -> tuple[torch.optim.Adam, torch.optim.Adam]:
+    """Separate Adam for actor and critic (design 6.3): disjoint parameter sets, own lr each."""
+    return (torch.optim.Adam(ac.actor_parameters(), lr=ppo.lr_actor, eps=ppo.adam_eps),
+            torch.optim.Adam(ac.critic_parameters(), lr=ppo.lr_critic, eps=ppo.adam_eps))
+
+
+def _flat(params: Sequence[nn.Parameter]) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer, data: Any,
+               ppo: "PPOArgs", *, ent_coef: float, ent_coef_noop: float, master_seed: int, iteration: int,
+               debug: bool, check_ratio: bool, ratio_atol: float,
+               ratio_outliers: list[dict[str, Any]] | None = None) -> dict[str, float]:
+    """n_epochs passes over data in batches of ppo.batch_size (the last one smaller, never
+    dropped), one optimizer step per batch, each optimizer's gradient clipped on its own.
+    The permutation comes from ppo/minibatch/iteration/{i}/epoch/{e} (design 2.2). ratio_outliers:
+    see ratio_invariant (filled only when given; nothing of it enters the returned row)."""
+    acc = _Acc(ppo.n_epochs)
+    pa, pc = ac.actor_parameters(), ac.critic_parameters()
+    before_a, before_c = _flat(pa), _flat(pc)
+    steps = 0
+    perm0 = derive_generator(master_seed, f"ppo/minibatch/iteration/{iteration}/epoch/0").permutation(data.n)
+    acc.ratio_dev = ratio_invariant(ac, data, perm0, ppo.minibatch_size, check_ratio, ratio_atol, ratio_outliers)
+    for e in range(ppo.n_epochs):
+        perm = perm0 if e == 0 else \
+            derive_generator(master_seed, f"ppo/minibatch/iteration/{iteration}/epoch/{e}").permutation(data.n)
+        for start in range(0, data.n, ppo.batch_size):
+            opt_actor.zero_grad(set_to_none=True)
+            opt_critic.zero_grad(set_to_none=True)
+            accumulate_batch(ac, data, perm[start:start + ppo.batch_size], ppo, ent_coef, ent_coef_noop, acc,
+                             epoch=e, debug=debug)
+            _ensure_grads(pa)
+            _ensure_grads(pc)
+            gna = nn.utils.clip_grad_norm_(pa, ppo.max_grad_norm)   # returns the PRE-clip norm
+            gnc = nn.utils.clip_grad_norm_(pc, ppo.max_grad_norm)
+            if not bool(torch.isfinite(gna) & torch.isfinite(gnc)):  # one sync per optimizer step
+                raise NonFiniteGradient(f"non-finite gradient at iteration {iteration} epoch {e} batch "
+                                        f"{start // ppo.batch_size}: actor norm {float(gna)}, critic norm {float(gnc)}")
+            acc.grad_norm_actor.append(gna.detach())
+            acc.grad_norm_critic.append(gnc.detach())
+            opt_actor.step()
+            opt_critic.step()
+            steps += 1
+    s = {k: float(v) for k, v in acc.s.items()}
+    nc = max(acc.choice_rows, 1)
+    ga, gc = torch.stack(acc.grad_norm_actor), torch.stack(acc.grad_norm_critic)
+    out = {
+        "ppo/policy_loss": -s.get("policy_obj_all", 0.0) / max(acc.rows, 1),
+        "ppo/policy_loss_choice": -s.get("policy_obj_choice", 0.0) / nc,
+        "ppo/value_loss": s.get("value_sq", 0.0) / max(acc.rows, 1),
+        "ppo/entropy": s.get("entropy", 0.0) / nc,
+        "ppo/entropy_normalised": s.get("entropy_norm", 0.0) / nc,
+        "ppo/noop_entropy": s.get("noop_entropy", 0.0) / nc,
+        "ppo/kl": s.get("kl", 0.0) / nc,
+        "ppo/clip_fraction": s.get("clip", 0.0) / nc,
+        "ppo/dual_clip_fraction": s.get("dual", 0.0) / nc,
+        "ppo/forced_frac": 1.0 - acc.choice_rows / max(acc.rows, 1),
+        "ppo/actor_rows": float(acc.actor_rows),
+        "ppo/actor_forwards": float(acc.actor_forwards),
+        "ppo/optimizer_steps": float(steps),
+        "ppo/actor_rows_seen": float(acc.rows),
+        "ppo/ratio_max_abs_dev": float(acc.ratio_dev) if acc.ratio_dev is not None else 0.0,
+        "ppo/grad_norm_actor": float(ga.mean()), "ppo/grad_norm_actor_max": float(ga.max()),
+        "ppo/grad_norm_critic": float(gc.mean()), "ppo/grad_norm_critic_max": float(gc.max()),
+        "ppo/update_magnitude_actor": float((_flat(pa) - before_a).norm()),
+        "ppo/update_magnitude_critic": float((_flat(pc) - before_c).norm()),
+    }
+    for e in range(ppo.n_epochs):
+        n = max(acc.epoch_n[e], 1)
+        out[f"ppo/kl_epoch{e}"] = float(acc.epoch_kl[e]) / n
+        out[f"ppo/clip_fraction_epoch{e}"] = float(acc.epoch_clip[e]) / n
+    return out
+
+
+class LrBackoff:
+    """If kl > kl_threshold for `patience` consecutive iterations, multiply both learning rates
+    by factor (floored at lr_min), reset the counter, and report the event (design 6.3). The
+    counter and the current rates are checkpointed."""
+
+    def __init__(self, cfg: "LrBackoffArgs", lr_actor: float, lr_critic: float) -> None:
+        self.cfg, self.lr_actor, self.lr_critic, self.count = cfg, lr_actor, lr_critic, 0
+
+    def observe(self, kl: float) -> bool:
+        self.count = self.count + 1 if kl > self.cfg.kl_threshold else 0
+        if self.count < self.cfg.patience:
+            return False
+        self.count = 0
+        self.lr_actor = max(self.lr_actor * self.cfg.factor, self.cfg.lr_min)
+        self.lr_critic = max(self.lr_critic * self.cfg.factor, self.cfg.lr_min)
+        return True
+
+    def apply(self, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer) -> None:
+        for g in opt_actor.param_groups:
+            g["lr"] = self.lr_actor
+        for g in opt_critic.param_groups:
+            g["lr"] = self.lr_critic
+
+    def state(self) -> dict[str, Any]:
+        return {"count": self.count, "lr_actor": self.lr_actor, "lr_critic": self.lr_critic}
+
+    def load_state(self, d: dict[str, Any]) -> None:
+        self.count, self.lr_actor, self.lr_critic = int(d["count"]), float(d["lr_actor"]), float(d["lr_critic"])
+
+
+
+# --- 7. Iteration invariants (design 10.1) -------------------------------------------------------
+# Judged on what collection wrote, before anything learns from it: a refused batch is never
+# trained on. Each raises a named exception carrying the offending slot and cycle.
+
+
+class IterationInvariantError(AssertionError):
+    """Base of the design 10.1 invariants."""
+
+
+class RoundsMissing(IterationInvariantError): ...
+class TrainableRowsShort(IterationInvariantError): ...
+class DeployRefused(IterationInvariantError): ...
+class EpisodesUnpaired(IterationInvariantError): ...
+class MixtureDrifted(IterationInvariantError): ...
+class AssignmentInsideEpisode(IterationInvariantError): ...
+class ForcedRowInconsistent(IterationInvariantError): ...
+
+
+def _cells(mask: np.ndarray, n: int = 10) -> str:
+    t, r = np.nonzero(mask)
+    return ", ".join(f"(cycle {a}, slot {b})" for a, b in zip(t[:n].tolist(), r[:n].tolist())) + \
+        (f" and {len(t) - n} more" if len(t) > n else "")
+
+
+def check_iteration(*, rounds: int, expected_rounds: int, trainable: np.ndarray, timesteps_per_iteration: int,
+                    log_prob: np.ndarray, action_legal: np.ndarray, deploy_status: np.ndarray,
+                    episode_end: np.ndarray, group: np.ndarray, discarded_rows_frac: float,
+                    expected_discarded_frac: float, action: np.ndarray, n_legal: np.ndarray) -> None:
+    """Every array is (T, R) in cycle-major order; slot 2g is battle g's blue seat, 2g+1 red."""
+    if rounds != expected_rounds:
+        raise RoundsMissing(f"{rounds} rounds collected, expected T * shards_per_worker = {expected_rounds}")
+    if trainable.sum() < 0.98 * timesteps_per_iteration:
+        raise TrainableRowsShort(f"{int(trainable.sum())} trainable cells, under 98% of ppo.timesteps_per_iteration "
+                                 f"{timesteps_per_iteration}: workers died or the mixture starves the learner")
+    bad = trainable & ~np.isfinite(log_prob)
+    if bad.any():
+        raise NonFiniteLogProb(f"non-finite stored log-prob at {_cells(bad)}")
+    bad = trainable & ~action_legal
+    if bad.any():
+        raise StoredActionIllegal(f"stored action illegal under its stored mask at {_cells(bad)}")
+    bad = trainable & (deploy_status > 0)
+    if bad.any():
+        raise DeployRefused(f"the engine refused a deploy the mask allowed at {_cells(bad)}")
+    blue, red = episode_end[:, 0::2], episode_end[:, 1::2]
+    if blue.shape != red.shape or (blue != red).any():
+        g = np.zeros_like(episode_end, dtype=bool)
+        g[:, 0::2] = blue != red
+        raise EpisodesUnpaired(f"a battle's two seats ended episodes on different cycles at {_cells(g)}")
+    if abs(discarded_rows_frac - expected_discarded_frac) >= 0.05:
+        raise MixtureDrifted(f"discarded_rows_frac {discarded_rows_frac:.3f} vs {expected_discarded_frac:.3f} expected "
+                             f"from ladder.mix: the matchmaker is not drawing the configured mixture")
+    changed = np.zeros_like(group, dtype=bool)
+    changed[1:] = (group[1:] != group[:-1]) & ~episode_end[:-1].astype(bool)
+    if changed.any():
+        raise AssignmentInsideEpisode(f"a slot's policy group changed mid-episode at {_cells(changed)}")
+    forced = trainable & (n_legal == 1)
+    bad = forced & ((log_prob != 0.0) | (action != 0))
+    if bad.any():
+        raise ForcedRowInconsistent(f"forced cells (one legal action) must store log-prob exactly 0.0 and the no-op "
+                                    f"(design 6.5); not so at {_cells(bad)}")
+
+
+
+# --- 8. The loop (design 10.1) ---------------------------------------------------------------------
+# train() reads top to bottom: set up once, then per iteration plan and collect -> critic pass ->
+# invariants -> advantages -> update -> ladder step -> record. Each step is a named call defined
+# below it; what lives across iterations sits in two small structures, the Learner (what learns
+# and what its checkpoint restores) and the Run (the directory and what is written into it).
+
+
+def train(args: Args, *, max_iterations: int | None = None, quiet: bool = False, resume: Path | None = None,
+          allow_identity_drift: bool = False) -> Path:
+    """Train until args.timestep_limit learner transitions (or max_iterations); return the run
+    directory. With `resume` (a checkpoint folder) the run continues in its own directory: the
+    identity must equal the checkpoint's field for field (design 2.4), and the learner, the RNG,
+    the farm's episode ordinals and the ladder are restored. The process-wide determinism settings
+    are put back on the way out, so a caller in the same process (a test, checks.py) keeps its own."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
+    try:
+        return _train(args, max_iterations, quiet, resume, allow_identity_drift)
+    finally:
+        torch.use_deterministic_algorithms(saved[0])
+        torch.set_num_threads(saved[1])
+
+
+def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | None, allow_drift: bool) -> Path:
+    t_start = time.perf_counter()
+    # -- set up, once --
+    apply_determinism(args)                   # design 2.1: before the first tensor exists
+    env = read_env(args)                      # geometry, codec table and T x R, read off a reset env
+    learner = Learner(args, env)              # the network, its optimizers, scaler, backoff, positions
+    run = open_run(args, env, learner, resume, allow_drift, quiet, t_start)   # identity; a resume restores
+    lad = LadderLoop(args, run.path, run.rid, args.master_seed, env.n_battles, env.spec, env.table, env.device)
+    opening = start_ladder(lad, run, learner, env)   # v0 admitted free, or the checkpoint's pool
+    source = open_farm(args, env, run.start_ordinals, lad.assign)
+    view = RectView(source.rect, env, args.obs.frame_stack)
+    first = learner.iteration
+    run.announce(env)
+    try:
+        while learner.timesteps < args.timestep_limit and (max_iterations is None or learner.iteration < max_iterations):
+            iteration, t_it = learner.iteration, time.perf_counter()
+            sched = learner.schedule_values(args)        # gamma and entropy coefficients at this env step
+            # 1. plan and collect. A battle mid-episode keeps its assignment (design 3.6); what the
+            #    boundary held is kept so an emergency save can return to it (design 10.3)
+            ordinals = [int(x) for x in source.ordinals]
+            plan = lad.plan(iteration, source.ordinals, opening if iteration == first else source.assignment)
+            view.new_iteration(renumber=iteration > first)
+            source.begin_iteration(plan)
+            run.boundary, run.phase = Boundary(ordinals, lad.state(list(plan.assignment))), "collect"
+            roll = collect(source, view, learner.model, lad, env, run, iteration, first, sched["gamma"], t_it)
+            # 2. the critic on every cell and the bootstrap row; it also reads each cell's legality
+            crit = critic_pass(learner.model, view, source, roll.action, env, args.ppo.critic_chunk)
+            # 3. judged on what collection wrote, before anything learns from it (design 10.1)
+            check_rollout(roll, crit, env, args)
+            # 4. advantages: scale the rewards, one GAE scan, standardise once (design 6.1, 6.2)
+            run.phase = "learn"   # the scaler, the weights and the optimizers change from here on
+            adv = advantages(learner.scaler, roll, crit, sched["gamma"], args)
+            # 5. the PPO update over the trainable cells, then the kl backoff (design 6.3)
+            upd = update(learner, view, roll, crit, adv, sched, args)
+            learner.advance(sched, env, roll, upd)
+            # 6. the ladder's share: train results, gate, floor admit, refit, probe (design 7)
+            lad_row = ladder_step(lad, learner, roll.episodes, env, args, quiet)
+            # 7. record: the row, the episodes, the alarms; a halt saves and stops; a checkpoint on
+            #    its cadence (design 9, 8)
+            row = metric_row(args, env, learner, run, lad, roll, crit, adv, upd, lad_row)
+            run.phase = "boundary"
+            fired = run.record(row, roll.episodes)
+            halt_if_asked(run, learner, source, lad, fired, upd["outliers"])
+            ctl = read_control(run.path, quiet)
+            if checkpoint_due(learner, env, args, ctl, lad_row):
+                run.timed_save(learner, boundary_now(source, lad))
+            if ctl == "q":
+                break
+        if run.last_saved != learner.env_steps:   # the limit: save on the way out unless the last save holds it
+            save_checkpoint(run, learner, boundary_now(source, lad))
+    except (Exception, KeyboardInterrupt) as exc:   # KeyboardInterrupt is named: it is not an Exception
+        emergency_save(run, learner, source, lad, exc)
+        raise
+    finally:
+        source.close()
+        run.close()
+    return run.path
+
+
+# The set-up steps, in the order train() calls them.
+
+def apply_determinism(args: Args) -> None:
+    """Determinism tier run_exact (design 2.1): deterministic kernels, no tf32, fixed thread count."""
+    torch.set_num_threads(args.determinism.torch_threads)
+    if args.determinism.tier == "run_exact":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+@dataclass
+class Env:
+    """What the run is built on, read once at start-up off a built and reset env (design 3.8)."""
+    spec: Any                 # farm.EnvSpec: what every worker builds
+    table: Any                # codec.CodecTable decided from the obs space
+    statics: torch.Tensor     # the static planes of the board, on the device
+    geo: NetGeometry
+    facts: EnvFacts           # what the identity needs from the env and the codec
+    device: torch.device
+    n_battles: int
+    R: int                    # slots: two seats a battle
+    T: int                    # cycles an iteration
+    learner_rows: int         # learner seats a cycle
+    n_shards: int             # shard-rounds a cycle: workers x shards_per_worker
+
+
+def read_env(args: Args) -> Env:
+    """Build one env, reset it, and read off it everything the run needs: the codec table, the
+    network's geometry, the engine's digests; then size the rectangle (T cycles of R slots) so an
+    iteration holds ppo.timesteps_per_iteration learner rows."""
+    device = resolve_device(args)
+    k, seed = args.obs.frame_stack, args.master_seed
+    spec = farm.default_env_spec(reveal_spell_aim="enemy_spell_aim" in args.obs.reveal,
+                                 max_steps=args.obs.max_steps or None)
+    spec = msgspec.structs.replace(spec, decision_ms=args.obs.decision_ms)
+    env_spec, table = farm.preflight(spec, frame_stack=k, master_seed=seed)
+    vec = farm.build_vec(spec, 1)
+    obs0, _ = vec.reset(seed=0)
+    statics = torch.as_tensor(codec.static_planes(table, obs0), device=device)
+    geo = geometry_from_env(vec.single_observation_space, vec.envs[0].obs_builder, k)
+    eng_cfg = vec.envs[0].config()
+    vec.close()
+    n_battles = args.rollout.workers * args.rollout.games_per_worker
+    # sizing only: the learner's row count follows from the roles, not from the pool
+    mm = ladder.Matchmaker(seed, n_battles, match_config(args.ladder))
+    learner_rows = ladder.learner_rows(mm.plan(0, [0] * n_battles, ladder.Pool(), None))
+    facts = EnvFacts(engine_build=engine_build_from_config(eng_cfg, "RustEngine"),
+                     env_spec_digest=env_spec.env_value_digest, obs_digest=env_spec.obs_digest,
+                     action_digest=sha256_hex(canonical_json({"n_actions": geo.n_actions, "tiles": geo.tiles,
+                                                              "hand_size": geo.hand_size})),
+                     codec_version=codec.CODEC_VERSION, codec_table_digest=table.digest(),
+                     royalegym_version=_pkg_version("royalegym"))
+    return Env(spec=spec, table=table, statics=statics, geo=geo, facts=facts, device=device, n_battles=n_battles,
+               R=2 * n_battles, T=-(-args.ppo.timesteps_per_iteration // learner_rows), learner_rows=learner_rows,
+               n_shards=args.rollout.workers * args.rollout.shards_per_worker)
+
+
+class Learner:
+    """Everything that learns, and what a checkpoint restores of it (design 8): the network, the
+    actor's and the critic's optimizers, the return scaler, the lr backoff, and the positions:
+    iterations, game-steps, learner timesteps, optimizer steps, and the schedule values the last
+    iteration used (None until an iteration completes in this process)."""
+
+    def __init__(self, args: Args, env: Env) -> None:
+        self.model = ActorCritic(env.geo, args.net, args.master_seed).to(env.device)
+        self.opt_a, self.opt_c = make_optimizers(self.model, args.ppo)
+        self.scaler = WelfordReturnScaler(args.advantage.standardize_rewards, args.advantage.reward_clip)
+        self.backoff = LrBackoff(args.ppo.lr_backoff, args.ppo.lr_actor, args.ppo.lr_critic)
+        self.iteration = self.env_steps = self.timesteps = self.updates = 0
+        self.sched: dict[str, float] | None = None
+
+    def schedule_values(self, args: Args) -> dict[str, float]:
+        """The schedules read at this env step (design 1.3: schedules are written in game-steps)."""
+        return {"gamma": args.advantage.gamma.value(self.env_steps), "ent_coef": args.ppo.ent_coef.value(self.env_steps),
+                "ent_coef_noop": args.ppo.ent_coef_noop.value(self.env_steps)}
+
+    def advance(self, sched: dict[str, float], env: Env, roll: Rollout, upd: dict[str, Any]) -> None:
+        """The positions after an iteration's update."""
+        self.iteration += 1
+        self.env_steps += env.T * env.n_battles
+        self.timesteps += int(roll.trainable.sum())
+        self.updates += int(upd["ppo/optimizer_steps"])
+        self.sched = dict(sched)
+
+    def positions(self) -> dict[str, Any]:
+        """The schedule positions a checkpoint stores and state_digest hashes (design 2.4)."""
+        return {**(self.sched or {}), "backoff": self.backoff.state(), "iteration": self.iteration,
+                "env_steps": self.env_steps, "timesteps": self.timesteps, "updates": self.updates}
+
+    def digest(self) -> str:
+        return state_digest(self.model, [self.opt_a, self.opt_c], self.scaler, self.positions())
+
+    def files(self, master_seed: int) -> dict[str, bytes]:
+        return learner_files(self.model, self.opt_a, self.opt_c, self.scaler, self.positions(),
+                             capture_rng(master_seed, self.iteration), {"cumulative_model_updates": self.updates})
+
+    def restore(self, files: dict[str, bytes]) -> None:
+        """The inverse of files(): weights, moments, scaler, backoff, RNG and the counters."""
+        pos, rng, _ = load_learner(files, self.model, self.opt_a, self.opt_c, self.scaler)
+        self.backoff.load_state(pos["backoff"])
+        self.backoff.apply(self.opt_a, self.opt_c)
+        restore_rng(rng)
+        self.iteration, self.env_steps = int(pos["iteration"]), int(pos["env_steps"])
+        self.timesteps, self.updates = int(pos["timesteps"]), int(pos["updates"])
+
+
+class Boundary(NamedTuple):
+    """Where collection stood at an iteration boundary: each battle's episode ordinal and the
+    ladder's state. A checkpoint stores it beside the learner; a resume starts from it."""
+    ordinals: list[int]
+    ladder: dict[str, Any]
+
+
+def boundary_now(source: Any, lad: LadderLoop) -> Boundary:
+    """The boundary the farm and the ladder stand on now (between iterations)."""
+    return Boundary([int(x) for x in source.ordinals], lad.state(list(source.assignment)))
+
+
+def start_ladder(lad: LadderLoop, run: Run, learner: Learner, env: Env) -> list[Any] | None:
+    """A resumed run restores the pool and returns the saved assignment table (the farm's opening
+    plan). A new run admits v0, the initial actor, as the first champion, so the pool and the
+    gauge exist from the first iteration (design 7.4)."""
+    if run.ladder_saved is not None:
+        return lad.load(run.ladder_saved)
+    lad.admit(lad.snapshot(learner.model, learner.env_steps, env.facts.action_digest), learner.env_steps, promote=True)
+    return None
+
+
+def open_farm(args: Args, env: Env, start_ordinals: list[int] | None, assign: Any) -> Any:
+    """The farm of workers (process) or its byte-identical reference (inline), T cycles deep."""
+    r = args.rollout
+    cfg = farm.FarmConfig(env=env.spec, master_seed=args.master_seed, workers=r.workers,
+                          shards_per_worker=r.shards_per_worker, games_per_worker=r.games_per_worker,
+                          cycles=env.T, frame_stack=args.obs.frame_stack, spin_us=r.spin_us,
+                          round_timeout_s=r.round_timeout_s, launch_delay_s=r.launch_delay_s,
+                          max_restarts_per_worker=r.max_restarts_per_worker,
+                          viewer=r.source == "process" and args.metrics.viser, start_ordinals=start_ordinals)
+    return (farm.InlineFarm if r.source == "inline" else farm.ProcessFarm)(cfg, env.table, assign)
+
+
+def frame_stack_rows(t: np.ndarray, k: int) -> np.ndarray:
+    """(n,) cycles -> (n, k) rectangle rows, oldest..newest: cycle c's observation is row c+k-1,
+    so the stack of cycle t is rows t .. t+k-1 (design 1.1: stacking is a gather, not a copy)."""
+    return t[:, None] + np.arange(k)[None, :]
+
+
+def frame_valid(last_start: np.ndarray, t: np.ndarray, r: np.ndarray, k: int) -> np.ndarray:
+    """(n, k) bool: frame j of cell (t, r) is the cycle t-k+1+j; it is live only if it belongs to
+    the episode running at t, i.e. that cycle is not before the episode's first cycle.
+    last_start[c + k - 1, r] is the first cycle of the episode running at cycle c."""
+    cyc = t[:, None] - (k - 1) + np.arange(k)[None, :]
+    return cyc >= last_start[t + k - 1, r][:, None]
+
+
+class RectView:
+    """The farm's rectangle as observations: cell (t, r)'s frame stack, decoded with codec.unpack
+    on the learner's device. It keeps what lives across iterations: for frame liveness,
+    last_start[c + k - 1, r], the first cycle of the episode running at cycle c; for the engine
+    tick count, each battle's tick at the last cycle collected."""
+
+    def __init__(self, rect: np.ndarray, env: Env, k: int) -> None:
+        self.rect, self.table, self.statics, self.k, self.device = rect, env.table, env.statics, k, env.device
+        self.last_start = np.zeros((env.T + k, env.R), np.int64)
+        self.T = env.T
+        self.prev_tick = np.zeros(env.n_battles, np.int64)
+
+    def new_iteration(self, renumber: bool) -> None:
+        """Cycles renumber at an iteration boundary: the last cycle (T) is cycle 0 now."""
+        if renumber:
+            k, T = self.k, self.T
+            self.last_start[:k] = self.last_start[T:T + k] - T
+
+    def mark_round(self, t: int, slots: np.ndarray, new_episode: np.ndarray) -> None:
+        k = self.k
+        prev = self.last_start[t + k - 2, slots] if t + k - 2 >= 0 else np.zeros(len(slots), np.int64)
+        self.last_start[t + k - 1, slots] = np.where(new_episode, t, prev)
+
+    def engine_ticks(self, tick: np.ndarray, valid: np.ndarray) -> int:
+        """Engine ticks the battles advanced this iteration: each battle's tick after cycle t less
+        its tick before it (0 when cycle t starts an episode: a reset is tick 0), seat-0 columns.
+        prev_tick is not checkpointed, so a resumed run's first row counts its battles' ticks from
+        their episode starts: one high reading, under throughput/ where the clock lives."""
+        k, T = self.k, self.T
+        tick = tick[:, 0::2].astype(np.int64)
+        starts = self.last_start[k - 1:T + k - 1, 0::2] == np.arange(T)[:, None]
+        before = np.where(starts, 0, np.vstack([self.prev_tick[None], tick[:-1]]))
+        self.prev_tick = tick[-1].copy()
+        return int(np.clip(np.where(valid[:, 0::2], tick - before, 0), 0, None).sum())
+
+    def obs(self, t: np.ndarray, r: np.ndarray) -> Any:
+        rows = self.rect[frame_stack_rows(t, self.k), r[:, None]]          # (n, k, row_bytes)
+        fv = torch.as_tensor(frame_valid(self.last_start, t, r, self.k), device=self.device) if self.k > 1 else None
+        return codec.unpack(self.table, torch.as_tensor(rows, device=self.device), self.statics,
+                            torch.as_tensor(r % 2, device=self.device), fv)
+
+
+# 1. Plan and collect.
+
+@dataclass
+class Rollout:
+    """One iteration's rectangle as the parent saw it: what each (cycle, slot) cell did, and the
+    farm's scalar columns (rewards, flags, ticks). (T, R) arrays, cycle-major; slot 2g is battle
+    g's blue seat, 2g + 1 its red seat."""
+    action: np.ndarray
+    log_prob: np.ndarray
+    p_noop: np.ndarray        # the rollout's p(no-op) on learner cells
+    card: np.ndarray          # the card id a learner play used, -1 otherwise
+    elixir: np.ndarray        # the learner's own elixir at the cell
+    group: np.ndarray         # who acted: farm.GROUP_LEARNER, a resident snapshot's group, or scripted
+    rounds: int = 0
+    engine_ticks: int = 0
+    t_collect: float = 0.0
+    t_inference: float = 0.0
+    scalars: Any = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    failures: list[Any] = field(default_factory=list)
+    episodes: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, T: int, R: int) -> Rollout:
+        return cls(action=np.zeros((T, R), np.int64), log_prob=np.zeros((T, R), np.float32),
+                   p_noop=np.zeros((T, R), np.float32), card=np.full((T, R), -1, np.int64),
+                   elixir=np.zeros((T, R), np.float32), group=np.full((T, R), farm.GROUP_DEAD, np.int8))
+
+    @property
+    def valid(self) -> np.ndarray:
+        return (self.scalars["flags"] & farm.F_VALID) != 0
+
+    @property
+    def terminated(self) -> np.ndarray:
+        return ((self.scalars["flags"] & farm.F_TERMINATED) != 0) | ~self.valid
+
+    @property
+    def truncated(self) -> np.ndarray:
+        return ((self.scalars["flags"] & farm.F_TRUNCATED) != 0) & self.valid
+
+    @property
+    def trainable(self) -> np.ndarray:
+        return (self.group == farm.GROUP_LEARNER) & self.valid
+
+
+def collect(source: Any, view: RectView, model: ActorCritic, lad: LadderLoop, env: Env, run: Run,
+            iteration: int, first: int, gamma: float, t_it: float) -> Rollout:
+    """T + 1 cycles of rounds (design 3.6). Every round, the parent acts for the seats the workers
+    cannot: each resident snapshot's seats, then the learner's, each in one batched forward in
+    ascending slot order on the cycle's name-addressed uniforms (design 2.2), so an action is a
+    function of (seed, iteration, cycle, slot) alone. Cycle T is the bootstrap row: read, not acted."""
+    T, R = env.T, env.R
+    roll = Rollout.empty(T, R)
+    for t in range(T + 1):
+        run.between_cycles(iteration + 1, t, T, roll.rounds, time.perf_counter() - t_it)
+        u = torch.as_tensor(derive_generator(run.args.master_seed, f"act/iteration/{iteration}/cycle/{t}").random(R),
+                            dtype=torch.float32, device=env.device)
+        for _ in range(env.n_shards):
+            rnd = source.next_round()
+            if t > 0 or iteration == first:   # later iterations carried cycle 0 over in new_iteration
+                view.mark_round(t, rnd.slots, rnd.new_episode)
+            if t == T:
+                continue
+            t0 = time.perf_counter()
+            acts = act_round(rnd, t, u, view, model, lad, env.geo, roll)
+            roll.t_inference += time.perf_counter() - t0
+            source.submit(acts, gamma)
+            roll.rounds += 1
+    roll.t_collect = time.perf_counter() - t_it
+    roll.stats, roll.failures = source.stats(), source.drain_failures()   # the farm's counters (design 3.7, 9.2)
+    roll.scalars, roll.episodes = source.scalars, source.episodes
+    roll.engine_ticks = view.engine_ticks(roll.scalars["tick"], roll.valid)
+    return roll
+
+
+def act_round(rnd: Any, t: int, u: torch.Tensor, view: RectView, model: ActorCritic, lad: LadderLoop,
+              geo: NetGeometry, roll: Rollout) -> np.ndarray:
+    """One shard-round's actions. Pool seats: one forward per resident group, groups ascending,
+    not trainable and so no log-prob. Learner seats: sample, and store what the update needs."""
+    sl = rnd.slots
+    acts = np.zeros(len(sl), np.int64)
+    roll.group[t, sl] = rnd.group
+    for g in sorted({int(x) for x in rnd.group if x >= 0}):
+        prow = np.flatnonzero(rnd.group == g)
+        ps = sl[prow].astype(np.int64)
+        with torch.inference_mode():
+            acts[prow] = lad.policy(g).dist(view.obs(np.full(prow.size, t), ps)).sample(u[ps]).cpu().numpy()
+        roll.action[t, ps] = acts[prow]
+    rows = np.flatnonzero(rnd.group == farm.GROUP_LEARNER)   # ascending slot order
+    if rows.size:
+        ss = sl[rows].astype(np.int64)
+        o = view.obs(np.full(rows.size, t), ss)
+        a, lp, p0 = model.act_and_hold(o, u[ss])
+        cd, el = decision_facts(o.vector, a, geo)
+        roll.card[t, ss] = cd
+        if el is not None:
+            roll.elixir[t, ss] = el
+        roll.p_noop[t, ss] = p0.cpu().numpy()
+        acts[rows] = a.cpu().numpy()
+        roll.action[t, ss] = acts[rows]
+        roll.log_prob[t, ss] = lp.cpu().numpy()
+    return acts
+
+
+# 2. The critic pass.
+
+class Critic(NamedTuple):
+    values: np.ndarray        # (T + 1, R): row T is the bootstrap
+    final_values: np.ndarray  # (T, R): the critic on a truncated episode's final observation
+    n_legal: np.ndarray       # (T, R): legal actions under the stored mask (1: a forced cell)
+    legal: np.ndarray         # (T, R): the stored action is legal under the stored mask
+    seconds: float
+
+
+def critic_pass(model: ActorCritic, view: RectView, source: Any, action: np.ndarray, env: Env, chunk: int) -> Critic:
+    """The critic over every cell and the bootstrap row, in chunks (an unchunked pass is a memory
+    spike). The same decoded masks give each cell's legal-action count and whether its stored
+    action was legal, which the invariants and the forced-row split read (design 6.5, 10.1)."""
+    t0 = time.perf_counter()
+    T, R, k = env.T, env.R, view.k
+    tt, rr = np.meshgrid(np.arange(T + 1), np.arange(R), indexing="ij")
+    tt, rr = tt.ravel(), rr.ravel()
+    values = np.zeros(T * R + R, np.float32)
+    n_legal = np.zeros(T * R + R, np.int64)
+    legal = np.ones(T * R + R, bool)
+    act_flat = np.concatenate([action.ravel(), np.zeros(R, np.int64)])
+    with torch.no_grad():
+        for s in range(0, tt.size, chunk):
+            o = view.obs(tt[s:s + chunk], rr[s:s + chunk])
+            n = len(o.vector)
+            values[s:s + n] = model.value(o).cpu().numpy()
+            n_legal[s:s + n] = o.mask.sum(-1).cpu().numpy()
+            a_t = torch.as_tensor(act_flat[s:s + n], device=env.device)
+            legal[s:s + n] = o.mask.gather(1, a_t[:, None]).squeeze(1).cpu().numpy()
+        final_values = values.reshape(T + 1, R)[1:].copy()      # truncated without a final obs
+        for (ft, fr), raw in sorted(source.finals.items()):
+            rows = source.rect[frame_stack_rows(np.array([ft + 1]), k)[0], fr].copy()
+            rows[-1] = raw
+            fo = codec.unpack(env.table, torch.as_tensor(rows[None], device=env.device), env.statics,
+                              torch.as_tensor([fr % 2], device=env.device), None)
+            final_values[ft, fr] = float(model.value(fo)[0])
+    return Critic(values.reshape(T + 1, R), final_values, n_legal.reshape(T + 1, R)[:T],
+                  legal.reshape(T + 1, R)[:T], time.perf_counter() - t0)
+
+
+# 3. The invariants.
+
+def check_rollout(roll: Rollout, crit: Critic, env: Env, args: Args) -> None:
+    """check_iteration (section 7) on this iteration. A worker that died leaves its cells invalid,
+    so after a failure the row count and the mixture are judged on what did arrive."""
+    trainable, valid = roll.trainable, roll.valid
+    discarded = 1 - trainable.sum() / max(valid.sum(), 1)
+    check_iteration(rounds=roll.rounds, expected_rounds=env.T * env.n_shards, trainable=trainable,
+                    timesteps_per_iteration=0 if roll.failures else args.ppo.timesteps_per_iteration,
+                    log_prob=roll.log_prob, action_legal=crit.legal, deploy_status=roll.scalars["deploy_status"],
+                    episode_end=roll.scalars["episode_end"] != 0, group=roll.group, discarded_rows_frac=discarded,
+                    expected_discarded_frac=discarded if roll.failures else 1 - env.learner_rows / env.R,
+                    action=roll.action, n_legal=crit.n_legal)
+
+
+# 4. Advantages.
+
+class Advantages(NamedTuple):
+    adv: np.ndarray           # (T, R), standardised over the cells that reach the update
+    ret: np.ndarray           # (T, R) GAE returns: the critic's targets
+    stats: dict[str, Any]     # the choice cells' advantage before standardising, their explained variance
+    explained_variance: float
+    reward_clip_frac: float
+    seconds: float
+
+
+def advantages(scaler: WelfordReturnScaler, roll: Rollout, crit: Critic, gamma: float, args: Args) -> Advantages:
+    """Rewards divided by the running std of raw returns (design 6.2), GAE in one backward scan
+    over the rectangle (design 6.1), then one standardisation over the cells the update reads:
+    every trainable cell, or under critic_only_choice_mean the choice cells alone (design 6.5)."""
+    t0 = time.perf_counter()
+    T = roll.action.shape[0]
+    trainable = roll.trainable
+    rewards = np.where(roll.valid, roll.scalars["reward"], 0.0).astype(np.float64)
+    scaler.update(discounted_return_per_episode(rewards, roll.terminated | roll.truncated, gamma)[trainable])
+    rew_scaled, reward_clip_frac = scaler.scale(rewards)
+    vals_t = torch.as_tensor(crit.values, dtype=torch.float32)
+    adv, ret = gae(torch.as_tensor(rew_scaled), vals_t, torch.as_tensor(crit.final_values),
+                   torch.as_tensor(roll.terminated), torch.as_tensor(roll.truncated), gamma, args.advantage.gae_lambda)
+    adv_np = adv.numpy()
+    choice = trainable & (crit.n_legal > 1)
+    pre = adv_np[choice]
+    stats = {"ppo/advantage_std_choice_pre_norm": float(pre.std(ddof=1)) if pre.size > 1 else None,
+             "ppo/advantage_mean_choice": float(pre.mean()) if pre.size else None,
+             "ppo/explained_variance_choice": explained_variance(
+                 vals_t[:T][torch.as_tensor(choice)], ret[torch.as_tensor(choice)]) if pre.size > 1 else None}
+    ev = explained_variance(vals_t[:T][torch.as_tensor(trainable)], ret[torch.as_tensor(trainable)])
+    cells = choice if args.ppo.forced_rows == "critic_only_choice_mean" else trainable
+    if args.ppo.advantage_standardization and cells.sum() > 1:
+        adv_np = standardize_advantages(adv_np, cells)
+    return Advantages(adv_np, ret.numpy(), stats, ev, reward_clip_frac, time.perf_counter() - t0)
+
+
+# 5. The update.
+
+def update(learner: Learner, view: RectView, roll: Rollout, crit: Critic, adv: Advantages,
+           sched: dict[str, float], args: Args) -> dict[str, Any]:
+    """ppo_update (section 6) over the trainable cells, the mask asserts on the first
+    debug_assert_iterations and the ratio invariant on its cadence (design 6.4); then the kl
+    backoff. Returns the update's ppo/ keys plus "outliers" (the ten worst ratios, for a bundle)."""
+    t0 = time.perf_counter()
+    ct, cr = np.nonzero(roll.trainable)
+    data = RectData(view, ct, cr, roll.action[ct, cr], roll.log_prob[ct, cr], adv.adv[ct, cr], adv.ret[ct, cr],
+                    crit.n_legal[ct, cr])
+    it, p = learner.iteration, args.ppo
+    debug = it < p.debug_assert_iterations
+    outliers: list[dict[str, Any]] = []
+    upd: dict[str, Any] = ppo_update(learner.model, learner.opt_a, learner.opt_c, data, p, ent_coef=sched["ent_coef"],
+                                     ent_coef_noop=sched["ent_coef_noop"], master_seed=args.master_seed, iteration=it,
+                                     debug=debug, check_ratio=debug or it % p.check_ratio_invariant_every == 0,
+                                     ratio_atol=ratio_atol(args), ratio_outliers=outliers)
+    upd["run/lr_backoff"] = learner.backoff.observe(upd["ppo/kl"])
+    if upd["run/lr_backoff"]:
+        learner.backoff.apply(learner.opt_a, learner.opt_c)
+    upd["time/update"] = time.perf_counter() - t0
+    upd["outliers"] = outliers
+    return upd
+
+
+class RectData:
+    """UpdateData over the rectangle (section 6's two-method seam): one minibatch's rows, with
+    their frame stacks, decoded on the learner's device, beside the columns the update reads."""
+
+    def __init__(self, view: RectView, cells_t: np.ndarray, cells_r: np.ndarray, action: np.ndarray,
+                 log_prob: np.ndarray, adv: np.ndarray, ret: np.ndarray, n_legal: np.ndarray) -> None:
+        self.view, self.t, self.r = view, cells_t, cells_r
+        self.n = int(len(cells_t))
+        self.cols = {name: torch.as_tensor(v, device=view.device) for name, v in
+                     (("action", action.astype(np.int64)), ("log_prob", log_prob.astype(np.float32)),
+                      ("adv", adv.astype(np.float32)), ("ret", ret.astype(np.float32)), ("n_legal", n_legal.astype(np.int64)))}
+        self.n_legal = n_legal.astype(np.int64)
+
+    def gather(self, idx: np.ndarray) -> Minibatch:
+        i = torch.as_tensor(idx, device=self.view.device)
+        c = self.cols
+        return Minibatch(self.view.obs(self.t[idx], self.r[idx]), c["action"][i], c["log_prob"][i], c["adv"][i],
+                         c["ret"][i], c["n_legal"][i])
+
+    def label(self, idx: Sequence[int]) -> list[str]:
+        return [f"(cycle {int(self.t[i])}, slot {int(self.r[i])})" for i in idx]
+
+
+# 6. The ladder step.
+
+def ladder_step(lad: LadderLoop, learner: Learner, episodes: list[Any], env: Env, args: Args, quiet: bool) -> dict[str, Any]:
+    """The ladder's work after an update, in this order (design 10.1): the kind="train" results,
+    the gate on its cadence, a floor admit, a refit, the probe; returns the row's ladder keys that
+    this iteration produced (the gate's and the probe's time, the probe's scores, role counts)."""
+    L, step = args.ladder, learner.env_steps
+    lad.record_train(episodes, learner.iteration, step)
+    row: dict[str, Any] = {}
+    if step - lad.last_candidate_step >= max(L.candidate_every_env_steps, 1):
+        t0 = time.perf_counter()
+        dec = lad.gate(learner.model, learner.iteration, step, env.facts.action_digest)
+        row["time/gate"] = time.perf_counter() - t0
+        if not quiet:
+            print(f"gate {dec.candidate} vs {dec.champion}: {dec.outcome}"
+                  + (f" (failed: {', '.join(dec.failed)})" if dec.failed else ""), flush=True)
+    if step - lad.last_floor_step >= max(L.floor_admit_every_env_steps, 1):
+        lad.floor(learner.model, step, env.facts.action_digest)
+    if L.refit_every_iterations and learner.iteration % L.refit_every_iterations == 0:
+        lad.refit()
+    if L.probe_every_iterations and learner.iteration % L.probe_every_iterations == 0:
+        row.update(lad.probe(learner.model, learner.iteration, step))
+    ended = {(e.battle, e.ordinal): e for e in episodes}
+    row.update(ladder.role_count_metrics(
+        [farm.Assignment(battle=b, ordinal=o, role={"mirror": farm.ROLE_MIRROR, "pool": farm.ROLE_POOL}.get(
+            e.bucket, farm.ROLE_SCRIPTED), opponent_id=None, group=(-1, -1), learner_seat=-1)
+         for (b, o), e in sorted(ended.items())], lad.mm.roles))
+    return row
+
+
+# 7. Record: the halt, the control file and the checkpoint cadence.
+
+def halt_if_asked(run: Run, learner: Learner, source: Any, lad: LadderLoop, fired: list[tuple[Alarm, float]],
+                  outliers: list[dict[str, Any]]) -> None:
+    """A halting alarm stops the run after its row is on disk, with a checkpoint of the learner
+    the row describes and a diagnostic bundle beside it (design 9.4)."""
+    halts = [(a, v) for a, v in fired if a.severity == "halt"]
+    if not halts:
+        return
+    ck = save_checkpoint(run, learner, boundary_now(source, lad))
+    (alarm, value), it = halts[0], learner.iteration
+    bundle = write_bundle(run.path, it, alarm, value, run.tail, ck, run.args, run.identity, episodes=run.ep_tail,
+                          alarm_rows=run.alarm_rows, ratio_outliers=outliers)
+    raise AlarmHalt(f"halted at iteration {it} by {alarm.name} ({alarm.key} = {value:.4g}); checkpoint {ck}; "
+                    f"bundle {bundle}; resume: python ppo_clash.py --resume {run.path} --checkpoint {ck}")
+
+
+def read_control(run: Path, quiet: bool) -> str:
+    """Read <run>/control at the iteration boundary (the only point a resume can start from):
+    "c" checkpoint now, "q" checkpoint and quit, "p" pause until the file says otherwise. The file
+    is removed once acted on. Acted on per iteration, not per round (design 10.3)."""
+    f = run / "control"
+    if not f.exists():
+        return ""
+    cmd = f.read_text().strip()[:1]
+    while cmd == "p":
+        if not quiet:
+            print(f"paused: edit or remove {f} to continue", flush=True)
+        time.sleep(1.0)
+        cmd = f.read_text().strip()[:1] if f.exists() else ""
+    if f.exists():
+        f.unlink()
+    return cmd
+
+
+def checkpoint_due(learner: Learner, env: Env, args: Args, ctl: str, lad_row: dict[str, Any]) -> bool:
+    """On the every_env_steps cadence, when the control file asks, and after every gate whatever it
+    decided (design 7.4), so a candidate's learner can always be resumed."""
+    every, step = max(args.checkpoint.every_env_steps, 1), learner.env_steps
+    return step // every > (step - env.T * env.n_battles) // every or ctl in ("c", "q") or "time/gate" in lad_row
+
+
+def emergency_save(run: Run, learner: Learner, source: Any, lad: LadderLoop, exc: BaseException) -> None:
+    """On a crash or Ctrl-C (design 10.3): only a learner on an iteration boundary can be resumed,
+    so save while collecting (the learner is still the last boundary's, and so is the saved
+    boundary) or after the row, never halfway through an update. The save must not hide the
+    original failure."""
+    if isinstance(exc, AlarmHalt) or learner.sched is None or run.phase == "learn" or run.last_saved == learner.env_steps:
+        return
+    try:
+        ck = save_checkpoint(run, learner, run.boundary if run.phase == "collect" else boundary_now(source, lad))
+        print(f"emergency checkpoint {ck} after {type(exc).__name__}; resume: python ppo_clash.py "
+              f"--resume {run.path} --checkpoint {ck}", file=sys.stderr)
+    except Exception as e2:
+        print(f"emergency checkpoint failed: {e2!r}", file=sys.stderr)
+
+
+# --- 9. The run: its identity, its directory, what it writes (design 2.3, 9) ----------------------
 # run_id = sha256 of the identity's canonical JSON, first 16 hex. Included even though they look
 # cosmetic, because each changes the byte stream: master_seed, workers, games_per_worker,
-# shards_per_worker, timesteps_per_iteration, determinism tier, device kind. Excluded, recorded
-# only, because none can change a number: run_name, runs_dir, wandb and console settings,
-# checkpoint.keep, alarm thresholds. The identity is built from the sections that change numbers,
-# so an excluded field cannot leak in.
+# shards_per_worker, timesteps_per_iteration, determinism tier, device kind, and the code itself.
+# Excluded, recorded only, because none can change a number: run_name, runs_dir, wandb and
+# console settings, checkpoint.keep, alarm thresholds. The identity is built from the sections
+# that change numbers, so an excluded field cannot leak in.
 
-IDENTITY_FORMAT = 1
+IDENTITY_FORMAT = 2
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The hashed form of anything we record: msgspec JSON with sorted keys (design 2.3)."""
+    return msgspec.json.encode(obj, order="deterministic")
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def dict_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every leaf that differs between two nested dicts, as 'path: old -> new'. The config, the
+    identity and the architecture are all compared with it, so every refusal names fields alike."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += dict_diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
 
 
 class EngineBuild(msgspec.Struct, frozen=True):
@@ -1564,7 +2077,7 @@ class EngineBuild(msgspec.Struct, frozen=True):
 
 class RunIdentity(msgspec.Struct, frozen=True, omit_defaults=True):
     format_version: int
-    harness_version: str                 # spec's royalelearn_version: this project
+    harness_version: str                 # this project
     harness_git: str
     royalegym_version: str
     royalegym_git: str
@@ -1600,7 +2113,7 @@ class EnvFacts(msgspec.Struct, frozen=True):
 
 def engine_build_from_config(cfg: dict[str, Any], engine_class: str) -> EngineBuild:
     """From ClashParallelEnv.config(): the engine's own digests and binary hash, never a second
-    opinion computed here (spec 5.3)."""
+    opinion computed here (design 2.3)."""
     params = cfg.get("engine", {}).get("params", {}) if isinstance(cfg.get("engine"), dict) else {}
     cards = params.get("cards") or []
     return EngineBuild(engine_class=engine_class, calibration_digest=str(cfg.get("calibration_digest")),
@@ -1619,15 +2132,43 @@ def device_kind(device: torch.device | str) -> str:
     return f"{d.type}:{platform.machine()}"
 
 
-def user_code_digest(paths: Sequence[Path] | None = None) -> dict[str, str]:
-    """The harness's own scripts by content, line endings normalised: an edit is a new run."""
-    here = Path(__file__).resolve().parent
-    files = paths if paths is not None else [here / f for f in ("codec.py", "farm.py", "ladder.py", "ppo_clash.py")]
-    h = hashlib.sha256()
-    for p in sorted(Path(f) for f in files):
-        if p.exists():
-            h.update(p.name.encode() + b"\0" + p.read_bytes().replace(b"\r\n", b"\n") + b"\0")
-    return {"clash_ppo": h.hexdigest()}
+def code_tokens(source: bytes) -> bytes:
+    """A script's code as its token stream: comments, blank lines, line breaks inside brackets,
+    indentation widths and docstrings (a string that is a whole statement) are not code."""
+    import io
+    import tokenize
+    skip = (tokenize.COMMENT, tokenize.NL, tokenize.ENCODING)
+    toks = [t for t in tokenize.tokenize(io.BytesIO(source).readline) if t.type not in skip]
+    starts = (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+    out, i = [], 0
+    while i < len(toks):
+        t = toks[i]
+        if (t.type == tokenize.STRING and (i == 0 or toks[i - 1].type in starts)
+                and i + 1 < len(toks) and toks[i + 1].type == tokenize.NEWLINE):
+            i += 2   # a docstring and the end of its line
+            continue
+        out.append(tokenize.tok_name[t.type] if t.type in starts else f"{tokenize.tok_name[t.type]} {t.string}")
+        i += 1
+    return "\n".join(out).encode()
+
+
+def user_code_digest(entry: Path | str | None = None) -> dict[str, str]:
+    """The code that runs, by file name: the entry script (this file by default, whatever its name,
+    so a fork is identified as itself) and every project script it imports, followed through their
+    own imports. Hashed as tokens (code_tokens): a comment edit keeps run_id, a code edit moves it."""
+    todo = [Path(__file__ if entry is None else entry).resolve()]
+    out: dict[str, str] = {}
+    while todo:
+        p = todo.pop()
+        if p.name in out:
+            continue
+        src = p.read_bytes()
+        out[p.name] = sha256_hex(code_tokens(src))
+        for node in ast.walk(ast.parse(src, filename=str(p))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            todo += [p.parent / f"{n.split('.')[0]}.py" for n in names if (p.parent / f"{n.split('.')[0]}.py").exists()]
+    return dict(sorted(out.items()))
 
 
 def algo_digest(args: Args) -> str:
@@ -1640,8 +2181,7 @@ def rollout_digest(args: Args, T: int, R: int) -> str:
     r = args.rollout
     # rollout.source is left out: inline and process collect byte-identical rows (farm's test)
     return sha256_hex(canonical_json({"workers": r.workers, "games_per_worker": r.games_per_worker,
-                                      "shards_per_worker": r.shards_per_worker, "T": T, "R": R,
-                                      "stagger_first_reset": r.stagger_first_reset}))
+                                      "shards_per_worker": r.shards_per_worker, "T": T, "R": R}))
 
 
 def ladder_digest(args: Args, eval_seed_set_sha: str) -> str:
@@ -1662,37 +2202,147 @@ def make_identity(args: Args, facts: EnvFacts, *, arch: str, T: int, R: int, dev
         user_code=user_code)
 
 
-def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    """Every leaf that differs between two config dicts, as 'path: old -> new'."""
-    out = []
-    for k in sorted(set(old) | set(new)):
-        a, b = old.get(k), new.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += config_diff(a, b, f"{prefix}{k}.")
-        elif a != b:
-            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
-    return out
-
-
 def run_id(identity: RunIdentity) -> str:
     return sha256_hex(canonical_json(identity))[:16]
 
 
 def identity_diff(a: RunIdentity, b: RunIdentity) -> list[str]:
-    """Every differing field, named (a resume refuses on any, spec 5.4 step 1)."""
-    da, db = msgspec.to_builtins(a), msgspec.to_builtins(b)
-    out = []
-    for k in sorted(set(da) | set(db)):
-        if da.get(k) != db.get(k):
-            if isinstance(da.get(k), dict) and isinstance(db.get(k), dict):
-                out += [f"{k}.{s}: {da[k].get(s)!r} -> {db[k].get(s)!r}"
-                        for s in sorted(set(da[k]) | set(db[k])) if da[k].get(s) != db[k].get(s)]
-            else:
-                out.append(f"{k}: {da.get(k)!r} -> {db.get(k)!r}")
-    return out
+    """Every differing field, named (a resume refuses on any, design 2.4)."""
+    return dict_diff(msgspec.to_builtins(a), msgspec.to_builtins(b))
 
 
-# --- 10. Checkpoints (spec 12) -----------------------------------------------------------------
+class IdentityMismatch(ValueError):
+    """A resume whose identity differs from the checkpoint's: every differing field is named."""
+
+
+def open_run(args: Args, env: Env, learner: Learner, resume: Path | None, allow_drift: bool, quiet: bool,
+             t_start: float) -> Run:
+    """The run's identity (design 2.3) and its directory. A new run writes config.json and
+    identity.json. A resume (design 2.4) refuses an identity that differs from the checkpoint's,
+    naming every field, unless allowed (drift.json then records what changed), prints every
+    config difference the identity excludes, and restores the learner."""
+    seed_sha = ladder.draw_eval_seeds(args.master_seed, args.ladder.eval_seed_count).sha256   # from the seed alone
+    identity = make_identity(args, env.facts, arch=arch_digest(env.geo, args.net), T=env.T, R=env.R,
+                             device=env.device, eval_seed_set_sha=seed_sha, user_code=user_code_digest())
+    if resume is None:
+        rid = run_id(identity)
+        path = Path(args.runs_dir) / f"{args.run_name}-{rid}"
+        path.mkdir(parents=True, exist_ok=False)
+        (path / "config.json").write_bytes(config_json(args))
+        (path / "identity.json").write_bytes(msgspec.json.format(canonical_json(identity)))
+        return Run(args, path, identity, rid, quiet, t_start)
+    path = Path(resume).parent.parent
+    man, files = read_checkpoint(Path(resume))
+    diff = identity_diff(msgspec.convert(man.identity, RunIdentity), identity)
+    if diff and not allow_drift:
+        raise IdentityMismatch(f"refusing to resume {resume}: the identity differs in {len(diff)} field(s): "
+                               + "; ".join(diff) + ". Undo the change, or pass --allow-identity-drift "
+                               "(writes drift.json and marks every later row).")
+    if diff:
+        (path / "drift.json").write_bytes(canonical_json({"checkpoint": str(resume), "differences": diff}))
+    for line in dict_diff(man.config, args_to_dict(args)):   # the excluded fields: printed, allowed
+        print(f"resume: config differs from the checkpoint's: {line}")
+    learner.restore(files)
+    if not quiet:
+        print(f"resumed {resume} at iteration {learner.iteration}; state_digest {man.state_digest[:16]}")
+    return Run(args, path, identity, man.run_id, quiet, t_start, drifted=(path / "drift.json").exists(),
+               start_ordinals=json.loads(files["rollout/state.json"])["ordinals"],
+               ladder_saved=json.loads(files["ladder/state.json"]) if "ladder/state.json" in files else None,
+               last_saved=learner.env_steps)
+
+
+class Run:
+    """The run's directory and what is written into it while training (design 9): the metrics,
+    episodes and alarms files, the sinks, the alarm set and the tails a halt's bundle reads; and
+    where the loop stands, for an emergency save: its phase and the boundary it started from."""
+
+    def __init__(self, args: Args, path: Path, identity: RunIdentity, rid: str, quiet: bool, t_start: float, *,
+                 drifted: bool = False, start_ordinals: list[int] | None = None,
+                 ladder_saved: dict[str, Any] | None = None, last_saved: int = -1) -> None:
+        self.args, self.path, self.identity, self.rid, self.quiet, self.t_start = args, path, identity, rid, quiet, t_start
+        self.drifted, self.start_ordinals, self.ladder_saved, self.last_saved = drifted, start_ordinals, ladder_saved, last_saved
+        self.files = {name: open(path / f"{name}.jsonl", "ab") for name in ("metrics", "episodes", "alarms")}
+        self.alarms = AlarmSet(alarm_table(args))
+        self.viser = ViserSink.from_env() if args.metrics.viser else None
+        self.wandb = (WandbSink(args.metrics.wandb_project, path, json.loads(config_json(args)),
+                                msgspec.to_builtins(identity)) if args.metrics.wandb else None)
+        self.tail: list[dict[str, Any]] = []      # the last fifty rows
+        self.ep_tail: list[Any] = []              # the last twenty EpisodeRecords
+        self.alarm_rows: list[dict[str, Any]] = []   # this iteration's alarms
+        self.phase, self.boundary = "boundary", Boundary([], {})
+        self.progress = not quiet and sys.stdout.isatty()   # a log file gets no progress lines
+        # time/iteration runs row to row, so the checkpoint written after a row lands in the next
+        # row's split (t_ckpt)
+        self.t_row, self.t_ckpt = time.perf_counter(), 0.0
+
+    def announce(self, env: Env) -> None:
+        a = self.args
+        if not self.quiet:
+            horizon = credit_horizon_seconds(a.obs.decision_ms, a.advantage.gamma.value(0), a.advantage.gae_lambda)
+            print(f"run {self.path}  T={env.T} R={env.R} learner_rows={env.learner_rows} device={env.device} "
+                  f"credit_horizon={horizon:.1f}s")
+        self.t_row = time.perf_counter()
+
+    def between_cycles(self, iteration: int, t: int, T: int, rounds: int, seconds: float) -> None:
+        """A person's progress line, overwritten in place; and the viewer's hello answered."""
+        if self.progress and t % max(T // 20, 1) == 0:
+            print("\r" + progress_line(iteration, t, T, rounds, seconds), end="", flush=True)
+        if self.viser is not None:
+            self.viser.pump()
+
+    def record(self, row: dict[str, Any], episodes: Sequence[Any]) -> list[tuple[Alarm, float]]:
+        """The row and the episodes to disk and the sinks, then the alarms: after the row is on
+        disk, so a halt checkpoints the learner the row describes."""
+        self.files["metrics"].write(msgspec.json.encode(row) + b"\n")
+        self.files["metrics"].flush()
+        self.files["episodes"].write(b"".join(msgspec.json.encode(e) + b"\n" for e in episodes))
+        self.files["episodes"].flush()
+        if self.viser is not None:
+            self.viser.write(row, self.path.name)
+        if self.wandb is not None:
+            self.wandb.write(row)
+        if self.progress:
+            print("\r\x1b[K", end="")   # clear the progress line before the block
+        self.t_row, self.t_ckpt = self.t_row + row["time/iteration"], 0.0
+        self.tail = (self.tail + [row])[-50:]
+        self.ep_tail = (self.ep_tail + list(episodes))[-20:]
+        fired = self.alarms.evaluate(row)
+        it = row["run/iteration"]
+        self.alarm_rows = [{"iteration": it, "alarm": a.name, "metric": a.key, "value": v,
+                            "threshold": a.threshold, "severity": a.severity} for a, v in fired]
+        if not self.quiet:
+            print(console_block(row, fired, full=self.args.metrics.console_full), flush=True)
+            for a, v in fired:
+                print(f"ALARM {a.severity} {a.name}: {a.key} = {v:.4g} {a.op} {a.threshold:g} -- {a.meaning}")
+        self.files["alarms"].write(b"".join(msgspec.json.encode(x) + b"\n" for x in self.alarm_rows))
+        self.files["alarms"].flush()
+        return fired
+
+    def timed_save(self, learner: Learner, boundary: Boundary) -> None:
+        """A checkpoint on the cadence, then pruning; its time goes into the next row."""
+        t0 = time.perf_counter()
+        save_checkpoint(self, learner, boundary)
+        prune_checkpoints(self.path, self.args.checkpoint.keep)
+        self.t_ckpt = time.perf_counter() - t0
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        if self.viser is not None:
+            self.viser.close()
+        if self.wandb is not None:
+            self.wandb.close()
+
+
+def _pkg_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+# --- 10. Checkpoints (design 8) -----------------------------------------------------------------
 # Atomic: every file goes into <dir>.partial/, is fsynced, and the manifest (a sha256 per file)
 # is written last; then one os.replace makes it the checkpoint. A crash mid-write leaves the
 # previous checkpoint intact and the partial obviously named. Tensors are safetensors; every
@@ -1725,14 +2375,6 @@ class Manifest(msgspec.Struct):
     last_checkpoint_step: int | None = None
     last_candidate_step: int | None = None
     last_floor_step: int | None = None
-
-
-def _fsync_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def save_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -1780,10 +2422,10 @@ def write_checkpoint(final_dir: Path, files: dict[str, bytes], manifest_fields: 
         shutil.rmtree(partial)
     hashes = {}
     for rel, data in sorted(files.items()):
-        _fsync_write(partial / rel, data)
+        ladder.write_atomic(partial / rel, data)
         hashes[rel] = sha256_hex(data)
     man = Manifest(format_version=CHECKPOINT_FORMAT, files=hashes, **manifest_fields)
-    _fsync_write(partial / "manifest.json", msgspec.json.format(canonical_json(man)))
+    ladder.write_atomic(partial / "manifest.json", msgspec.json.format(canonical_json(man)))
     if final_dir.exists():
         raise CheckpointFormatError(f"{final_dir} already exists; a checkpoint is never overwritten")
     os.replace(partial, final_dir)
@@ -1791,7 +2433,7 @@ def write_checkpoint(final_dir: Path, files: dict[str, bytes], manifest_fields: 
 
 
 def read_checkpoint(ckpt_dir: Path) -> tuple[Manifest, dict[str, bytes]]:
-    """Verify every hash, raising CheckpointFormatError naming the first mismatch (spec 12.2)."""
+    """Verify every hash, raising CheckpointFormatError naming the first mismatch (design 8.1)."""
     ckpt_dir = Path(ckpt_dir)
     mp = ckpt_dir / "manifest.json"
     if not mp.exists():
@@ -1819,7 +2461,7 @@ def read_checkpoint(ckpt_dir: Path) -> tuple[Manifest, dict[str, bytes]]:
 def state_digest(ac: ActorCritic, optimizers: Sequence[torch.optim.Optimizer], scaler: WelfordReturnScaler,
                  schedule_positions: dict[str, Any]) -> str:
     """sha256 over, in this fixed order: actor tensors (name-sorted), critic tensors, each
-    optimizer's numeric state leaves, the Welford triple, the schedule positions (spec 5.4)."""
+    optimizer's numeric state leaves, the Welford triple, the schedule positions (design 2.4)."""
     h = hashlib.sha256()
     sd = ac.state_dict()
     actor_keys = sorted(k for k in sd if k.startswith(("actor_trunk.", "policy.")))
@@ -1869,7 +2511,7 @@ def restore_rng(st: RngState) -> None:
 def learner_files(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer,
                   scaler: WelfordReturnScaler, schedules: dict[str, Any], rng: RngState,
                   misc: dict[str, Any]) -> dict[str, bytes]:
-    """The learner's share of a checkpoint, in spec 12.1's folders."""
+    """The learner's share of a checkpoint, in design 8.1's folders."""
     sd = ac.state_dict()
     actor = {k: v for k, v in sd.items() if k.startswith(("actor_trunk.", "policy."))}
     critic = {k: v for k, v in sd.items() if k not in actor}
@@ -1902,12 +2544,87 @@ def load_learner(files: dict[str, bytes], ac: ActorCritic, opt_actor: torch.opti
     return json.loads(files["schedules/state.json"]), rng, json.loads(files["optimizers/misc.json"])
 
 
-# --- 11. Metrics schema and alarms (spec 13.2-13.4) ----------------------------------------------
+
+class ArchMismatch(ValueError):
+    """A load whose saved architecture differs from the model's, named field by field."""
+
+
+def check_arch(saved: dict[str, Any], model: ActorCritic, what: str) -> None:
+    """Refuse weights written by another architecture before touching the model, naming each field."""
+    diffs = dict_diff(json.loads(canonical_json(saved)), json.loads(canonical_json(arch_description(model.geo, model.net))))
+    if diffs:
+        raise ArchMismatch(f"{what} was written by a different architecture (saved -> this model): {'; '.join(diffs)}. "
+                           f"Build the network with the saved config, or start a new run.")
+
+
+def save_checkpoint(run: Run, learner: Learner, boundary: Boundary) -> Path:
+    """The learner and the boundary it stands on, atomically, under the env step it reached
+    (design 8.1). A resumed run that reaches a step the original saved must reach it with the same
+    learner: the existing checkpoint is kept and the two state_digests compared."""
+    args = run.args
+    files = learner.files(args.master_seed)
+    files["rollout/state.json"] = canonical_json({"ordinals": [int(x) for x in boundary.ordinals]})
+    files["ladder/state.json"] = canonical_json(boundary.ladder)   # matchmaker, pool, ratings, resident table
+    d = run.path / "checkpoints" / f"{learner.env_steps:012d}"
+    digest = learner.digest()
+    run.last_saved = learner.env_steps
+    if d.exists():
+        old = msgspec.json.decode((d / "manifest.json").read_bytes(), type=Manifest).state_digest
+        if old != digest:
+            raise CheckpointFormatError(f"{d} exists with state_digest {old[:16]} but this run reached that step "
+                                        f"with {digest[:16]}: the resume did not reproduce the run")
+        return d
+    write_checkpoint(d, files, dict(
+        run_id=run.rid, run_name=args.run_name, identity=msgspec.to_builtins(run.identity),
+        config=msgspec.to_builtins(args), config_hash=sha256_hex(config_json(args)), iteration=learner.iteration,
+        cumulative_env_steps=learner.env_steps, cumulative_timesteps=learner.timesteps,
+        cumulative_model_updates=learner.updates, wall_seconds=time.perf_counter() - run.t_start,
+        created_unix_ns=time.time_ns(), state_digest=digest, component_versions={"learner": 1, "rollout": 1, "ladder": 1}))
+    return d
+
+
+def latest_checkpoint(run: Path) -> Path | None:
+    """The checkpoint with the most env steps, by its manifest; a stray file, a .partial left by a
+    crash or a folder without a manifest is skipped rather than crashing the lookup (design 8.1)."""
+    best: tuple[int, Path] | None = None
+    for d in (run / "checkpoints").glob("*"):
+        if d.is_dir() and not d.name.endswith(".partial") and (d / "manifest.json").exists():
+            try:
+                steps = int(json.loads((d / "manifest.json").read_bytes())["cumulative_env_steps"])
+            except (ValueError, KeyError):
+                continue
+            if best is None or steps > best[0]:
+                best = (steps, d)
+    return None if best is None else best[1]
+
+
+def prune_checkpoints(run: Path, keep: int) -> list[Path]:
+    """Keep the newest `keep` checkpoints by their manifests' env steps; strays and .partial
+    folders are left alone, and a failed removal is reported, never raised (the run goes on)."""
+    import shutil
+    found = []
+    for d in (run / "checkpoints").glob("*"):
+        if d.is_dir() and not d.name.endswith(".partial") and (d / "manifest.json").exists():
+            try:
+                found.append((int(json.loads((d / "manifest.json").read_bytes())["cumulative_env_steps"]), d))
+            except (ValueError, KeyError):
+                continue
+    removed = []
+    for _, d in sorted(found)[:max(len(found) - max(keep, 1), 0)]:
+        try:
+            shutil.rmtree(d)
+            removed.append(d)
+        except OSError as e:
+            print(f"warning: could not prune {d}: {e}", file=sys.stderr)
+    return removed
+
+
+# --- 11. Metrics, alarms and sinks (design 9) ----------------------------------------------
 # One flat row per iteration. The schema is the single source of truth: key -> (unit, description,
 # healthy range or None, conditional). A test holds every emitted key to it and every
 # unconditional key to being emitted, so the documentation and the code cannot drift. A
 # conditional key whose population is empty (no episode ended, say) is never 0: the first env/ and
-# policy/ keys are written as null, every key added since is absent (spec 11.9's rule).
+# policy/ keys are written as null, every key added since is absent (design 7.9's rule).
 
 SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "run/iteration": ("count", "iterations completed", None, False),
@@ -1923,16 +2640,16 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "run/lr_actor": ("", "actor learning rate after any backoff", None, False),
     "run/lr_critic": ("", "critic learning rate after any backoff", None, False),
     "run/lr_backoff": ("bool", "the kl backoff fired this iteration", None, False),
-    "run/determinism_tier": ("", "run_exact or throughput (spec 5.1)", None, False),
+    "run/determinism_tier": ("", "run_exact or throughput (design 2.1)", None, False),
     "run/resumed_with_drift": ("bool", "resumed under --allow-identity-drift", None, False),
-    "run/state_digest": ("sha256", "the whole learner: weights, optimizers, scaler, schedules (spec 5.4)", None, False),
+    "run/state_digest": ("sha256", "the whole learner: weights, optimizers, scaler, schedules (design 2.4)", None, False),
     "time/iteration": ("s", "wall clock of the iteration", None, False),
     "time/collection": ("s", "rounds from the farm, inference included", None, False),
     "time/critic_pass": ("s", "the whole-rectangle critic pass", None, False),
     "time/gae": ("s", "reward scaling, GAE, advantage standardisation", None, False),
     "time/update": ("s", "the PPO update", None, False),
     "throughput/collected_steps_per_second": ("game-steps/s", "env steps over collection time", None, False),
-    "ppo/policy_loss": ("", "surrogate over every row, skipped forced rows added back (spec 18.1)", None, False),
+    "ppo/policy_loss": ("", "surrogate over every row, skipped forced rows added back (design 6.5)", None, False),
     "ppo/policy_loss_choice": ("", "surrogate over choice rows: what choice_mean optimises", None, False),
     "ppo/value_loss": ("", "mean squared error against the returns", None, False),
     "ppo/entropy": ("nats", "masked-categorical entropy, choice rows", None, False),
@@ -1946,7 +2663,7 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "ppo/actor_forwards": ("count", "actor minibatch forwards, all epochs", None, False),
     "ppo/optimizer_steps": ("count", "one per batch, nothing dropped", None, False),
     "ppo/actor_rows_seen": ("rows", "rows through the update, all epochs (critic and actor)", None, False),
-    "ppo/ratio_max_abs_dev": ("", "max |ratio - 1| before any step (spec 9.6)", None, False),
+    "ppo/ratio_max_abs_dev": ("", "max |ratio - 1| before any step (design 6.4)", None, False),
     "ppo/grad_norm_actor": ("", "pre-clip, mean over steps", None, False),
     "ppo/grad_norm_actor_max": ("", "pre-clip, max over steps", None, False),
     "ppo/grad_norm_critic": ("", "pre-clip, mean over steps", None, False),
@@ -1956,7 +2673,7 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "ppo/kl_epoch*": ("nats", "kl per epoch; epoch 3 > 2x epoch 1 says lower n_epochs", None, False),
     "ppo/clip_fraction_epoch*": ("", "clip fraction per epoch", None, False),
     "ppo/explained_variance": ("", "1 - Var(G - V) / Var(G) over trainable cells", (0.0, 1.0), False),
-    "ppo/explained_variance_choice": ("", "the same over trainable choice cells (spec 18.1)", None, True),
+    "ppo/explained_variance_choice": ("", "the same over trainable choice cells (design 6.5)", None, True),
     "ppo/advantage_std_choice_pre_norm": ("", "advantage std over choice cells before standardising", None, True),
     "ppo/advantage_mean_choice": ("", "advantage mean over choice cells before standardising", None, True),
     "ppo/reward_clip_frac": ("", "cells whose scaled reward hit reward_clip; exactly 0 when healthy", (0.0, 0.0), False),
@@ -1970,7 +2687,7 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "env/elixir_count_exact_frac": ("", "episode-seats whose count of the opponent's elixir stayed exact", (0.99, 1.0), True),
     "policy/legal_actions_mean": ("actions", "legal actions per trainable cell", None, True),
     "health/buffer_fill_frac": ("", "valid cells over T x R: exactly 1 in a healthy rectangle", (1.0, 1.0), False),
-    # the farm's own counters (farm.stats, spec 7.2, 7.6): run totals for the health keys
+    # the farm's own counters (farm.stats, design 3.3, 3.7): run totals for the health keys
     "health/obs_codec_clipped": ("count", "uint8 values clipped by the codec, run total: non-zero is a bug report against a declared bound", (0.0, 0.0), False),
     "health/obs_codec_rounded": ("count", "non-integral values rounded into a uint8 plane, run total: the table's sample was unrepresentative", (0.0, 0.0), False),
     "health/worker_restarts": ("count", "rollout worker restarts, run total", (0.0, 0.0), False),
@@ -1983,7 +2700,7 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "policy/cards_per_match": ("cards", "learner seats' cards per finished episode (about 22 healthy)", (8.0, 40.0), True),
     "policy/noop_rate": ("", "trainable actions that were the no-op", None, True),
     "env/win_rate_vs_scripted": ("", "learner seats' win share against scripted opponents", None, True),
-    # the ladder (spec 13.2, 11.8, 11.9): absent, never 0, while undefined (no fit, no gate, no probe)
+    # the ladder (design 9.2, 7.8, 7.9): absent, never 0, while undefined (no fit, no gate, no probe)
     "ladder/rating/*": ("Elo", "fitted rating per pool member and the anchor (scripted:noop = 0)", None, True),
     "ladder/rating_se/*": ("Elo", "its standard error (inverse observed Fisher information)", None, True),
     "ladder/rating_ci95_lo/*": ("Elo", "rating - 1.96 se", None, True),
@@ -2015,14 +2732,14 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "ladder/score_vs_ci95_hi/*": ("", "probe: high end", None, True),
     "time/probe": ("s", "the probe this iteration", None, True),
     "time/gate": ("s", "the gate this iteration", None, True),
-    # issue 4 item 6: the rest of spec 13.2 the loop's data already holds. time/ and throughput/ are
-    # wall clock (the resume test skips them); every other key is a pure function of the run
+    # time/ and throughput/ are wall clock (the resume test skips them); every other key is a pure
+    # function of the run
     "time/inference": ("s", "the parent's batched forwards while collecting (learner and pool seats); inside time/collection", None, False),
     "time/checkpoint": ("s", "checkpoint writing since the previous row (a save follows its own row, so it is counted in the next)", None, False),
     "time/residual": ("s", "time/iteration less collection, critic_pass, gae, update, gate, probe and checkpoint", None, False),
     "throughput/overall_steps_per_second": ("game-steps/s", "env steps over time/iteration: what the run really makes", None, False),
     "throughput/engine_ticks_per_second": ("ticks/s", "engine ticks advanced by the battles (the tick scalar's per-cycle deltas) over collection time", None, False),
-    "throughput/discarded_rows_frac": ("", "valid cells that are not trainable (opponent seats): (n_battles - mirror) / (2 n_battles) by construction (spec 11.3)", None, False),
+    "throughput/discarded_rows_frac": ("", "valid cells that are not trainable (opponent seats): (n_battles - mirror) / (2 n_battles) by construction (design 7.3)", None, False),
     "throughput/inference_ms_per_round": ("ms", "time/inference per shard-round", None, False),
     "policy/forced_noop_frac": ("", "learner rollout cells with exactly one legal action (zero policy gradient); read against ppo/forced_frac", None, True),
     "policy/rollout_choice_frac": ("", "learner rollout cells with more than the no-op legal: 1 - forced_noop_frac", None, True),
@@ -2047,8 +2764,8 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "policy/card_tile_top10_share": ("", "the learner's plays on its ten most used (card, tile) pairs (artefact_exploit reads it)", (0.0, 0.5), True),
     "env/mean_elixir_at_decision": ("bar", "the learner's own elixir at its choice cells, as a fraction of the bar (own_elixir)", None, True),
     "env/frac_elixir_above_99": ("", "the learner's choice cells with elixir at 0.99 of the bar or more (about to leak)", None, True),
-    "ladder/elo_readout": ("Elo", "sequential Elo (k=32) of 'learner' over its kind=train games (spec 11.2 layer 1; never the gate)", None, True),
-    "ladder/rating_above_v0": ("Elo", "the champion's fitted rating less v0's (the learner itself is never fitted, spec 11.9)", None, True),
+    "ladder/elo_readout": ("Elo", "sequential Elo (k=32) of 'learner' over its kind=train games (design 7.2 layer 1; never the gate)", None, True),
+    "ladder/rating_above_v0": ("Elo", "the champion's fitted rating less v0's (the learner itself is never fitted, design 7.9)", None, True),
     "ladder/gate_consecutive_discards": ("count", "gates discarded in a row since the last admission (gate_starved reads it)", None, False),
     "env/reward_terms/*": ("reward", "learner seats' per-episode sum of a weighted term, signed mean (terminal: the objective)", None, True),
     "env/reward_terms_abs/*": ("reward", "the mean of each learner seat's |per-episode sum| of that term", None, True),
@@ -2058,13 +2775,13 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
 }
 
 # Keys whose value depends on the machine or the clock rather than the run: the resume test
-# compares every other key byte for byte (spec 5.4, 12.4).
+# compares every other key byte for byte (design 2.4, 8.3).
 NONDETERMINISTIC = ("time/", "throughput/", "run/wall_seconds", "health/rss_peak_mb")
 
 
 def episode_metrics(eps: Sequence[Any], cap: int = 0) -> dict[str, float]:
     """The env/ keys read off this iteration's EpisodeRecords (farm.EpisodeRecord). The learner's
-    own seats are the population (spec 13.3: a mean over every seat could not see the learner
+    own seats are the population (design 9.3: a mean over every seat could not see the learner
     collapse); win_rate_by_seat is blue's score in mirror battles, where both seats are the learner,
     so 0.5 is exact by symmetry and a deviation is the seat, not the opponent. A key whose
     population is empty is absent, never 0. cap is obs.max_steps (0: no cap, no at_cap key)."""
@@ -2080,7 +2797,7 @@ def episode_metrics(eps: Sequence[Any], cap: int = 0) -> dict[str, float]:
         m["env/elixir_leak_frac"] = float(np.mean([e.elixir_leak_steps / max(e.episode_steps, 1) for e in mine]))
         if cap > 0:
             m["env/episode_steps_at_cap_frac"] = float(np.mean(steps >= cap))
-        # spec 10 / 13.2: each weighted term's per-episode sum, signed and as a magnitude, over the
+        # design 4 / 9.2: each weighted term's per-episode sum, signed and as a magnitude, over the
         # learner's seats. A term missing from a record counts 0 for it (sorted: the row's key order
         # is a function of the run, which the resume test compares). shaping_abs sums the magnitude
         # of every term but the objective (farm.TERMINAL_REWARD_TERM); shaping_dominates reads it.
@@ -2106,7 +2823,7 @@ def rollout_policy_metrics(action: np.ndarray, n_legal: np.ndarray, p_noop: np.n
     """policy/ and env/ keys of the learner's rollout cells (1-D arrays, one entry a cell). Hold:
     over the cells that had a choice (n_legal > 1), p(no-op) as the rollout's forward gave it, and
     its lift over that cell's uniform baseline 1/n_legal (1.0: nothing learnt about when to wait;
-    spec 13.2). Tiles: over the cells that played a card, from royalegym's encoding a = 1 +
+    design 9.2). Tiles: over the cells that played a card, from royalegym's encoding a = 1 +
     slot*H*W + y*W + x (PointerHead): the share on the single most used board tile, the entropy of
     the tile histogram (nats; ln(H*W) is every tile equally), and with `card` (the card id the
     played slot held, -1 where none) the share of the ten most used (card, tile) pairs (the
@@ -2155,15 +2872,6 @@ def rss_peak_mb() -> float:
     return r / 2**20 if sys.platform == "darwin" else r / 1024
 
 
-def schema_entry(key: str) -> tuple[str, str, tuple[float, float] | None, bool] | None:
-    if key in SCHEMA:
-        return SCHEMA[key]
-    for k, v in SCHEMA.items():
-        if k.endswith("*") and key.startswith(k[:-1]):
-            return v
-    return None
-
-
 class AlarmHalt(RuntimeError):
     """A halting alarm fired; the run wrote its row, a checkpoint and a bundle before raising."""
 
@@ -2207,7 +2915,7 @@ def _shaping_dominates(row: dict[str, Any]) -> bool | None:
 
 
 def alarm_table(args: Args) -> list[Alarm]:
-    """Spec 13.3's table, the keys this row carries. Thresholds are config (excluded from the
+    """design 9.3's table, the keys this row carries. Thresholds are config (excluded from the
     identity: an alarm can stop a run, never change a number); patience and severity are not.
     Not here: vram_spilling (no VRAM readings), capacity_ratio (no honest rollout_capacity_ratio
     without overlap: see the module docstring). artefact_exploit warns but does not dump the five
@@ -2216,7 +2924,7 @@ def alarm_table(args: Args) -> list[Alarm]:
     return [
         Alarm("illegal_actions", "health/illegal_action_rate", ">", 0.0, 1, "halt", "a mask bug or a wrong action encoding"),
         Alarm("ratio_invariant", "ppo/ratio_max_abs_dev", ">", al.ratio_invariant_multiple * ratio_atol(args), 1, "halt",
-              "a mask, codec or weight-version mismatch (spec 9.6)"),
+              "a mask, codec or weight-version mismatch (design 6.4)"),
         Alarm("clip_pinned", "ppo/clip_fraction", ">", al.clip_pinned, 3, "halt", "mask disagreement, or lr far too high"),
         Alarm("kl_high", "ppo/kl", ">", al.kl_high, 3, "warn", "the backoff should already be acting"),
         Alarm("kl_dead", "ppo/kl", "<", al.kl_dead, 10, "warn", "nothing is moving: entropy, lr, or a frozen head"),
@@ -2227,7 +2935,7 @@ def alarm_table(args: Args) -> list[Alarm]:
         Alarm("reward_clipped", "ppo/reward_clip_frac", ">", 0.0, 1, "warn", "a clipped step breaks the potential shaping's telescoping"),
         Alarm("buffer_overflow", "health/buffer_fill_frac", ">", 1.0, 1, "halt", "a rectangle cell written twice: an invariant is broken"),
         Alarm("obs_codec_clipped", "health/obs_codec_clipped", ">", 0.0, 1, "warn",
-              "a uint8 plane exceeded its declared bound and was clipped (spec 7.2): report it against the builder"),
+              "a uint8 plane exceeded its declared bound and was clipped (design 3.3): report it against the builder"),
         Alarm("elixir_count_inexact", "env/elixir_count_exact_frac", "<", 0.99, 3, "warn",
               "the observation's enemy-elixir field was an estimate; read identity.json engine_build first"),
         Alarm("worker_failures", "health/worker_restarts", "rose", 0.0, 1, "warn",
@@ -2244,7 +2952,7 @@ def alarm_table(args: Args) -> list[Alarm]:
               "five gates in a row discarded: the plateau signal, stated as an event", test=_gate_starved),
         Alarm("transitivity", "ladder/transitivity_residual", ">", 0.10, 3, "warn", "the scalar rating is lying"),
         Alarm("shaping_dominates", "env/reward_shaping_abs", ">", 0.0, 5, "warn",
-              "shaping outweighs the objective: under a potential reward a term stopped telescoping (spec 13.3)",
+              "shaping outweighs the objective: under a potential reward a term stopped telescoping (design 9.3)",
               test=_shaping_dominates, reads=("env/reward_shaping_abs", "env/reward_terminal_abs")),
         Alarm("tile_spam", "policy/tile_top1_share", ">", 0.25, 5, "warn", "a quarter of the learner's plays on one tile"),
         Alarm("artefact_exploit", "policy/card_tile_top10_share", ">", 0.5, 5, "warn",
@@ -2292,7 +3000,7 @@ class AlarmSet:
 def write_bundle(run: Path, iteration: int, alarm: Alarm, value: float, rows: list[dict[str, Any]],
                  checkpoint: Path, args: Args, identity: RunIdentity, episodes: Sequence[Any] = (),
                  alarm_rows: Sequence[dict[str, Any]] = (), ratio_outliers: Sequence[dict[str, Any]] = ()) -> Path:
-    """Spec 13.4: everything needed to judge whether the stop was real, in one folder: halt.json
+    """design 9.4: everything needed to judge whether the stop was real, in one folder: halt.json
     (the alarm, its threshold, the last five values of every key it reads, the state_digest, the
     checkpoint and the resume command), the last fifty rows, this iteration's alarm rows, the last
     twenty EpisodeRecords, the resolved config and the identity, and ratio_outliers.json: the
@@ -2320,7 +3028,7 @@ def write_bundle(run: Path, iteration: int, alarm: Alarm, value: float, rows: li
 
 
 class WandbSink:
-    """Rows mirrored to Weights & Biases (spec 13.1), the optional extra `clash-ppo[wandb]`.
+    """Rows mirrored to Weights & Biases (design 9.1), the optional extra `clash-ppo[wandb]`.
 
     wandb is imported here and only when --metrics.wandb is set, so a run without it never loads
     it. The wandb run id is the run directory's name (<run_name>-<run_id>): a resumed run writes
@@ -2352,7 +3060,7 @@ class WandbSink:
 
 
 class ViserSink:
-    """The viewer's learning-status datagram (spec 13.1), about eighty lines of socket and msgpack;
+    """The viewer's learning-status datagram (design 9.1), about eighty lines of socket and msgpack;
     royaleviser is never imported (the viewer watches the learner, not the reverse). Binds the
     learning port (ROYALEVISER's state port + 1), sends NOTHING until a b"royaleviser 1" hello
     arrives, counts a viewer attached while a hello came within 3 s, re-sends the last status on
@@ -2436,7 +3144,129 @@ def learning_status(row: dict[str, Any], run_name: str) -> dict[str, Any]:
                       "gate": g("ladder/gate_failed_condition") if g("ladder/gate_attempts") else "none yet"}}
 
 
-# --- 12. Snapshots and the ladder's players (spec 11.6, 11.3, D7) ------------------------------
+
+def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: LadderLoop, roll: Rollout, crit: Critic,
+               adv: Advantages, upd: dict[str, Any], lad_row: dict[str, Any]) -> dict[str, Any]:
+    """The iteration's one flat row (design 9.2); every key is in SCHEMA. time/iteration runs from
+    the previous row to this one, so a checkpoint written after a row is counted in the next."""
+    T, trainable, valid, mine = env.T, roll.trainable, roll.valid, [e for e in roll.episodes if e.policy_id == "learner"]
+    nl, n_train = crit.n_legal[trainable], max(int(trainable.sum()), 1)
+    pol: dict[str, Any] = {}
+    if nl.size:
+        pol = {"policy/forced_noop_frac": float((nl == 1).mean()), "policy/rollout_choice_frac": float((nl > 1).mean()),
+               **{f"policy/legal_actions_p{q:02d}": float(np.percentile(nl, q)) for q in (5, 50, 95)}}
+    pol.update(rollout_policy_metrics(roll.action[trainable], nl, roll.p_noop[trainable], env.geo,
+                                      card=roll.card[trainable],
+                                      elixir=roll.elixir[trainable] if OWN_ELIXIR in dict(env.geo.vector_layout) else None))
+    t_now = time.perf_counter()
+    t_iter = t_now - run.t_row
+    parts = (roll.t_collect + crit.seconds + adv.seconds + upd["time/update"] + run.t_ckpt
+             + lad_row.get("time/gate", 0.0) + lad_row.get("time/probe", 0.0))
+    gamma, lam, fst = learner.sched["gamma"], args.advantage.gae_lambda, roll.stats
+    mean = lambda xs: float(np.mean(xs)) if xs else None   # noqa: E731  (absent population: null)
+    return {
+        "run/iteration": learner.iteration, "run/cumulative_timesteps": learner.timesteps,
+        "run/cumulative_env_steps": learner.env_steps, "run/cumulative_updates": learner.updates,
+        "run/wall_seconds": time.perf_counter() - run.t_start, "run/gamma": gamma, "run/gae_lambda": lam,
+        "run/credit_horizon_seconds": credit_horizon_seconds(args.obs.decision_ms, gamma, lam),
+        "run/ent_coef": learner.sched["ent_coef"], "run/ent_coef_noop": learner.sched["ent_coef_noop"],
+        "run/lr_actor": learner.backoff.lr_actor, "run/lr_critic": learner.backoff.lr_critic,
+        "run/lr_backoff": upd["run/lr_backoff"], "run/determinism_tier": args.determinism.tier,
+        "run/resumed_with_drift": run.drifted, "run/state_digest": learner.digest(),
+        "time/iteration": t_iter, "time/collection": roll.t_collect, "time/inference": roll.t_inference,
+        "time/checkpoint": run.t_ckpt, "time/residual": t_iter - parts,
+        "throughput/overall_steps_per_second": T * env.n_battles / max(t_iter, 1e-9),
+        "throughput/engine_ticks_per_second": roll.engine_ticks / max(roll.t_collect, 1e-9),
+        "throughput/discarded_rows_frac": 1.0 - float(trainable.sum()) / max(int(valid.sum()), 1),
+        "throughput/inference_ms_per_round": 1e3 * roll.t_inference / max(roll.rounds, 1),
+        "health/rss_peak_mb": rss_peak_mb(), **pol, **episode_metrics(roll.episodes, args.obs.max_steps),
+        "time/critic_pass": crit.seconds, "time/gae": adv.seconds, "time/update": upd["time/update"],
+        "throughput/collected_steps_per_second": T * env.n_battles / max(roll.t_collect, 1e-9),
+        "ppo/explained_variance": adv.explained_variance, "ppo/reward_clip_frac": adv.reward_clip_frac,
+        "health/worker_failures": len(roll.failures),
+        "health/illegal_action_rate": float((~crit.legal & trainable).sum()) / n_train,
+        "env/episodes_completed": len(roll.episodes),
+        "env/episode_steps_mean": mean([e.episode_steps for e in mine]),
+        "env/crowns_for": mean([e.own_crowns for e in mine]),
+        "env/crowns_against": mean([e.enemy_crowns for e in mine]),
+        "env/draw_rate": mean([e.winner == 2 for e in mine]),
+        "env/elixir_count_exact_frac": mean([e.elixir_count_exact for e in roll.episodes]),
+        "policy/legal_actions_mean": float(nl.mean()) if trainable.any() else None,
+        "health/buffer_fill_frac": float(valid.sum()) / (T * env.R),
+        "health/obs_codec_clipped": fst["obs_codec_clipped"], "health/obs_codec_rounded": fst["obs_codec_rounded"],
+        "health/worker_restarts": fst["worker_restarts"],
+        "health/rows_dropped_dead_worker": fst["rows_dropped_dead_worker"],
+        "time/env": fst["env_ms"] / 1e3, "time/codec": fst["codec_ms"] / 1e3,
+        "throughput/parent_wait_frac": fst["parent_wait_frac"],
+        "throughput/boundary_mb_per_second": fst["bytes_out"] / 1e6 / max(roll.t_collect, 1e-9),
+        "health/samples_unused_frac": 1.0 - upd["ppo/actor_rows_seen"] / max(int(trainable.sum()) * args.ppo.n_epochs, 1),
+        "policy/cards_per_match": mean([e.cards_played for e in mine]),
+        "policy/noop_rate": float((roll.action[trainable] == 0).mean()) if trainable.any() else None,
+        "env/win_rate_vs_scripted": mean([e.outcome > 0 for e in mine if e.bucket == "scripted"]),
+        **adv.stats, **{k: v for k, v in upd.items() if k.startswith("ppo/")},
+        **lad.metrics(time.perf_counter() - run.t_start), **lad_row,
+    }
+
+
+def progress_line(iteration: int, t: int, T: int, rounds: int, seconds: float) -> str:
+    """The one line a person sees while collecting (rewritten in place with \\r on a tty)."""
+    return f"  it {iteration} collecting cycle {t}/{T}  {rounds / max(seconds, 1e-9):.1f} rounds/s"
+
+
+def _fmt(v: Any, fmt: str = "{:.3g}") -> str:
+    if v is None:
+        return "-"
+    if not isinstance(v, float):   # counts, flags and names as they are
+        return str(v)
+    return fmt.format(v)
+
+
+def console_block(row: dict[str, Any], fired: Sequence[tuple[Alarm, float]] = (), full: bool = False) -> str:
+    """The compact block a person watches each iteration: two dozen numbers on labelled lines. An absent key prints as "-" (the console never indexes a fixed key list
+    into a crash, design 9.1). With full=True (--metrics.console-full) every key follows, grouped by
+    prefix."""
+    g = row.get
+
+    def f(k: str, fmt: str = "{:.3g}") -> str:
+        return _fmt(g(k), fmt)
+
+    lines = [f"it {f('run/iteration')}  timesteps {f('run/cumulative_timesteps')}  env_steps "
+             f"{f('run/cumulative_env_steps')}  wall {f('run/wall_seconds', '{:.0f}')}s",
+             f"  speed   {f('throughput/collected_steps_per_second', '{:.0f}')} env/s collecting, "
+             f"{f('throughput/overall_steps_per_second', '{:.0f}')} overall, "
+             f"{f('throughput/inference_ms_per_round', '{:.2f}')} ms inference/round   "
+             f"time {f('time/iteration', '{:.1f}')}s = collect {f('time/collection', '{:.1f}')} "
+             f"critic {f('time/critic_pass', '{:.1f}')} update {f('time/update', '{:.1f}')} "
+             f"gate {f('time/gate', '{:.1f}')} ckpt {f('time/checkpoint', '{:.1f}')} "
+             f"other {f('time/residual', '{:.1f}')}",
+             f"  learn   policy_loss {f('ppo/policy_loss')} value_loss {f('ppo/value_loss')} kl {f('ppo/kl')} "
+             f"clip {f('ppo/clip_fraction', '{:.3f}')} ev {f('ppo/explained_variance', '{:.2f}')} "
+             f"H_norm {f('ppo/entropy_normalised', '{:.3f}')} forced {f('ppo/forced_frac', '{:.2f}')}",
+             f"  play    cards/match {f('policy/cards_per_match', '{:.1f}')} win_vs_scripted "
+             f"{f('env/win_rate_vs_scripted', '{:.2f}')} blue_mirror {f('env/win_rate_by_seat', '{:.2f}')} "
+             f"draw {f('env/draw_rate', '{:.2f}')} episodes {f('env/episodes_completed')} "
+             f"illegal {f('health/illegal_action_rate')}"]
+    champ = g("ladder/champion_id")
+    if champ is not None:
+        r, se = g(f"ladder/rating/{champ}"), g(f"ladder/rating_se/{champ}")
+        rating = "-" if r is None else f"{r:.0f} +- {se:.0f}" if se is not None else f"{r:.0f}"
+        gate = "none yet" if not g("ladder/gate_attempts") else (g("ladder/gate_failed_condition") or "passed")
+        lines.append(f"  ladder  champion {champ} rating {rating} above_v0 {f('ladder/rating_above_v0', '{:.0f}')} "
+                     f"elo_readout {f('ladder/elo_readout', '{:.0f}')} pool {f('ladder/pool_size')} "
+                     f"last gate {gate}")
+    if fired:
+        lines.append("  alarms  " + "  ".join(f"{a.name}({a.severity})" for a, _ in fired))
+    if full:
+        groups: dict[str, list[str]] = {}
+        for k, v in row.items():
+            grp, _, name = k.partition("/")
+            groups.setdefault(grp, []).append(f"{name}={_fmt(v, '{:.4g}')}")
+        lines += [f"  [{grp}] " + "  ".join(items) for grp, items in groups.items()]
+    return "\n".join(lines)
+
+
+
+# --- 12. Snapshots and the ladder's players (design 7.6, 7.3, 3.2) ------------------------------
 # A snapshot is the ACTOR alone (actor trunk + pointer head), fp16 in safetensors, with a
 # ladder.SnapshotSpec naming the arch/obs/codec digests it was built for. Two ways it plays:
 #   - in training (pool seats, group >= 0), from the rectangle's packed rows exactly like the
@@ -2538,8 +3368,15 @@ def snapshot_policy_builder(run_dir: str | Path, device: str = "cpu", table: Any
     return build
 
 
+def match_config(L: LadderArgs) -> Any:
+    """The matchmaker's configuration, from the run's ladder arguments."""
+    return ladder.MatchConfig(mix=tuple(L.mix), max_resident_opponents=L.max_resident_opponents,
+                              pfsp_power=L.pfsp_power, pfsp_uniform_floor=L.pfsp_uniform_floor,
+                              scripted_opponents=tuple(L.scripted_opponents))
+
+
 class LadderLoop:
-    """The ladder's side of the training loop (spec 14.1): the matchmaker and the pool, the stable
+    """The ladder's side of the training loop (design 10.1): the matchmaker and the pool, the stable
     table of resident snapshots the farm's group ids index, the gate on its cadence, floor admits,
     refits, eviction, the probe, the kind="train" results and the ladder/* keys of the row.
 
@@ -2554,9 +3391,7 @@ class LadderLoop:
         self.args, self.run, self.rid, self.seed, self.device, self.table = args, run, rid, seed, device, table
         self.env_spec = env_spec
         L = args.ladder
-        self.mm = ladder.Matchmaker(seed, n_battles, ladder.MatchConfig(
-            mix=tuple(L.mix), max_resident_opponents=L.max_resident_opponents, pfsp_power=L.pfsp_power,
-            pfsp_uniform_floor=L.pfsp_uniform_floor, scripted_opponents=tuple(L.scripted_opponents)))
+        self.mm = ladder.Matchmaker(seed, n_battles, match_config(L))
         self.pool = ladder.Pool()
         self.ratings: ladder.RatingTable | None = None
         self.slots: list[str] = []
@@ -2565,7 +3400,7 @@ class LadderLoop:
         self.last_candidate_step = self.last_floor_step = 0
         self.seconds_gate = self.seconds_probe = 0.0
         self.gate_discards_in_a_row = 0
-        # spec 11.2 layer 1: a sequential Elo over the kind="train" games, for the dashboard between
+        # design 7.2 layer 1: a sequential Elo over the kind="train" games, for the dashboard between
         # refits. The learner is one player ("learner"), whatever its step; order = episode order
         self.elo = ladder.EloReadout()
         # frozen per run: a resumed run keeps its set even under --allow-identity-drift of the seed
@@ -2621,7 +3456,7 @@ class LadderLoop:
 
     def plan(self, iteration: int, ordinals: Sequence[int], current: Sequence[Any] | None) -> Any:
         """The iteration's SlotPlan: the matchmaker draws this iteration's residents and weights;
-        a battle mid-episode keeps its current assignment (spec 7.5), so the table is `current`
+        a battle mid-episode keeps its current assignment (design 3.6), so the table is `current`
         when the farm has one, else the matchmaker's opening table."""
         p = self.mm.plan(iteration, ordinals, self.pool, self.ratings)
         live = {int(g) for a in (current or ()) if a is not None for g in a.group if g >= 0}
@@ -2664,7 +3499,7 @@ class LadderLoop:
                                  workers=r.eval_workers, table=self.table)
 
     def gate(self, model: ActorCritic, iteration: int, env_steps: int, action_digest: str) -> Any:
-        """Spec 11.4: snapshot the learner, play the WilsonGate on its own farm, apply the outcome."""
+        """design 7.4: snapshot the learner, play the WilsonGate on its own farm, apply the outcome."""
         import time
         t0 = time.perf_counter()
         cand = self.snapshot(model, env_steps, action_digest)
@@ -2737,696 +3572,10 @@ class LadderLoop:
         self.last_gate = msgspec.convert(st["last_gate"], ladder.GateDecision) if st["last_gate"] is not None else None
         self.last_candidate_step, self.last_floor_step = st["last_candidate_step"], st["last_floor_step"]
         self.seconds_gate, self.seconds_probe = st["seconds_gate"], st["seconds_probe"]
-        self.gate_discards_in_a_row = int(st.get("gate_discards_in_a_row", 0))   # absent before issue 4 item 6
+        self.gate_discards_in_a_row = int(st.get("gate_discards_in_a_row", 0))   # absent from older checkpoints
         self.elo.rating = {k: float(v) for k, v in st.get("elo", {}).items()}
         return [msgspec.convert(a, farm.Assignment) for a in st["assignment"]]
 
-
-# --- 13. The loop (spec 14.1, 7.5, 9.1, 5.4, 11) --------------------------------------------
-# One iteration: T cycles of rounds from the farm with one batched forward for the learner's rows
-# (ascending slot order, uniforms from act/iteration/{i}/cycle/{t}), then the invariants, the
-# critic pass, GAE and the update, one metric row, a checkpoint on its cadence. Built on farm.py's
-# documented API (its module docstring) and section 12's LadderLoop (matchmaker, pool seats, gate,
-# refits, probe).
-
-
-def apply_determinism(args: Args) -> None:
-    """Spec 5.1 tier run_exact: deterministic kernels, no tf32, fixed thread count."""
-    torch.set_num_threads(args.determinism.torch_threads)
-    if args.determinism.tier == "run_exact":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=False)
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-
-
-def frame_stack_rows(t: np.ndarray, k: int) -> np.ndarray:
-    """(n,) cycles -> (n, k) rectangle rows, oldest..newest: cycle c's observation is row c+k-1,
-    so the stack of cycle t is rows t .. t+k-1 (spec 9.1: stacking is a gather, not a copy)."""
-    return t[:, None] + np.arange(k)[None, :]
-
-
-def frame_valid(last_start: np.ndarray, t: np.ndarray, r: np.ndarray, k: int) -> np.ndarray:
-    """(n, k) bool: frame j of cell (t, r) is the cycle t-k+1+j; it is live only if it belongs to
-    the episode running at t, i.e. that cycle is not before the episode's first cycle.
-    last_start[c + k - 1, r] is the first cycle of the episode running at cycle c."""
-    cyc = t[:, None] - (k - 1) + np.arange(k)[None, :]
-    return cyc >= last_start[t + k - 1, r][:, None]
-
-
-class RectData:
-    """UpdateData over the farm's rectangle: gathers one minibatch's rows (with their frame
-    stack) and decodes them with codec.unpack on the learner's device."""
-
-    def __init__(self, rect: np.ndarray, table: Any, statics: torch.Tensor, k: int, last_start: np.ndarray,
-                 cells_t: np.ndarray, cells_r: np.ndarray, action: np.ndarray, log_prob: np.ndarray,
-                 adv: np.ndarray, ret: np.ndarray, n_legal: np.ndarray, device: torch.device) -> None:
-        self.rect, self.table, self.statics, self.k, self.last_start = rect, table, statics, k, last_start
-        self.t, self.r = cells_t, cells_r
-        self.n = int(len(cells_t))
-        self.device = device
-        self.cols = {name: torch.as_tensor(v, device=device) for name, v in
-                     (("action", action.astype(np.int64)), ("log_prob", log_prob.astype(np.float32)),
-                      ("adv", adv.astype(np.float32)), ("ret", ret.astype(np.float32)), ("n_legal", n_legal.astype(np.int64)))}
-        self.n_legal = n_legal.astype(np.int64)
-
-    def obs(self, t: np.ndarray, r: np.ndarray) -> Any:
-        rows = self.rect[frame_stack_rows(t, self.k), r[:, None]]          # (n, k, row_bytes)
-        fv = torch.as_tensor(frame_valid(self.last_start, t, r, self.k), device=self.device) if self.k > 1 else None
-        return codec.unpack(self.table, torch.as_tensor(rows, device=self.device), self.statics,
-                       torch.as_tensor(r % 2, device=self.device), fv)
-
-    def gather(self, idx: np.ndarray) -> Minibatch:
-        i = torch.as_tensor(idx, device=self.device)
-        c = self.cols
-        return Minibatch(self.obs(self.t[idx], self.r[idx]), c["action"][i], c["log_prob"][i], c["adv"][i],
-                         c["ret"][i], c["n_legal"][i])
-
-    def label(self, idx: Sequence[int]) -> list[str]:
-        return [f"(cycle {int(self.t[i])}, slot {int(self.r[i])})" for i in idx]
-
-
-def _run_dir(args: Args, rid: str) -> Path:
-    return Path(args.runs_dir) / f"{args.run_name}-{rid}"
-
-
-class IdentityMismatch(ValueError):
-    """A resume whose identity differs from the checkpoint's: every differing field is named."""
-
-
-def latest_checkpoint(run: Path) -> Path | None:
-    """The checkpoint with the most env steps, by its manifest; a stray file, a .partial left by a
-    crash or a folder without a manifest is skipped rather than crashing the lookup (spec 12.1)."""
-    best: tuple[int, Path] | None = None
-    for d in (run / "checkpoints").glob("*"):
-        if d.is_dir() and not d.name.endswith(".partial") and (d / "manifest.json").exists():
-            try:
-                steps = int(json.loads((d / "manifest.json").read_bytes())["cumulative_env_steps"])
-            except (ValueError, KeyError):
-                continue
-            if best is None or steps > best[0]:
-                best = (steps, d)
-    return None if best is None else best[1]
-
-
-def train(args: Args, *, max_iterations: int | None = None, quiet: bool = False, resume: Path | None = None,
-          allow_identity_drift: bool = False) -> Path:
-    """See _train. The process-wide determinism settings it applies are restored on the way out,
-    so a caller in the same process (a test, checks.py) gets its own back."""
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
-    try:
-        return _train(args, max_iterations=max_iterations, quiet=quiet, resume=resume,
-                      allow_identity_drift=allow_identity_drift)
-    finally:
-        torch.use_deterministic_algorithms(saved[0])
-        torch.set_num_threads(saved[1])
-
-
-def _train(args: Args, *, max_iterations: int | None, quiet: bool, resume: Path | None,
-           allow_identity_drift: bool) -> Path:
-    """Train until args.timestep_limit learner transitions (or max_iterations). Returns the run
-    directory. Writes config.json, identity.json, metrics.jsonl, episodes.jsonl, checkpoints/.
-    With `resume` (a checkpoint folder) the run continues in its own directory: the identity must
-    equal the checkpoint's, field for field (spec 5.4 step 1), and the learner, its optimizers, the
-    return scaler, the schedule positions, the RNG and the farm's episode ordinals are restored."""
-    import time
-    t_start = time.perf_counter()
-    device = resolve_device(args)
-    apply_determinism(args)
-    k, seed = args.obs.frame_stack, args.master_seed
-    spec = farm.default_env_spec(reveal_spell_aim="enemy_spell_aim" in args.obs.reveal,
-                                 max_steps=args.obs.max_steps or None)
-    spec = msgspec.structs.replace(spec, decision_ms=args.obs.decision_ms)
-    env_spec, table = farm.preflight(spec, frame_stack=k, master_seed=seed)
-    vec = farm.build_vec(spec, 1)
-    obs0, _ = vec.reset(seed=0)
-    statics = torch.as_tensor(codec.static_planes(table, obs0), device=device)
-    geo = geometry_from_env(vec.single_observation_space, vec.envs[0].obs_builder, k)
-    eng_cfg = vec.envs[0].config()
-    vec.close()
-
-    n_battles = args.rollout.workers * args.rollout.games_per_worker
-    R = 2 * n_battles
-    mm = ladder.Matchmaker(seed, n_battles, ladder.MatchConfig(
-        mix=tuple(args.ladder.mix), max_resident_opponents=args.ladder.max_resident_opponents,
-        pfsp_power=args.ladder.pfsp_power, pfsp_uniform_floor=args.ladder.pfsp_uniform_floor,
-        scripted_opponents=tuple(args.ladder.scripted_opponents)))
-    # sizing only (the roles are the run's, so the count does not depend on the pool): the loop's
-    # plans come from LadderLoop below
-    learner_rows = ladder.learner_rows(mm.plan(0, [0] * n_battles, ladder.Pool(), None))
-    T = -(-args.ppo.timesteps_per_iteration // learner_rows)
-
-    model = ActorCritic(geo, args.net, seed).to(device)
-    opt_a, opt_c = make_optimizers(model, args.ppo)
-    scaler = WelfordReturnScaler(args.advantage.standardize_rewards, args.advantage.reward_clip)
-    backoff = LrBackoff(args.ppo.lr_backoff, args.ppo.lr_actor, args.ppo.lr_critic)
-    facts = EnvFacts(engine_build=engine_build_from_config(eng_cfg, "RustEngine"),
-                     env_spec_digest=env_spec.env_value_digest, obs_digest=env_spec.obs_digest,
-                     action_digest=sha256_hex(canonical_json({"n_actions": geo.n_actions, "tiles": geo.tiles,
-                                                              "hand_size": geo.hand_size})),
-                     codec_version=codec.CODEC_VERSION, codec_table_digest=table.digest(),
-                     royalegym_version=_pkg_version("royalegym"))
-    # the frozen evaluation seed set is drawn from the master seed alone (spec 11.5), so its sha
-    # enters ladder_digest before the run directory (named by the identity) exists
-    seed_sha = ladder.draw_eval_seeds(seed, args.ladder.eval_seed_count).sha256
-    identity = make_identity(args, facts, arch=arch_digest(geo, args.net), T=T, R=R, device=device,
-                             eval_seed_set_sha=seed_sha, user_code=user_code_digest())
-    rid = run_id(identity)
-    start = {"iteration": 0, "env_steps": 0, "timesteps": 0, "updates": 0}
-    start_ordinals = None
-    ladder_saved: dict[str, Any] | None = None
-    if resume is None:
-        run = _run_dir(args, rid)
-        run.mkdir(parents=True, exist_ok=False)
-        (run / "config.json").write_bytes(config_json(args))
-        (run / "identity.json").write_bytes(msgspec.json.format(canonical_json(identity)))
-    else:
-        run = Path(resume).parent.parent
-        man, files = read_checkpoint(Path(resume))
-        saved = msgspec.convert(man.identity, RunIdentity)
-        diff = identity_diff(saved, identity)
-        if diff and not allow_identity_drift:
-            raise IdentityMismatch(f"refusing to resume {resume}: the identity differs in {len(diff)} field(s): "
-                                   + "; ".join(diff) + ". Undo the change, or pass --allow-identity-drift "
-                                   "(writes drift.json and marks every later row).")
-        if diff:
-            (run / "drift.json").write_bytes(canonical_json({"checkpoint": str(resume), "differences": diff}))
-        for line in config_diff(man.config, args_to_dict(args)):   # the excluded fields: printed, allowed
-            print(f"resume: config differs from the checkpoint's: {line}")
-        pos, rng, _ = load_learner(files, model, opt_a, opt_c, scaler)
-        backoff.load_state(pos["backoff"])
-        backoff.apply(opt_a, opt_c)
-        restore_rng(rng)
-        start = {"iteration": int(pos["iteration"]), "env_steps": int(pos["env_steps"]),
-                 "timesteps": int(pos["timesteps"]), "updates": int(pos["updates"])}
-        start_ordinals = json.loads(files["rollout/state.json"])["ordinals"]
-        ladder_saved = json.loads(files["ladder/state.json"]) if "ladder/state.json" in files else None
-        rid = man.run_id
-        if not quiet:
-            print(f"resumed {resume} at iteration {start['iteration']}; state_digest {man.state_digest[:16]}")
-    # The ladder (spec 11): eval env and frozen seeds written into the run, the pool restored, or
-    # v0 (the initial actor) admitted free as the first champion so the pool and the gauge exist
-    lad = LadderLoop(args, run, rid, seed, n_battles, spec, table, device)
-    opening: list[Any] | None = None
-    if ladder_saved is not None:
-        opening = lad.load(ladder_saved)
-    else:
-        lad.admit(lad.snapshot(model, start["env_steps"], facts.action_digest), start["env_steps"], promote=True)
-    metrics_f = open(run / "metrics.jsonl", "ab")
-    episodes_f = open(run / "episodes.jsonl", "ab")
-    alarms_f = open(run / "alarms.jsonl", "ab")
-    alarms = AlarmSet(alarm_table(args))
-    viser = ViserSink.from_env() if args.metrics.viser else None
-    wandb_sink = (WandbSink(args.metrics.wandb_project, run, json.loads(config_json(args)),
-                            msgspec.to_builtins(identity)) if args.metrics.wandb else None)
-    tail: list[dict[str, Any]] = []
-    if not quiet:
-        print(f"run {run}  T={T} R={R} learner_rows={learner_rows} device={device} "
-              f"credit_horizon={credit_horizon_seconds(args.obs.decision_ms, args.advantage.gamma.value(0), args.advantage.gae_lambda):.1f}s")
-
-    Source = farm.InlineFarm if args.rollout.source == "inline" else farm.ProcessFarm
-    fcfg = farm.FarmConfig(env=spec, master_seed=seed, workers=args.rollout.workers,
-                           shards_per_worker=args.rollout.shards_per_worker,
-                           games_per_worker=args.rollout.games_per_worker, cycles=T, frame_stack=k,
-                           spin_us=args.rollout.spin_us, round_timeout_s=args.rollout.round_timeout_s,
-                           launch_delay_s=args.rollout.launch_delay_s,
-                           max_restarts_per_worker=args.rollout.max_restarts_per_worker,
-                           viewer=args.rollout.source == "process" and args.metrics.viser,
-                           start_ordinals=start_ordinals)
-    source = Source(fcfg, table, lad.assign)
-    # last_start[c + k - 1, r]: the first cycle of the episode running at cycle c (frame liveness)
-    last_start = np.zeros((T + k, R), np.int64)
-    view = _ObsView(source.rect, table, statics, k, last_start, device)
-    iteration, env_steps, timesteps, updates = start["iteration"], start["env_steps"], start["timesteps"], start["updates"]
-    first_iteration = iteration
-    drifted = resume is not None and (run / "drift.json").exists()
-    last_saved = env_steps if resume is not None else -1
-    every = max(args.checkpoint.every_env_steps, 1)
-    sched_pos: dict[str, Any] = {}
-    phase, boundary_ordinals = "boundary", [int(x) for x in source.ordinals]
-    boundary_ladder: dict[str, Any] = {}
-    # time/iteration runs row to row, so the checkpoint written after a row (t_ckpt) lands in the
-    # next row's split; prev_tick is each battle's engine tick at the last cycle collected
-    t_row, t_ckpt = time.perf_counter(), 0.0
-    prev_tick = np.zeros(n_battles, np.int64)
-    ep_tail: list[Any] = []   # the last twenty EpisodeRecords, for a halt's bundle (spec 13.4)
-    try:
-        while timesteps < args.timestep_limit and (max_iterations is None or iteration < max_iterations):
-            t_it = time.perf_counter()
-            boundary_ordinals, phase = [int(x) for x in source.ordinals], "collect"
-            gamma = args.advantage.gamma.value(env_steps)
-            ent_coef, ent_noop = args.ppo.ent_coef.value(env_steps), args.ppo.ent_coef_noop.value(env_steps)
-            plan = lad.plan(iteration, source.ordinals, opening if iteration == first_iteration else source.assignment)
-            if iteration > first_iteration:
-                last_start[:k] = last_start[T:T + k] - T   # cycles renumber: cycle T is cycle 0 now
-            source.begin_iteration(plan)
-            boundary_ladder = lad.state(list(plan.assignment))
-            action = np.zeros((T, R), np.int64)
-            log_prob = np.zeros((T, R), np.float32)
-            p_noop = np.zeros((T, R), np.float32)
-            card_played = np.full((T, R), -1, np.int64)     # rollout_policy_metrics' card and elixir
-            elixir_dec = np.zeros((T, R), np.float32)
-            group = np.full((T, R), farm.GROUP_DEAD, np.int8)
-            rounds = 0
-            progress = not quiet and sys.stdout.isatty()   # a log file gets no progress lines
-            t_inf = 0.0
-            for t in range(T + 1):
-                if progress and t % max(T // 20, 1) == 0:   # a person's progress line, overwritten in place
-                    print("\r" + progress_line(iteration + 1, t, T, rounds, time.perf_counter() - t_it), end="", flush=True)
-                if viser is not None:
-                    viser.pump()   # answer a viewer's hello within a cycle
-                u = torch.as_tensor(derive_generator(seed, f"act/iteration/{iteration}/cycle/{t}").random(R),
-                                    dtype=torch.float32, device=device)
-                for _ in range(fcfg.n_shards):
-                    rnd = source.next_round()
-                    sl = rnd.slots
-                    if t > 0 or iteration == first_iteration:   # later: cycle 0 was carried over above
-                        prev = last_start[t + k - 2, sl] if t + k - 2 >= 0 else np.zeros(len(sl), np.int64)
-                        last_start[t + k - 1, sl] = np.where(rnd.new_episode, t, prev)
-                    if t == T:
-                        continue
-                    acts = np.zeros(len(sl), np.int64)
-                    group[t, sl] = rnd.group
-                    rows = np.flatnonzero(rnd.group == farm.GROUP_LEARNER)   # ascending slot order
-                    # pool seats: one batched forward per resident group, groups ascending, rows
-                    # in ascending slot order, the same cycle uniforms; not trainable, no log-prob
-                    t0 = time.perf_counter()
-                    for g in sorted({int(x) for x in rnd.group if x >= 0}):
-                        prow = np.flatnonzero(rnd.group == g)
-                        ps = sl[prow].astype(np.int64)
-                        with torch.inference_mode():
-                            pa = lad.policy(g).dist(view.obs(np.full(prow.size, t), ps)).sample(u[ps])
-                        acts[prow] = pa.cpu().numpy()
-                        action[t, ps] = acts[prow]
-                    if rows.size:
-                        ss = sl[rows].astype(np.int64)
-                        o = view.obs(np.full(rows.size, t), ss)
-                        a, lp, p0 = model.act_and_hold(o, u[ss])
-                        cd, el = decision_facts(o.vector, a, geo)
-                        card_played[t, ss] = cd
-                        if el is not None:
-                            elixir_dec[t, ss] = el
-                        p_noop[t, ss] = p0.cpu().numpy()
-                        acts[rows] = a.cpu().numpy()
-                        action[t, ss] = acts[rows]
-                        log_prob[t, ss] = lp.cpu().numpy()
-                    t_inf += time.perf_counter() - t0
-                    source.submit(acts, gamma)
-                    rounds += 1
-            t_collect = time.perf_counter() - t_it
-            fst = source.stats()              # the farm's counters for this iteration (spec 7.6, 13.2)
-            failures = source.drain_failures()
-            sc = source.scalars
-            flags = sc["flags"]
-            valid = (flags & farm.F_VALID) != 0
-            terminated = ((flags & farm.F_TERMINATED) != 0) | ~valid
-            truncated = ((flags & farm.F_TRUNCATED) != 0) & valid
-            trainable = (group == farm.GROUP_LEARNER) & valid
-
-            # the critic pass over every cell and the bootstrap row, chunked; it also reads each
-            # cell's mask count and whether its stored action was legal (spec 18.1, 14.1)
-            t0 = time.perf_counter()
-            tt, rr = np.meshgrid(np.arange(T + 1), np.arange(R), indexing="ij")
-            tt, rr = tt.ravel(), rr.ravel()
-            values = np.zeros(T * R + R, np.float32)
-            n_legal = np.zeros(T * R + R, np.int64)
-            legal = np.ones(T * R + R, bool)
-            act_flat = np.concatenate([action.ravel(), np.zeros(R, np.int64)])
-            with torch.no_grad():
-                for s in range(0, tt.size, args.ppo.critic_chunk):
-                    o = view.obs(tt[s:s + args.ppo.critic_chunk], rr[s:s + args.ppo.critic_chunk])
-                    values[s:s + len(o.vector)] = model.value(o).cpu().numpy()
-                    n_legal[s:s + len(o.vector)] = o.mask.sum(-1).cpu().numpy()
-                    a_t = torch.as_tensor(act_flat[s:s + len(o.vector)], device=device)
-                    legal[s:s + len(o.vector)] = o.mask.gather(1, a_t[:, None]).squeeze(1).cpu().numpy()
-                final_values = values.reshape(T + 1, R)[1:].copy()      # truncated without a final obs
-                for (ft, fr), raw in sorted(source.finals.items()):
-                    rows = source.rect[frame_stack_rows(np.array([ft + 1]), k)[0], fr].copy()
-                    rows[-1] = raw
-                    fo = codec.unpack(table, torch.as_tensor(rows[None], device=device), statics,
-                                 torch.as_tensor([fr % 2], device=device), None)
-                    final_values[ft, fr] = float(model.value(fo)[0])
-            values = values.reshape(T + 1, R)
-            n_legal_c, legal_c = n_legal.reshape(T + 1, R)[:T], legal.reshape(T + 1, R)[:T]
-            t_critic = time.perf_counter() - t0
-
-            check_iteration(rounds=rounds, expected_rounds=T * fcfg.n_shards, trainable=trainable,
-                            timesteps_per_iteration=0 if failures else args.ppo.timesteps_per_iteration,
-                            log_prob=log_prob, action_legal=legal_c, deploy_status=sc["deploy_status"],
-                            episode_end=sc["episode_end"] != 0, group=group,
-                            discarded_rows_frac=1 - trainable.sum() / max(valid.sum(), 1),
-                            expected_discarded_frac=1 - learner_rows / R if not failures else 1 - trainable.sum() / max(valid.sum(), 1),
-                            action=action, n_legal=n_legal_c)
-
-            t0 = time.perf_counter()
-            phase = "learn"   # the scaler, the weights and the optimizers change from here on
-            rewards = np.where(valid, sc["reward"], 0.0).astype(np.float64)
-            raw_ret = discounted_return_per_episode(rewards, terminated | truncated, gamma)
-            scaler.update(raw_ret[trainable])
-            rew_scaled, reward_clip_frac = scaler.scale(rewards)
-            vals_t = torch.as_tensor(values, dtype=torch.float32)
-            adv, ret = gae(torch.as_tensor(rew_scaled), vals_t, torch.as_tensor(final_values), torch.as_tensor(terminated),
-                           torch.as_tensor(truncated), gamma, args.advantage.gae_lambda)
-            adv_np, ret_np = adv.numpy(), ret.numpy()
-            choice = trainable & (n_legal_c > 1)
-            pre = adv_np[choice]
-            adv_stats = {"ppo/advantage_std_choice_pre_norm": float(pre.std(ddof=1)) if pre.size > 1 else None,
-                         "ppo/advantage_mean_choice": float(pre.mean()) if pre.size else None,
-                         "ppo/explained_variance_choice": explained_variance(
-                             vals_t[:T][torch.as_tensor(choice)], ret[torch.as_tensor(choice)]) if pre.size > 1 else None}
-            cells = choice if args.ppo.forced_rows == "critic_only_choice_mean" else trainable
-            if args.ppo.advantage_standardization and cells.sum() > 1:
-                adv_np = (adv_np - adv_np[cells].mean()) / (adv_np[cells].std(ddof=1) + 1e-8)
-            ev = explained_variance(vals_t[:T][torch.as_tensor(trainable)], ret[torch.as_tensor(trainable)])
-            t_gae = time.perf_counter() - t0
-
-            t0 = time.perf_counter()
-            ct, cr = np.nonzero(trainable)
-            data = RectData(source.rect, table, statics, k, last_start, ct, cr, action[ct, cr], log_prob[ct, cr],
-                            adv_np[ct, cr], ret_np[ct, cr], n_legal_c[ct, cr], device)
-            debug = iteration < args.ppo.debug_assert_iterations
-            check = debug or iteration % args.ppo.check_ratio_invariant_every == 0
-            outliers: list[dict[str, Any]] = []   # this iteration's ten worst ratios, for a halt's bundle
-            upd = ppo_update(model, opt_a, opt_c, data, args.ppo, ent_coef=ent_coef, ent_coef_noop=ent_noop,
-                             master_seed=seed, iteration=iteration, debug=debug, check_ratio=check,
-                             ratio_atol=ratio_atol(args), ratio_outliers=outliers)
-            backed_off = backoff.observe(upd["ppo/kl"])
-            if backed_off:
-                backoff.apply(opt_a, opt_c)
-            t_update = time.perf_counter() - t0
-
-            iteration += 1
-            env_steps += T * n_battles
-            timesteps += int(trainable.sum())
-            updates += int(upd["ppo/optimizer_steps"])
-            eps = source.episodes
-            mine = [e for e in eps if e.policy_id == "learner"]
-            # the ladder's work (spec 14.1 order): train results, the gate, floor, refit, probe
-            lad.record_train(eps, iteration, env_steps)
-            lad_row: dict[str, Any] = {}
-            if env_steps - lad.last_candidate_step >= max(args.ladder.candidate_every_env_steps, 1):
-                t0 = time.perf_counter()
-                dec = lad.gate(model, iteration, env_steps, facts.action_digest)
-                lad_row["time/gate"] = time.perf_counter() - t0
-                if not quiet:
-                    print(f"gate {dec.candidate} vs {dec.champion}: {dec.outcome}"
-                          + (f" (failed: {', '.join(dec.failed)})" if dec.failed else ""), flush=True)
-            if env_steps - lad.last_floor_step >= max(args.ladder.floor_admit_every_env_steps, 1):
-                lad.floor(model, env_steps, facts.action_digest)
-            if args.ladder.refit_every_iterations and iteration % args.ladder.refit_every_iterations == 0:
-                lad.refit()
-            if args.ladder.probe_every_iterations and iteration % args.ladder.probe_every_iterations == 0:
-                lad_row.update(lad.probe(model, iteration, env_steps))
-            ended = {(e.battle, e.ordinal): e for e in eps}
-            lad_row.update(ladder.role_count_metrics(
-                [farm.Assignment(battle=b, ordinal=o, role={"mirror": farm.ROLE_MIRROR, "pool": farm.ROLE_POOL}.get(
-                    e.bucket, farm.ROLE_SCRIPTED), opponent_id=None, group=(-1, -1), learner_seat=-1)
-                 for (b, o), e in sorted(ended.items())], lad.mm.roles))
-            sched_pos = {"gamma": gamma, "ent_coef": ent_coef, "ent_coef_noop": ent_noop,
-                         "backoff": backoff.state(), "iteration": iteration, "env_steps": env_steps,
-                         "timesteps": timesteps, "updates": updates}
-            # engine ticks the battles advanced: each battle's tick after cycle t less its tick
-            # before it (0 when cycle t starts an episode: a reset is tick 0), seat-0 columns only.
-            # prev_tick is not checkpointed, so a resumed run's first row counts its battles' ticks
-            # from their episode starts: one high reading, under throughput/ where the clock lives.
-            # [M] the smoke profile reads 10.0 ticks a decision on rows with no episode end
-            tick = sc["tick"][:, 0::2].astype(np.int64)
-            starts = last_start[k - 1:T + k - 1, 0::2] == np.arange(T)[:, None]
-            before = np.where(starts, 0, np.vstack([prev_tick[None], tick[:-1]]))
-            ticks = int(np.clip(np.where(valid[:, 0::2], tick - before, 0), 0, None).sum())
-            prev_tick = tick[-1].copy()
-            nl = n_legal_c[trainable]
-            pol: dict[str, Any] = {}
-            if nl.size:
-                pol = {"policy/forced_noop_frac": float((nl == 1).mean()), "policy/rollout_choice_frac": float((nl > 1).mean()),
-                       **{f"policy/legal_actions_p{q:02d}": float(np.percentile(nl, q)) for q in (5, 50, 95)}}
-            pol.update(rollout_policy_metrics(action[trainable], n_legal_c[trainable], p_noop[trainable], geo,
-                                              card=card_played[trainable],
-                                              elixir=elixir_dec[trainable] if OWN_ELIXIR in dict(geo.vector_layout) else None))
-            t_now = time.perf_counter()
-            t_iter = t_now - t_row
-            parts = t_collect + t_critic + t_gae + t_update + t_ckpt + lad_row.get("time/gate", 0.0) + lad_row.get("time/probe", 0.0)
-            row: dict[str, Any] = {
-                "run/iteration": iteration, "run/cumulative_timesteps": timesteps,
-                "run/cumulative_env_steps": env_steps, "run/cumulative_updates": updates,
-                "run/wall_seconds": time.perf_counter() - t_start, "run/gamma": gamma,
-                "run/gae_lambda": args.advantage.gae_lambda,
-                "run/credit_horizon_seconds": credit_horizon_seconds(args.obs.decision_ms, gamma, args.advantage.gae_lambda),
-                "run/ent_coef": ent_coef, "run/ent_coef_noop": ent_noop,
-                "run/lr_actor": backoff.lr_actor, "run/lr_critic": backoff.lr_critic, "run/lr_backoff": backed_off,
-                "run/determinism_tier": args.determinism.tier, "run/resumed_with_drift": drifted,
-                "run/state_digest": state_digest(model, [opt_a, opt_c], scaler, sched_pos),
-                "time/iteration": t_iter, "time/collection": t_collect,
-                "time/inference": t_inf, "time/checkpoint": t_ckpt, "time/residual": t_iter - parts,
-                "throughput/overall_steps_per_second": T * n_battles / max(t_iter, 1e-9),
-                "throughput/engine_ticks_per_second": ticks / max(t_collect, 1e-9),
-                "throughput/discarded_rows_frac": 1.0 - float(trainable.sum()) / max(int(valid.sum()), 1),
-                "throughput/inference_ms_per_round": 1e3 * t_inf / max(rounds, 1),
-                "health/rss_peak_mb": rss_peak_mb(), **pol, **episode_metrics(eps, args.obs.max_steps),
-                "time/critic_pass": t_critic, "time/gae": t_gae, "time/update": t_update,
-                "throughput/collected_steps_per_second": T * n_battles / max(t_collect, 1e-9),
-                "ppo/explained_variance": ev, "ppo/reward_clip_frac": reward_clip_frac,
-                "health/worker_failures": len(failures),
-                "health/illegal_action_rate": float((~legal_c & trainable).sum()) / max(int(trainable.sum()), 1),
-                "env/episodes_completed": len(eps),
-                "env/episode_steps_mean": float(np.mean([e.episode_steps for e in mine])) if mine else None,
-                "env/crowns_for": float(np.mean([e.own_crowns for e in mine])) if mine else None,
-                "env/crowns_against": float(np.mean([e.enemy_crowns for e in mine])) if mine else None,
-                "env/draw_rate": float(np.mean([e.winner == 2 for e in mine])) if mine else None,
-                "env/elixir_count_exact_frac": float(np.mean([e.elixir_count_exact for e in eps])) if eps else None,
-                "policy/legal_actions_mean": float(n_legal_c[trainable].mean()) if trainable.any() else None,
-                "health/buffer_fill_frac": float(valid.sum()) / (T * R),
-                "health/obs_codec_clipped": fst["obs_codec_clipped"], "health/obs_codec_rounded": fst["obs_codec_rounded"],
-                "health/worker_restarts": fst["worker_restarts"],
-                "health/rows_dropped_dead_worker": fst["rows_dropped_dead_worker"],
-                "time/env": fst["env_ms"] / 1e3, "time/codec": fst["codec_ms"] / 1e3,
-                "throughput/parent_wait_frac": fst["parent_wait_frac"],
-                "throughput/boundary_mb_per_second": fst["bytes_out"] / 1e6 / max(t_collect, 1e-9),
-                "health/samples_unused_frac": 1.0 - upd["ppo/actor_rows_seen"] / max(int(trainable.sum()) * args.ppo.n_epochs, 1),
-                "policy/cards_per_match": float(np.mean([e.cards_played for e in mine])) if mine else None,
-                "policy/noop_rate": float((action[trainable] == 0).mean()) if trainable.any() else None,
-                "env/win_rate_vs_scripted": (float(np.mean([e.outcome > 0 for e in mine if e.bucket == "scripted"]))
-                                             if any(e.bucket == "scripted" for e in mine) else None),
-                **adv_stats, **upd, **lad.metrics(time.perf_counter() - t_start), **lad_row,
-            }
-            phase = "boundary"
-            metrics_f.write(msgspec.json.encode(row) + b"\n")
-            metrics_f.flush()
-            for e in eps:
-                episodes_f.write(msgspec.json.encode(e) + b"\n")
-            episodes_f.flush()
-            if viser is not None:
-                viser.write(row, run.name)
-            if wandb_sink is not None:
-                wandb_sink.write(row)
-            if not quiet:
-                if progress:
-                    print("\r\x1b[K", end="")   # clear the progress line before the block
-            t_row, t_ckpt = t_now, 0.0
-            tail = (tail + [row])[-50:]
-            ep_tail = (ep_tail + list(eps))[-20:]
-            fired = alarms.evaluate(row)   # after the row is on disk: a halt checkpoints the learner it describes
-            if not quiet:
-                print(console_block(row, fired, full=args.metrics.console_full), flush=True)
-            alarm_rows = [{"iteration": iteration, "alarm": a.name, "metric": a.key, "value": v,
-                           "threshold": a.threshold, "severity": a.severity} for a, v in fired]
-            for a, v in fired:
-                if not quiet:
-                    print(f"ALARM {a.severity} {a.name}: {a.key} = {v:.4g} {a.op} {a.threshold:g} -- {a.meaning}")
-            alarms_f.write(b"".join(msgspec.json.encode(x) + b"\n" for x in alarm_rows))
-            alarms_f.flush()
-            halts = [(a, v) for a, v in fired if a.severity == "halt"]
-            if halts:
-                ck = _save(run, args, identity, rid, model, opt_a, opt_c, scaler, sched_pos, iteration,
-                           env_steps, timesteps, updates, source.ordinals, t_start,
-                           lad.state(list(source.assignment)))
-                bundle = write_bundle(run, iteration, halts[0][0], halts[0][1], tail, ck, args, identity,
-                                      episodes=ep_tail, alarm_rows=alarm_rows, ratio_outliers=outliers)
-                raise AlarmHalt(f"halted at iteration {iteration} by {halts[0][0].name} "
-                                f"({halts[0][0].key} = {halts[0][1]:.4g}); checkpoint {ck}; bundle {bundle}; "
-                                f"resume: python ppo_clash.py --resume {run} --checkpoint {ck}")
-            ctl = _sentinel(run, quiet)
-            # spec 11.4: a checkpoint at every candidate too, whatever the gate decided
-            if env_steps // every > (env_steps - T * n_battles) // every or ctl in ("c", "q") or "time/gate" in lad_row:
-                t0 = time.perf_counter()
-                _save(run, args, identity, rid, model, opt_a, opt_c, scaler, sched_pos, iteration,
-                      env_steps, timesteps, updates, source.ordinals, t_start,
-                           lad.state(list(source.assignment)))
-                last_saved = env_steps
-                prune_checkpoints(run, args.checkpoint.keep)
-                t_ckpt = time.perf_counter() - t0
-            if ctl == "q":
-                break
-        if last_saved != env_steps:   # the limit: save on the way out unless the last save holds it
-            _save(run, args, identity, rid, model, opt_a, opt_c, scaler, sched_pos, iteration,
-                  env_steps, timesteps, updates, source.ordinals, t_start,
-                           lad.state(list(source.assignment)))
-    except (Exception, KeyboardInterrupt) as exc:
-        # Emergency save (spec 14.4): only a learner that sits on an iteration boundary can be
-        # resumed, so save while collecting (the learner is the last boundary's) or after the row,
-        # never halfway through an update. KeyboardInterrupt is named: it is not an Exception.
-        if not isinstance(exc, AlarmHalt) and sched_pos and phase != "learn" and last_saved != env_steps:
-            try:
-                ords = boundary_ordinals if phase == "collect" else [int(x) for x in source.ordinals]
-                ck = _save(run, args, identity, rid, model, opt_a, opt_c, scaler, sched_pos, iteration,
-                           env_steps, timesteps, updates, ords, t_start,
-                           boundary_ladder if phase == "collect" else lad.state(list(source.assignment)))
-                print(f"emergency checkpoint {ck} after {type(exc).__name__}; resume: python ppo_clash.py "
-                      f"--resume {run} --checkpoint {ck}", file=sys.stderr)
-            except Exception as e2:  # the save must not hide the original failure
-                print(f"emergency checkpoint failed: {e2!r}", file=sys.stderr)
-        raise
-    finally:
-        source.close()
-        metrics_f.close()
-        episodes_f.close()
-        alarms_f.close()
-        if viser is not None:
-            viser.close()
-        if wandb_sink is not None:
-            wandb_sink.close()
-    return run
-
-
-def _sentinel(run: Path, quiet: bool) -> str:
-    """Read <run>/control at the iteration boundary (the only point a resume can start from):
-    "c" checkpoint now, "q" checkpoint and quit, "p" pause until the file says otherwise. The file
-    is removed once acted on. Spec 14.4 reads it once per round; here it is acted on per iteration."""
-    import time
-    f = run / "control"
-    if not f.exists():
-        return ""
-    cmd = f.read_text().strip()[:1]
-    while cmd == "p":
-        if not quiet:
-            print(f"paused: edit or remove {f} to continue", flush=True)
-        time.sleep(1.0)
-        cmd = f.read_text().strip()[:1] if f.exists() else ""
-    if f.exists():
-        f.unlink()
-    return cmd
-
-
-def prune_checkpoints(run: Path, keep: int) -> list[Path]:
-    """Keep the newest `keep` checkpoints by their manifests' env steps; strays and .partial
-    folders are left alone, and a failed removal is reported, never raised (the run goes on)."""
-    import shutil
-    found = []
-    for d in (run / "checkpoints").glob("*"):
-        if d.is_dir() and not d.name.endswith(".partial") and (d / "manifest.json").exists():
-            try:
-                found.append((int(json.loads((d / "manifest.json").read_bytes())["cumulative_env_steps"]), d))
-            except (ValueError, KeyError):
-                continue
-    removed = []
-    for _, d in sorted(found)[:max(len(found) - max(keep, 1), 0)]:
-        try:
-            shutil.rmtree(d)
-            removed.append(d)
-        except OSError as e:
-            print(f"warning: could not prune {d}: {e}", file=sys.stderr)
-    return removed
-
-
-class _ObsView(RectData):
-    """RectData's decoding alone, for the rollout and the critic pass."""
-
-    def __init__(self, rect, table, statics, k, last_start, device) -> None:  # noqa: D401
-        self.rect, self.table, self.statics, self.k, self.last_start, self.device = rect, table, statics, k, last_start, device
-
-
-def _pkg_version(name: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "not installed"
-
-
-def progress_line(iteration: int, t: int, T: int, rounds: int, seconds: float) -> str:
-    """The one line a person sees while collecting (rewritten in place with \\r on a tty)."""
-    return f"  it {iteration} collecting cycle {t}/{T}  {rounds / max(seconds, 1e-9):.1f} rounds/s"
-
-
-def _fmt(v: Any, fmt: str = "{:.3g}") -> str:
-    if v is None:
-        return "-"
-    if not isinstance(v, float):   # counts, flags and names as they are
-        return str(v)
-    return fmt.format(v)
-
-
-def console_block(row: dict[str, Any], fired: Sequence[tuple[Alarm, float]] = (), full: bool = False) -> str:
-    """The compact block a person watches each iteration: the two dozen numbers of issue 4 item 6
-    on labelled lines. An absent key prints as "-" (the console never indexes a fixed key list
-    into a crash, spec 13.1). With full=True (--metrics.console-full) every key follows, grouped by
-    prefix."""
-    g = row.get
-
-    def f(k: str, fmt: str = "{:.3g}") -> str:
-        return _fmt(g(k), fmt)
-
-    lines = [f"it {f('run/iteration')}  timesteps {f('run/cumulative_timesteps')}  env_steps "
-             f"{f('run/cumulative_env_steps')}  wall {f('run/wall_seconds', '{:.0f}')}s",
-             f"  speed   {f('throughput/collected_steps_per_second', '{:.0f}')} env/s collecting, "
-             f"{f('throughput/overall_steps_per_second', '{:.0f}')} overall, "
-             f"{f('throughput/inference_ms_per_round', '{:.2f}')} ms inference/round   "
-             f"time {f('time/iteration', '{:.1f}')}s = collect {f('time/collection', '{:.1f}')} "
-             f"critic {f('time/critic_pass', '{:.1f}')} update {f('time/update', '{:.1f}')} "
-             f"gate {f('time/gate', '{:.1f}')} ckpt {f('time/checkpoint', '{:.1f}')} "
-             f"other {f('time/residual', '{:.1f}')}",
-             f"  learn   policy_loss {f('ppo/policy_loss')} value_loss {f('ppo/value_loss')} kl {f('ppo/kl')} "
-             f"clip {f('ppo/clip_fraction', '{:.3f}')} ev {f('ppo/explained_variance', '{:.2f}')} "
-             f"H_norm {f('ppo/entropy_normalised', '{:.3f}')} forced {f('ppo/forced_frac', '{:.2f}')}",
-             f"  play    cards/match {f('policy/cards_per_match', '{:.1f}')} win_vs_scripted "
-             f"{f('env/win_rate_vs_scripted', '{:.2f}')} blue_mirror {f('env/win_rate_by_seat', '{:.2f}')} "
-             f"draw {f('env/draw_rate', '{:.2f}')} episodes {f('env/episodes_completed')} "
-             f"illegal {f('health/illegal_action_rate')}"]
-    champ = g("ladder/champion_id")
-    if champ is not None:
-        r, se = g(f"ladder/rating/{champ}"), g(f"ladder/rating_se/{champ}")
-        rating = "-" if r is None else f"{r:.0f} +- {se:.0f}" if se is not None else f"{r:.0f}"
-        gate = "none yet" if not g("ladder/gate_attempts") else (g("ladder/gate_failed_condition") or "passed")
-        lines.append(f"  ladder  champion {champ} rating {rating} above_v0 {f('ladder/rating_above_v0', '{:.0f}')} "
-                     f"elo_readout {f('ladder/elo_readout', '{:.0f}')} pool {f('ladder/pool_size')} "
-                     f"last gate {gate}")
-    if fired:
-        lines.append("  alarms  " + "  ".join(f"{a.name}({a.severity})" for a, _ in fired))
-    if full:
-        groups: dict[str, list[str]] = {}
-        for k, v in row.items():
-            grp, _, name = k.partition("/")
-            groups.setdefault(grp, []).append(f"{name}={_fmt(v, '{:.4g}')}")
-        lines += [f"  [{grp}] " + "  ".join(items) for grp, items in groups.items()]
-    return "\n".join(lines)
-
-
-def _save(run: Path, args: Args, identity: RunIdentity, rid: str, model: ActorCritic, opt_a, opt_c,
-          scaler: WelfordReturnScaler, sched_pos: dict[str, Any], iteration: int, env_steps: int, timesteps: int,
-          updates: int, ordinals: Sequence[int], t_start: float, ladder_state: dict[str, Any] | None = None) -> Path:
-    import time
-    files = learner_files(model, opt_a, opt_c, scaler, sched_pos,
-                          capture_rng(args.master_seed, iteration), {"cumulative_model_updates": updates})
-    files["rollout/state.json"] = canonical_json({"ordinals": [int(x) for x in ordinals]})
-    if ladder_state is not None:   # matchmaker, pool, ratings, resident table, cadence positions
-        files["ladder/state.json"] = canonical_json(ladder_state)
-    d = run / "checkpoints" / f"{env_steps:012d}"
-    digest = state_digest(model, [opt_a, opt_c], scaler, sched_pos)
-    if d.exists():   # a resumed run reaching a step the original saved: it must be the same learner
-        old = msgspec.json.decode((d / "manifest.json").read_bytes(), type=Manifest).state_digest
-        if old != digest:
-            raise CheckpointFormatError(f"{d} exists with state_digest {old[:16]} but this run reached that step "
-                                        f"with {digest[:16]}: the resume did not reproduce the run")
-        return d
-    write_checkpoint(d, files, dict(
-        run_id=rid, run_name=args.run_name, identity=msgspec.to_builtins(identity), config=msgspec.to_builtins(args),
-        config_hash=sha256_hex(config_json(args)), iteration=iteration, cumulative_env_steps=env_steps,
-        cumulative_timesteps=timesteps, cumulative_model_updates=updates,
-        wall_seconds=time.perf_counter() - t_start, created_unix_ns=time.time_ns(),
-        state_digest=digest, component_versions={"learner": 1, "rollout": 1, "ladder": 1}))
-    return d
 
 
 def main(argv: Sequence[str] | None = None) -> int:

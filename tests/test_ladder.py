@@ -1,5 +1,5 @@
 """tests/test_ladder.py -- the ladder: result log, rating fit, statistics, gate, snapshots,
-eviction, matchmaking and the torch-free `rate` CLI (spec 11, issue 5's Tests paragraph).
+eviction, matchmaking and the torch-free `rate` CLI (design 7, issue 5's Tests paragraph).
 
 Every synthetic data set is drawn from np.random.default_rng(seed) with a fixed seed, so each
 test is deterministic; the thresholds are statistical bounds sized from the model, stated inline.
@@ -272,7 +272,8 @@ def test_elo_readout_is_zero_sum_k32():
 
 @pytest.mark.parametrize("p,n,lower", [(0.55, 1000, 0.519), (0.552, 1000, 0.521), (0.575, 1000, 0.544),
                                        (0.55, 400, 0.501)])
-def test_wilson_matches_the_spec_table(p, n, lower):
+def test_wilson_matches_the_gate_numbers(p, n, lower):
+    # design 7.7's numbers: the lower bound at the sizes and rates the gate meets
     assert round(L.wilson_interval(p, n)[0], 3) == lower
     assert (L.wilson_interval(p, n)[0] >= 0.52) == (lower >= 0.52)
 
@@ -553,8 +554,8 @@ MIXES = [(0.5, 0.35, 0.15), (1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.3, 0.3, 0.4), (
 GEOMETRIES = [1, 2, 3, 7, 10, 96, 193]
 
 
-def test_role_counts_follow_the_spec_rounding():
-    assert L.role_counts((0.5, 0.35, 0.15), 96) == (48, 34, 14)      # spec 11.3's laptop table
+def test_role_counts_follow_the_rounding_rule():
+    assert L.role_counts((0.5, 0.35, 0.15), 96) == (48, 34, 14)      # design 7.3's laptop split
     assert L.role_counts((0.5, 0.35, 0.15), 1) == (1, 0, 0)          # halves round up
     assert L.role_counts((1.0, 0.0, 0.0), 7) == (7, 0, 0)
     assert L.role_counts((0.1, 0.45, 0.45), 3) == (0, 2, 1)
@@ -798,9 +799,9 @@ def test_matchmaker_state_round_trips_through_json():
         L.Matchmaker.from_state(bad)
 
 
-# --- 10. The evaluation runner: real RustEngine battles (spec 11.5, 11.9, D10) ------------------------
+# --- 10. The evaluation runner: real RustEngine battles (design 7.1, 7.5, 7.9) ------------------------
 # [M] a full untruncated battle between scripted players takes 0.10-0.16 s here and building an env
-# about 0.35 s (ladder.py section 10), so these tests play 2-4 seeds and stay fast.
+# about 0.35 s (docs/ladder.md section 10), so these tests play 2-4 seeds and stay fast.
 
 import farm  # noqa: E402
 
@@ -850,7 +851,7 @@ def test_eval_runner_plays_each_seed_from_both_sides_and_writes_only_the_result_
     (tmp_path / "checkpoints" / "x.bin").write_bytes(b"untouched")
     before = files_under(tmp_path)
     with runner(tmp_path, battles_at_once=3) as r:
-        assert r.env_factory_spec.truncation == [] and TRAIN_ENV.truncation     # spec 11.5: untruncated
+        assert r.env_factory_spec.truncation == [] and TRAIN_ENV.truncation     # design 7.5: untruncated
         games = r.play("scripted:random_legal", "scripted:noop", 6)
     assert [(g.seed_index, g.side_a) for g in games] == [(s, side) for s in range(3) for side in L.SIDES]
     assert {(g.a, g.b, g.kind, g.context, g.run_id, g.wall) for g in games} == {
@@ -875,7 +876,7 @@ def test_eval_runner_feeds_each_seat_its_own_named_stream_and_plays_full_matches
         r.register("learner@5", live)
         r.register("learner@6", other)
         r.play("learner@5", "learner@6", 4, comparison_id="cmp", kind="probe")
-        # D10: the comparison's farm is built for it and closed after, also when it fails
+        # design 7.1: the comparison's farm is built for it and closed after, also when it fails
         built, build = [], r._build_farm
         r._build_farm = lambda plan: built.append(build(plan)) or built[-1]
         r.register("bad", lambda obs, u: np.ones(len(u), np.int64))    # a card in the deploy lockout
@@ -951,7 +952,7 @@ def test_probe_writes_probe_rows_and_publishes_score_vs_each_rung(tmp_path):
         assert m[f"ladder/score_vs_ci95_lo/{rung}"] <= ps.mean <= m[f"ladder/score_vs_ci95_hi/{rung}"]
     assert m["ladder/score_vs_noop"] == m["ladder/score_vs/scripted:noop"]
     assert m["time/probe"] > 0
-    # the fit never reads probe rows (spec 11.9)
+    # the fit never reads probe rows (design 7.9)
     with pytest.raises(ValueError, match="reads kind='eval' only"):
         L.fit_ratings(games)
 
@@ -977,6 +978,36 @@ def test_eval_cli_without_torch_appends_games_and_rate_ranks_random_legal_above_
     assert rows == ["scripted:random_legal", "scripted:noop"]   # sorted by rating, highest first
     r = run_cli("eval", "--run", str(tmp_path), "--a", "snap:0123456789abcdef", "--b", "scripted:noop")
     assert r.returncode == 2 and "needs ppo_clash.py and torch" in r.stderr
+
+
+# ladder.py run as the script __main__ (as `python ladder.py` runs it), then what the process holds.
+# A snap: player makes the CLI import ppo_clash, which does `import ladder`: that import must find
+# the running module, not execute ladder.py a second time beside it.
+ONE_COPY = ("import runpy, sys\n"
+            "sys.argv = ['ladder.py'] + sys.argv[1:]\n"
+            "try:\n"
+            "    runpy.run_path('ladder.py', run_name='__main__')\n"
+            "except SystemExit as e:\n"
+            "    print('exit', e.code)\n"
+            "assert 'ppo_clash' in sys.modules, 'the CLI did not import ppo_clash'\n"
+            "import ppo_clash\n"
+            "lad = sys.modules['ladder']\n"
+            "copies = {m.EvalRunner for m in list(sys.modules.values())\n"
+            "          if isinstance(getattr(m, 'EvalRunner', None), type)}\n"
+            "print('name', lad.__name__, 'same', ppo_clash.ladder is lad,\n"
+            "      'runner_module', ppo_clash.ladder.EvalRunner.__module__, 'copies', len(copies))\n")
+
+
+def test_the_cli_process_holds_one_ladder_module_when_it_imports_ppo_clash(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"master_seed": 5, "ladder": {"eval_seed_count": 2}}))
+    r = subprocess.run([sys.executable, "-c", ONE_COPY, "eval", "--run", str(tmp_path), "--a",
+                        "snap:0123456789abcdef", "--b", "scripted:noop", "--seeds", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    # the snapshot does not exist, so the eval itself is refused by name, after ppo_clash was imported
+    assert "exit 2" in r.stdout and "snapshot 0123456789abcdef" in r.stderr
+    # the module ppo_clash imported IS the script: its classes were made once, by the __main__ run
+    assert "name __main__ same True runner_module __main__ copies 1" in r.stdout, r.stdout
 
 
 @pytest.mark.slow
@@ -1027,8 +1058,8 @@ def test_the_cli_reads_the_runs_eval_env_seed_set_and_pool_from_its_files(tmp_pa
 
 @pytest.mark.slow
 def test_eval_runner_on_a_process_farm_gives_the_inline_farms_results_byte_for_byte(tmp_path):
-    """D10: with workers=2 the runner builds a ProcessFarm of two workers for the comparison and
-    closes it after; the results equal the in-process farm's, byte for byte (a parent-acted
+    """design 7.1: with workers=2 the runner builds a ProcessFarm of two workers for the comparison
+    and closes it after; the results equal the in-process farm's, byte for byte (a parent-acted
     player and a scripted one, so both paths through the farm are covered)."""
     out, stats = [], []
     for workers in (1, 2):
