@@ -2,21 +2,25 @@
 
 Stage owned: the first stage of the data path. A rollout worker calls `Packer.pack` to quantise
 the observations its vec env just returned and write them straight into their final resting
-place, a row of the shared-memory experience rectangle (spec D4). The learner calls `unpack`
+place, a row of the shared-memory experience rectangle (design 3.3). The learner calls `unpack`
 on the device to turn stored rows back into float tensors; the policy always acts on
-unpack(pack(obs)), never on the raw float32 (spec D5), so the stored bytes are exactly the
+unpack(pack(obs)), never on the raw float32 (design 3.3), so the stored bytes are exactly the
 input that produced each stored log-prob.
 
 Reads:  the environment's observation space, its ObsBuilder.spatial_layout(), and a sample of
         real observations (to decide storage), then batched observation dicts.
 Writes: nothing on disk. Rows of `row_bytes` uint8 into a caller-owned array.
 
-Spec sections implemented: 7.2 (the codec rule and its notes), 2.1 (row_bytes arithmetic),
-4.3 (CodecTable, ObsCodec), D4-D6 (quantise in the worker, act on the decoded bytes, the mask
-travels with the transition, bit-packed).
+Where to start reading: the row layout below, then `Packer.pack` (section 3, what a worker
+writes) and `unpack` (section 4, what the learner reads); `decide_table` (section 2) says how
+each plane's storage is chosen.
+
+Design sections (docs/design.md): 3.3 (the codec rule and its notes: quantise in the worker, act
+on the decoded bytes, the mask travels with the transition, bit-packed; CodecTable, ObsCodec),
+1.2 (row_bytes arithmetic).
 
 Import rule: this module imports numpy and msgspec at the top and torch only inside `unpack`,
-so a worker that packs never loads torch (spec D7; tests/test_codec.py asserts it in a fresh
+so a worker that packs never loads torch (design 3.2; tests/test_codec.py asserts it in a fresh
 interpreter).
 
 Row layout (all little-endian), regions in this order:
@@ -45,21 +49,20 @@ import numpy as np
 CODEC_VERSION = 1
 """The rule's version. The TABLE is decided per run from the space; this number changes only
 when the rule (the row layout or the storage decisions) changes. Recorded in the run identity
-beside the table digest (spec 5.3)."""
+beside the table digest (design 2.3)."""
 
 KNOWN_KEYS = ("spatial", "vector", "action_mask", "mask_planes", "card_ids")
 """Every observation key the codec knows how to store. Any other key is refused at
-decide_table, by name: the codec once read the keys it knew and silently dropped the rest,
-which would have thrown away a new builder feature before the network ever saw it (spec 7.2)."""
+decide_table, by name: reading the keys it knows and silently dropping the rest would throw
+away a new builder feature before the network ever saw it (design 3.3)."""
 
-STORAGES = ("uint8", "float16", "static")
 
 UINT8_MAX = 255
 
 assert sys.byteorder == "little", "the row layout is little-endian; unpack views bytes as float16"
 
 
-# --- 2. The table (spec 4.3, 7.2) ---------------------------------------------------------
+# --- 2. The table (design 3.3) ------------------------------------------------------------
 
 
 class CodecTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -122,7 +125,7 @@ class CodecTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_d
 
     @property
     def row_bytes(self) -> int:
-        """Spec 2.1: H*W*((S - s - f)*1 + f*2) + 2*V + ceil(A/8), plus the card_ids region."""
+        """design 1.2: H*W*((S - s - f)*1 + f*2) + 2*V + ceil(A/8), plus the card_ids region."""
         return self.offsets["card_ids"][1]
 
     def canonical_json(self) -> bytes:
@@ -136,7 +139,7 @@ class CodecTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_d
 def env_row_bytes(obs_space: Any) -> int:
     """Bytes of one seat's observation as the environment hands it over (every key, its dtype).
 
-    The denominator of the codec's compression ratio (spec 2.1's float_row)."""
+    The denominator of the codec's compression ratio (design 1.2's float_row)."""
     return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in obs_space.spaces.values())
 
 
@@ -147,7 +150,7 @@ def _as_batches(sample: Any) -> list[dict[str, np.ndarray]]:
 
 
 def decide_table(obs_space: Any, spatial_layout: Sequence[tuple[str, bool]], sample: Any) -> CodecTable:
-    """Apply the rule of spec 7.2 to the space, the declared layout and a sample of real
+    """Apply the rule of design 3.3 to the space, the declared layout and a sample of real
     observations.
 
     obs_space: the vec env's single_observation_space (a gymnasium Dict).
@@ -241,7 +244,7 @@ def decide_table(obs_space: Any, spatial_layout: Sequence[tuple[str, bool]], sam
 
 
 def format_table(table: CodecTable, obs_space: Any | None = None) -> str:
-    """The table as printed at preflight (spec 7.7 step 3): one line per plane, then the row."""
+    """The table as `python codec.py` prints it (design 3.8 step 3): one line per plane, then the row."""
     lines = [f"codec v{CODEC_VERSION}  table {table.digest()[:16]}"]
     for i, (name, storage, div) in enumerate(table.plane):
         stored = {"uint8": table.cells, "float16": 2 * table.cells, "static": 0}[storage]
@@ -333,7 +336,7 @@ class Packer:
 
 
 class Obs(NamedTuple):
-    """What the networks read (spec 4.2's ObsBatch), all on one device."""
+    """What the networks read (design 5.1's ObsBatch), all on one device."""
 
     spatial: Any  # (B, k*S, H, W) float32
     mask_planes: Any  # (B, k*hand, tiles_y, tiles_x) float32, or None if the env emits none
@@ -344,7 +347,7 @@ class Obs(NamedTuple):
 
 def _torch() -> Any:
     """torch, imported on first use and only here: the pack path runs in rollout workers, which
-    must never load it (spec D7; tests/test_codec.py checks it in a fresh interpreter)."""
+    must never load it (design 3.2; tests/test_codec.py checks it in a fresh interpreter)."""
     return importlib.import_module("torch")
 
 
@@ -360,7 +363,7 @@ def unpack(table: CodecTable, raw: Any, statics: Any, seat: Any, frame_valid: An
     """Dequantise stored rows on raw's device.
 
     raw:         uint8 (B, row_bytes), or (B, k, row_bytes) with frames ordered oldest..newest
-                 (the frame-stack gather of spec 9.1 is just indexing the rectangle).
+                 (the frame-stack gather of design 1.1 is just indexing the rectangle).
     statics:     float32 (2, s, H, W) from `static_planes`, on the same device.
     seat:        int64 (B,), 0 blue / 1 red: which seat's static planes to scatter in.
     frame_valid: optional bool (B, k); False zeroes that frame (history from before the

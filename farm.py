@@ -2,19 +2,25 @@
 scripted opponents, the shared-memory byte layout, the worker loop, ProcessFarm and InlineFarm.
 
 Stage owned: everything between "the learner has actions" and "the learner has the next packed
-observations". K worker processes each own `shards_per_worker` ClashSelfPlayVecEnvs (spec D2);
+observations". K worker processes each own `shards_per_worker` ClashSelfPlayVecEnvs (design 1.1);
 a worker steps one shard, packs every slot's observation with codec.Packer straight into the
-shared-memory rectangle (spec D4), writes that round's scalars into its own control segment and
-releases a semaphore. InlineFarm runs the same ShardRunner code in one process and is the
-reference: ProcessFarm must match it byte for byte (tests/test_farm.py, spec 7.3).
+shared-memory rectangle (design 3.3), writes that round's scalars into its own control segment
+and releases a semaphore. InlineFarm runs the same ShardRunner code in one process and is the
+reference: ProcessFarm must match it byte for byte (tests/test_farm.py, design 3.4).
 
 Reads:  an EnvFactorySpec (JSON), a codec.CodecTable, a master seed. Writes: nothing on disk.
-Never imports torch (spec D7; tests/test_farm.py asserts it inside a worker).
+Never imports torch (design 3.2; tests/test_farm.py asserts it inside a worker).
 
-Spec sections: 4.1 (EnvSpec, Assignment, SlotPlan, EpisodeRecord, WorkerFailure), 5.2 (seeding),
-5.3 (env value digest, engine binary), 7.1 (process model), 7.3 (byte layout), 7.4 (worker
-loop), 7.5 (round protocol), 7.6 (failure, timeouts, restart), 7.7 steps 1-3 and 11 (what the
-farm reads off the env), 10 (potential reward), 18.1 "the transition alignment" (fixed here).
+Where to start reading: the API below; then section 9, ShardRunner.step (one STEP, in the
+worker), and section 10, _FarmCore.next_round and submit (the same round, from the parent);
+section 7 is the byte layout between the two. Sections 1-6 are what both sides share: seeding,
+assignments, the env description, the reward, the scripted players and the evaluation mode.
+
+Design sections (docs/design.md): 3.1 (EnvSpec, Assignment, SlotPlan, EpisodeRecord,
+WorkerFailure), 2.2 (seeding), 2.3 (env value digest, engine binary), 3.2 (process model), 3.4
+(byte layout), 3.5 (worker loop), 3.6 (round protocol), 3.7 (failure, timeouts, restart), 3.8
+steps 1-3 and 11 (what the farm reads off the env), 4 (potential reward), 1.1 "transition
+alignment" (each transition's reward, flags and final observation on the row of its action).
 
 THE API THE LEARNER DRIVES (InlineFarm and ProcessFarm take the same arguments and behave the
 same; ProcessFarm additionally takes env_spec= to refuse a worker on other spaces or binary):
@@ -33,7 +39,7 @@ same; ProcessFarm additionally takes env_spec= to refuse a worker on other space
                      flags (F_TERMINATED, F_TRUNCATED, F_VALID, F_FINAL), deploy_status, tick,
                      episode_end (0 none, 1 win, 2 loss, 3 draw, 4 ended with no winner),
                      episode_steps, cards_played, elixir_leak, and the group that acted. This is
-                     the transition-alignment fix of spec 18.1: the learner reads row t's
+                     the transition alignment (design 1.1): the learner reads row t's
                      reward and done flags as the transition out of row t, as GAE expects.
     farm.finals      {(t, r): uint8[row_bytes]}: the packed final observation of each truncated
                      transition, at the row of the action that caused it (for the bootstrap)
@@ -44,10 +50,10 @@ same; ProcessFarm additionally takes env_spec= to refuse a worker on other space
 
     for each iteration i:
         farm.begin_iteration(plan)           # SlotPlan. Iteration 0: the opening table. Later:
-                                             # must equal farm.assignment (spec 7.5), else raises.
+                                             # must equal farm.assignment (design 3.6), else raises.
                                              # Writes the plan area (farm.plan_table(), PLAN_DTYPE
                                              # per slot) and sends every shard PLAN; returns once
-                                             # each worker applied it (spec 7.3/7.4)
+                                             # each worker applied it (design 3.4, 3.5)
         for cycle t in 0..T, for shard j in 0..J-1 (this order; J = K * S):
             rnd = farm.next_round(timeout_s) # RolloutRound, see the class
             if t < T:
@@ -69,9 +75,10 @@ same; ProcessFarm additionally takes env_spec= to refuse a worker on other space
                                                # rows_dropped_dead_worker; run totals
                                                # worker_restarts, obs_codec_clipped/_rounded
 
-THE EVALUATION MODE (spec 11.5, D10; ladder.EvalRunner drives it). FarmConfig(eval_plan=[EvalEpisode
+THE EVALUATION MODE (design 7.5, 7.1; ladder.EvalRunner drives it). FarmConfig(eval_plan=[EvalEpisode
 (seed, seed_path, players=(blue, red), streams=(blue, red)), ...]) and assign_fn=None: episode i
-plays on battle i % B as its ordinal i // B, reset with its own seed; "scripted:<name>" seats are
+joins the queue of shard i % J, and each battle plays the next one of its shard's queue at every
+reset (section 6), reset with the episode's own seed; "scripted:<name>" seats are
 played in the worker from derive_generator(master_seed, streams[seat]) (two different scripted
 players on one battle are fine), every other seat has group -1 and is acted by the parent; a
 battle whose episodes are done stops (GROUP_IDLE, no records) and farm.eval_done turns True.
@@ -82,7 +89,7 @@ FarmConfig(scripted_mask_only=True), the default, builds a training scripted sea
 (royalegym set_mask_only) from the one after its assignment arrives: the learner's rows, the
 scalars and the records are unchanged (tested); bench_mask_only() measures what it saves.
 
-The assignment protocol (spec 7.5): assign_fn(battle, ordinal) -> Assignment is called by the
+The assignment protocol (design 3.6): assign_fn(battle, ordinal) -> Assignment is called by the
 parent inside next_round for every battle whose episode ended on that round (ascending battle
 order), its groups are folded into rnd.group, and the worker is told on that round's submit (the
 STEP's assign entries); the iteration's opening table reaches it by PLAN at begin_iteration
@@ -91,8 +98,8 @@ has no submit). The byte layout a worker in another language implements: section
 Without an assign_fn the caller passes submit(actions, gamma, assignments=[...]) with exactly one
 Assignment (ordinal = farm.ordinals[b]) per battle in rnd.ended_battles. The worker never draws.
 
-bench_farm(...) -> dict measures the farm against the direct loop (issue 3 "Show");
-`python farm.py mask-only` runs bench_mask_only().
+bench_farm(...) -> dict measures the farm against the direct loop; `python farm.py mask-only`
+runs bench_mask_only(). Their numbers, dated, are in docs/throughput.md.
 """
 from __future__ import annotations
 
@@ -115,10 +122,10 @@ import numpy as np
 
 import codec
 
-# --- 1. Name-addressed seeding (spec 5.2) -----------------------------------------------------
-# Every random stream is addressed by a path string, never by spawn order (D8): adding a new
-# consumer of randomness cannot perturb an existing stream. The three functions are exactly
-# spec 5.2's; tests/test_farm.py pins their values so a change is deliberate.
+# --- 1. Name-addressed seeding (design 2.2) -------------------------------------------------------
+# Every random stream is addressed by a path string, never by spawn order (design 2.2): adding a
+# new consumer of randomness cannot perturb an existing stream. The three functions are exactly
+# design 2.2's; tests/test_farm.py pins their values so a change is deliberate.
 
 def derive_seedseq(master_seed: int, path: str) -> np.random.SeedSequence:
     digest = hashlib.blake2b(path.encode("utf-8"), digest_size=16).digest()
@@ -135,7 +142,7 @@ def derive_int(master_seed: int, path: str) -> int:
     return int((w[0] | (w[1] << np.uint64(32))) >> np.uint64(1))
 
 
-# --- 2. Assignments (spec 4.1) ------------------------------------------------------------------
+# --- 2. Assignments (design 3.1) ------------------------------------------------------------------
 
 ROLE_MIRROR, ROLE_POOL, ROLE_SCRIPTED = 0, 1, 2
 GROUP_LEARNER, GROUP_SCRIPTED, GROUP_DEAD = -1, -2, -3
@@ -164,9 +171,10 @@ class SlotPlan(msgspec.Struct, frozen=True):
     resident_snapshots: tuple[str, ...]     # len <= ladder.max_resident_opponents
 
 
-# --- 3. The environment description (spec 6 EnvFactorySpec, 5.3 env value digest) --------------
-# A spec is data that arrives from a config file and later from a checkpoint; importlib on an
-# arbitrary string is a code-execution surface, so only allow-listed modules may be named.
+# --- 3. The environment description (design 1.3 EnvFactorySpec, 2.3 env value digest) -------------
+# An EnvFactorySpec is data that arrives from a config file and later from a checkpoint;
+# importlib on an arbitrary string is a code-execution surface, so only allow-listed modules may
+# be named.
 
 PROJECT_MODULES = ("farm", "codec", "ladder", "ppo_clash", "checks")
 
@@ -306,7 +314,7 @@ def _component_value(c: ComponentSpec, extra) -> dict[str, Any]:
 
 def env_value_digest(spec: EnvFactorySpec) -> str:
     """sha256 over each component's kwargs bound to its real signature, defaults applied,
-    numbers as floats (spec 5.3): {} and the defaults written out hash alike, 1 and 1.0 too."""
+    numbers as floats (design 2.3): {} and the defaults written out hash alike, 1 and 1.0 too."""
     x = spec.extra_component_modules
     doc = {
         "engine": _component_value(spec.engine, x),
@@ -341,7 +349,7 @@ def default_env_spec(*, reveal_spell_aim: bool = False, max_steps: int | None = 
     )
 
 
-# --- 4. EnvSpec, read off a built and reset env (spec 4.1, 7.7 steps 1-3) ----------------------
+# --- 4. EnvSpec, read off a built and reset env (design 3.1, 3.8 steps 1-3) -----------------------
 
 class ObsKeySpec(msgspec.Struct, frozen=True):
     shape: tuple[int, ...]
@@ -386,7 +394,7 @@ def _key_spec(space: Any) -> ObsKeySpec:
 
 
 def engine_binary(config: dict[str, Any]) -> str:
-    """spec 5.3's one rule: the binary hash the engine states in its own config, else
+    """design 2.3's one rule: the binary hash the engine states in its own config, else
     "not stated" (an engine with no compiled file)."""
     params = ((config.get("engine") or {}).get("params") or {})
     return str(params.get("engine_binary_sha256", "not stated"))
@@ -394,7 +402,7 @@ def engine_binary(config: dict[str, Any]) -> str:
 
 def spaces_signature(obs_space: Any, n_actions: int) -> str:
     """sha256 over every observation key's shape, dtype and bounds and the action count: what a
-    worker's handshake must agree on with the parent (spec 7.7)."""
+    worker's handshake must agree on with the parent (design 3.8)."""
     return _sig_from_keyspecs({k: _key_spec(s) for k, s in obs_space.spaces.items()}, n_actions)
 
 
@@ -406,7 +414,7 @@ def _sig_from_keyspecs(obs_space: dict[str, ObsKeySpec], n_actions: int) -> str:
 
 def read_env_spec(spec: EnvFactorySpec, env: Any, frame_stack: int) -> EnvSpec:
     """Every field read from `env`, a ClashParallelEnv that has been reset (a fresh env reports
-    decision_ticks = 1 until its first reset, spec 7.7 step 1)."""
+    decision_ticks = 1 until its first reset, design 3.8 step 1)."""
     if env.battle_state is None:
         raise ValueError("read_env_spec needs an env that has been reset")
     space = env.observation_space("blue")
@@ -485,7 +493,7 @@ def unpack_numpy(table: Any, rows: np.ndarray, statics: np.ndarray, seats: np.nd
     torch (the evaluation runner hands these to its policies). The inverse of codec.Packer.pack:
     uint8 planes exactly (raw values, no divisor: this is the env's own observation, not the
     network's input), float16 planes and the vector as their fp16 values, the statics per seat,
-    the mask bit-unpacked and mask_planes = mask[1:] reshaped (spec 7.2). pack(unpack_numpy(x))
+    the mask bit-unpacked and mask_planes = mask[1:] reshaped (design 3.3). pack(unpack_numpy(x))
     equals x byte for byte, so a network that packs and unpacks itself sees what the learner sees."""
     rows = np.ascontiguousarray(rows)
     B = rows.shape[0]
@@ -516,7 +524,7 @@ def unpack_numpy(table: Any, rows: np.ndarray, statics: np.ndarray, seats: np.nd
     return out
 
 
-# --- 5. The potential-based reward (spec 10) -----------------------------------------------------
+# --- 5. The potential-based reward (design 4) -----------------------------------------------------
 # Each shaping term pays gamma * Phi(s') - Phi(s), with Phi(s') = 0 once the battle is over (a
 # truncated battle keeps the position's potential: the learner bootstraps from it). gamma comes
 # from the schedule: every submit carries it and the runner forwards it to every term through
@@ -570,7 +578,7 @@ class CommittedElixirPotential(PotentialReward):
     elixir_milli / 1000, board the sum of Fraction(card.elixir, card.count) over that player's
     live non-tower entities whose (max_hp, radius, flying) match their card's row (the rule of
     royalegym's ElixirTradeReward: a unit the catalogue does not price is worth zero). Exact, so
-    the seat-mirror antisymmetry is checkable (a float sum gives +-1.1e-19, spec 10)."""
+    the seat-mirror antisymmetry is checkable (a float sum gives +-1.1e-19, design 4)."""
 
     def __init__(self, scale: float = 10.0) -> None:
         super().__init__()
@@ -604,7 +612,7 @@ class CommittedElixirPotential(PotentialReward):
 
 class GammaProbeReward(PotentialReward):
     """Phi = 1 everywhere (0 once over): pays exactly gamma - 1 a step. A probe for the test
-    that the schedule's gamma reaches the reward during collection (spec 10)."""
+    that the schedule's gamma reaches the reward during collection (design 4)."""
 
     def potential(self, state, team):
         return 1.0
@@ -613,7 +621,7 @@ class GammaProbeReward(PotentialReward):
 class PotentialCombinedReward(CombinedReward):
     """royalegym's CombinedReward with gamma forwarded to every term that takes one, and the
     objective (term index `terminal`) filed under TERMINAL_REWARD_TERM so a class rename cannot
-    move the shaping alarm's arithmetic (spec 10)."""
+    move the shaping alarm's arithmetic (design 4)."""
 
     def __init__(self, terms, terminal: int = 0) -> None:
         super().__init__(terms)
@@ -657,19 +665,19 @@ def probe_reward() -> PotentialCombinedReward:
     return PotentialCombinedReward([(WinLossReward(draw=0.0), 1.0), (GammaProbeReward(), 1.0)])
 
 
-# --- 6. Scripted opponents (spec 7.4): run in the worker, numpy only ---------------------------
+# --- 6. Scripted opponents (design 3.5): run in the worker, numpy only ----------------------------
 # opponent_ix in an assignment indexes this table; each scripted slot draws from its own
 # generator, scripted/worker/{w}/slot/{r}/gen/{g}, re-derived at the start of every episode with
 # the battle's ordinal appended (/ordinal/{k}). Why per episode: a slot-long stream continues
 # across episodes, so its position at a checkpoint is state that lives only in the worker, and a
-# resumed run (which restarts every battle at an episode boundary, spec 5.4) would replay the
-# stream from its start: [M] tests/test_ppo_clash.py's stop-between-gates test caught exactly
-# that (a resumed smoke run's iteration 5 differed in its scripted battles). Addressed by the
-# episode, the stream is a pure function of names a checkpoint already holds.
+# resumed run (which restarts every battle at an episode boundary, design 2.4) would replay the
+# stream from its start. Addressed by the episode, the stream is a pure function of names a
+# checkpoint already holds (tests/test_ppo_clash.py, the run stopped between two gates;
+# docs/determinism.md section 2).
 
 
 def scripted_stream(w: int, slot: int, gen: int, ordinal: int) -> str:
-    """The derive path of a scripted seat's generator for one episode (spec 5.2's per-slot name
+    """The derive path of a scripted seat's generator for one episode (design 2.2's per-slot name
     plus the episode's ordinal)."""
     return f"scripted/worker/{w}/slot/{slot}/gen/{gen}/ordinal/{ordinal}"
 
@@ -690,9 +698,6 @@ def make_scripted(name: str) -> Any:
     return table[name]()
 
 
-_make_scripted = make_scripted          # the old private name; kept for callers that used it
-
-
 SCRIPTED_NAMES = ("noop", "random_legal", "random", "first-affordable", "defend", "push", "patient")
 """noop, random_legal(0.9), then royalegym.opponents.ladder()'s rungs after noop, by its names."""
 
@@ -708,7 +713,7 @@ def mirror_assignment(battle: int, ordinal: int) -> Assignment:
     return Assignment(battle, ordinal, ROLE_MIRROR, None, (GROUP_LEARNER, GROUP_LEARNER), -1)
 
 
-# The evaluation mode (spec 11.5, D10): a farm built for one comparison and closed after. What it
+# The evaluation mode (design 7.5, 7.1): a farm built for one comparison and closed after. What it
 # plays is fixed in advance, as data (it crosses to spawned workers inside FarmConfig): a list of
 # EvalEpisodes. Shard j (of J) owns the episodes i with i % J == j, as a queue in plan order: at
 # the reset its battles take the first ones in ascending battle order, and whenever battles end
@@ -722,13 +727,10 @@ def mirror_assignment(battle: int, ordinal: int) -> Assignment:
 # seen the old episode end. So the worker pops its queue itself (autoreset_seed_fn), and the
 # parent replays the same rule on the ends it reads (same shard, same ascending order) to know
 # which episode each battle now plays; every EpisodeRecord carries its eval_index, which checks
-# it. A static "episode i on battle i % B" needs no mirror, but a battle that drew short episodes
-# then idles while the slowest battle finishes its share, stepping no-op matches; with the queues
-# only the last episode of each shard leaves an idle tail. [M] 2026-11-29, this 2-core machine
-# (load ~1.7 from other work), ladder.EvalRunner, 40 battles scripted:push vs random_legal on 8
-# battles, inline: 7.5-7.6 s with the queues, 7.3-7.7 s static, against 5.1-5.6 s for the
-# previous in-process ClashParallelEnv loop in the same runs (identical results): the farm adds
-# codec.pack (0.4 s), the vec env's batching and the idle tail.
+# it. Why queues and not a static "episode i on battle i % B" (which would need no replay): with
+# a static hosting a battle that drew short episodes idles while the slowest battle finishes its
+# share, stepping no-op matches; with the queues only the last episode of each shard leaves an
+# idle tail. ~7.5 s for 40 episodes on 8 inline battles [M], docs/throughput.md.
 
 GROUP_IDLE = -4                          # a stopped evaluation battle: nobody acts, nothing counts
 
@@ -753,7 +755,7 @@ def _eval_idle_seed(master_seed: int, battle: int, ordinal: int) -> int:
     return derive_int(master_seed, f"eval/idle/battle/{battle}/ordinal/{ordinal}")
 
 
-# --- 7. The byte layout (spec 7.3): the cross-language contract ---------------------------------
+# --- 7. The byte layout (design 3.4): the cross-language contract ---------------------------------
 # Everything a worker in another language (a Rust worker) must implement is here; every offset
 # is computed from the EnvSpec and FarmConfig, none is a literal of the env:
 #   row_bytes = codec.CodecTable (decided from EnvSpec.obs_space).row_bytes; T = cycles;
@@ -783,7 +785,7 @@ def _eval_idle_seed(master_seed: int, battle: int, ordinal: int) -> int:
 #              scalars.flags has F_FINAL (a truncated transition: the bootstrap's observation)
 #     actions  n * 2 B (pad 8): i16 per local slot, parent -> child (scripted seats ignored)
 #     assign   n * 4 B (pad 8): ASSIGN_DTYPE per local slot, parent -> child; present = 1 only
-#              for the slots of battles whose episode started on the previous round (spec 7.5)
+#              for the slots of battles whose episode started on the previous round (design 3.6)
 #     episodes n * EPISODE_BYTES_PER_SLOT: u32 length + a msgspec JSON list, one object per seat
 #              whose episode ended on this round (the EpisodeRecord fields the worker counts;
 #              the parent adds policy_id, opponent_id, bucket)
@@ -795,8 +797,8 @@ def _eval_idle_seed(master_seed: int, battle: int, ordinal: int) -> int:
 # actions_ready (parent -> child); each released once per command or answer, after the word.
 # The parent writes a command's data, then cmd_kind (and cmd_row, gamma), then cmd_seq += 1,
 # then releases actions_ready. The child answers by writing its data, then pub_seq = cmd_seq,
-# then releasing obs_ready. The commands (spec 7.4's STEP | PLAN | SPACES | CLOSE; SET_STATE and
-# DEFER are not built):
+# then releasing obs_ready. The commands (design 3.5's STEP | PLAN | SPACES | CLOSE; SET_STATE
+# and DEFER are not built):
 #   start-up (no command): reset every battle (seeds env/battle/{b}/ordinal/{k}), pack the
 #     first observations into rect row k - 1, zero scalars (flags F_VALID, group), episodes
 #     length 0, stats, write the handshake, then state = ST_READY on every shard.
@@ -812,22 +814,20 @@ def _eval_idle_seed(master_seed: int, battle: int, ordinal: int) -> int:
 #   CMD_CLOSE  state = ST_CLOSED on every shard and exit; no pub_seq (the parent joins).
 # An exception in the child: error text, err_code = ERR_EXCEPTION, state = ST_FAILED on every
 # shard, obs_ready released on every shard, exit 1. A hard crash writes nothing: the parent
-# sees a dead process with state != ST_FAILED (WorkerFailure kind "crash"); ERR_CRASH (spec
-# 7.3's err_code 2) is reserved for a worker that can report one and is not written today.
+# sees a dead process with state != ST_FAILED (WorkerFailure kind "crash"); ERR_CRASH
+# (err_code 2) is reserved for a worker that can report one and is not written.
 #
-# Deviations from spec 7.3, on purpose: one buffer per shard, not two parities (rollout.overlap
-# is refused, DESIGN.md 4, so a second parity would never be written); the plan area follows
-# the shard blocks (one per worker, as the spec's; its entries carry learner_seat in the spec's
-# pad byte and the episode's reset ordinal in the stride's last 8 bytes, so the worker checks it
-# is in step); finals are indexed by the slot within the shard (n_trunc_max = n: every slot can
-# truncate on one round); the episode area is added (an EpisodeRecord crosses the boundary once
-# per finished episode, spec 7.4); a 64-byte stats block ends each shard's block (layout version
-# 2): what the round cost the worker (codec ns, bytes written) and the packer's cumulative
-# clip/round counters (health/obs_codec_clipped, spec 7.2). Layout version 3 added the plan area
-# and CMD_PLAN / CMD_SPACES (before it, the opening table travelled as the first STEP's assign
-# entries).
+# Choices in this layout, and why (design 3.4): one buffer per shard, not two parities
+# (rollout.overlap is refused at start-up, so a second parity would never be written); the plan
+# area follows the shard blocks, one per worker, its entries carrying learner_seat in byte 3 and
+# the episode's reset ordinal in the stride's last 8 bytes, so the worker checks it is in step;
+# finals are indexed by the slot within the shard (n_trunc_max = n: every slot can truncate on
+# one round); an EpisodeRecord crosses the boundary once per finished episode, in the episode
+# area (design 3.5); a 64-byte stats block ends each shard's block: what the round cost the
+# worker (codec ns, bytes written) and the packer's cumulative clip/round counters
+# (health/obs_codec_clipped, design 3.3).
 
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 3                      # 2: the stats block; 3: the plan area, CMD_PLAN/SPACES
 MAGIC = b"CLASHRLB"
 HEADER_BYTES = 128
 HANDSHAKE_BYTES = 4096
@@ -847,7 +847,7 @@ HEADER_DTYPE = np.dtype({
     "offsets": [0, 8, 12, 16, 20, 24, 28, 32, 40], "itemsize": HEADER_BYTES})
 
 CONTROL_DTYPE = np.dtype({
-    # state/cycle/n_slots/err_code/err_len/t_env_ns are spec 7.3's; cmd_* parent -> child.
+    # state/cycle/n_slots/err_code/err_len/t_env_ns/pub_seq child -> parent; cmd_* parent -> child.
     "names": ["state", "n_slots", "cycle", "err_code", "err_len", "t_env_ns", "cmd_seq", "pub_seq",
               "cmd_kind", "cmd_flags", "cmd_row", "gamma"],
     "formats": ["<u4", "<u4", "<i8", "<u4", "<u4", "<u8", "<u8", "<u8", "<u2", "<u2", "<u4", "<f8"],
@@ -872,26 +872,26 @@ ASSIGN_DTYPE = np.dtype({
     "formats": ["i1", "i1", "i1", "u1"], "offsets": [0, 1, 2, 3], "itemsize": ASSIGN_BYTES})
 
 PLAN_DTYPE = np.dtype({
-    # One entry per slot of the iteration's opening table (spec 7.3's 24 B stride): role, group,
-    # opponent_ix as spec 7.3; learner_seat in the spec's pad byte (the assign entry carries it
-    # too); seed = the episode seed of the episode the slot's battle is playing (training:
-    # derive_int(master_seed, "env/battle/{b}/ordinal/{k}"); evaluation: EvalEpisode.seed, as
-    # u64), the spec's "seed hash"; ordinal = that episode's reset ordinal k, filling the stride's
-    # last 8 bytes. The worker checks seed and ordinal against its own (out of step -> FarmError).
+    # One entry per slot of the iteration's opening table, a 24 B stride (design 3.4): role,
+    # group, opponent_ix; learner_seat (the assign entry carries it too); seed = the episode seed
+    # of the episode the slot's battle is playing (training: derive_int(master_seed,
+    # "env/battle/{b}/ordinal/{k}"); evaluation: EvalEpisode.seed), as u64; ordinal = that
+    # episode's reset ordinal k, in the stride's last 8 bytes. The worker checks seed and ordinal
+    # against its own (out of step -> FarmError).
     "names": ["role", "group", "opponent_ix", "learner_seat", "pad", "seed", "ordinal"],
     "formats": ["i1", "i1", "i1", "i1", "V4", "<u8", "<i8"],
     "offsets": [0, 1, 2, 3, 4, 8, 16], "itemsize": PLAN_BYTES})
 
 # scalars.flags bits
 F_TERMINATED, F_TRUNCATED, F_VALID, F_FINAL = 1, 2, 4, 8
-# episode_end: 0 none, 1 win, 2 loss, 3 draw (spec 4.1), 4 ended with no winner (a truncation,
+# episode_end: 0 none, 1 win, 2 loss, 3 draw (design 3.1), 4 ended with no winner (a truncation,
 # or a termination condition that does not end the game, e.g. FirstCrownCondition)
 END_NONE, END_WIN, END_LOSS, END_DRAW, END_NO_RESULT = 0, 1, 2, 3, 4
 # control.state
 ST_STARTING, ST_READY, ST_FAILED, ST_CLOSED = 0, 1, 2, 3
 # control.cmd_kind (parent -> child; see the command table above)
 CMD_STEP, CMD_CLOSE, CMD_PLAN, CMD_SPACES = 1, 2, 3, 4
-# control.err_code (spec 7.3)
+# control.err_code (design 3.4)
 ERR_NONE, ERR_EXCEPTION, ERR_CRASH = 0, 1, 2
 
 assert HEADER_DTYPE.itemsize == HEADER_BYTES and CONTROL_DTYPE.itemsize == CONTROL_BYTES
@@ -981,7 +981,25 @@ def rect_view(buf: Any, cycles: int, frame_stack: int, n_slots: int, row_bytes: 
                       offset=HEADER_BYTES)
 
 
-# --- 8. Records and configuration (spec 4.1) ----------------------------------------------------
+def write_episodes(io: ShardIO, records: list[dict[str, Any]], where: str) -> int:
+    """The episode area: u32 length, then the records as one msgspec JSON list (length 0 when
+    there are none). Returns the bytes written."""
+    raw = msgspec.json.encode(records) if records else b""
+    if len(raw) + 4 > io.episodes.size:
+        raise FarmError(f"{where}: {len(raw)} bytes of episode records exceed the "
+                        f"{io.episodes.size}-byte area; raise EPISODE_BYTES_PER_SLOT")
+    io.episodes[:4] = np.frombuffer(struct.pack("<I", len(raw)), np.uint8)
+    if raw:
+        io.episodes[4:4 + len(raw)] = np.frombuffer(raw, np.uint8)
+    return len(raw) + 4
+
+
+def read_episodes(io: ShardIO) -> list[dict[str, Any]]:
+    n = struct.unpack("<I", bytes(io.episodes[:4]))[0]
+    return msgspec.json.decode(bytes(io.episodes[4:4 + n])) if n else []
+
+
+# --- 8. Records and configuration (design 3.1) ----------------------------------------------------
 
 class EpisodeRecord(msgspec.Struct, frozen=True):
     """One seat's finished episode. The terminal statistics are copied out of final_info; the
@@ -1041,7 +1059,7 @@ class FarmConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     games_per_worker: int = 2               # battles per worker, split evenly over its shards
     cycles: int = 16                        # T
     frame_stack: int = 1
-    spin_us: int = 200                      # spin before sleeping on a semaphore (spec 7.3)
+    spin_us: int = 200                      # spin before sleeping on a semaphore (design 3.4)
     round_timeout_s: float = 30.0
     join_timeout_s: float = 10.0
     startup_timeout_s: float = 120.0
@@ -1052,8 +1070,8 @@ class FarmConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     debug_fault: str = ""                   # tests only: "raise:<w>:<steps>", "hang:<w>:<steps>"
     eval_plan: list[EvalEpisode] | None = None  # the evaluation mode (section 6); None: training
     scripted_mask_only: bool = True         # training: a scripted seat's observations mask-only
-                                            # (section 9; [M] 1.13x game-steps/s on all-scripted
-                                            # battles, bench_mask_only); eval mode always does it
+                                            # (section 9); eval mode always does it. 1.13x
+                                            # game-steps/s, all-scripted [M], docs/throughput.md
 
     @property
     def games_per_shard(self) -> int:
@@ -1089,10 +1107,7 @@ class FarmConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                          f"player; farm.SCRIPTED_NAMES = {SCRIPTED_NAMES}")
 
 
-SLEEP_S = 0.05   # the longest a waiting side sleeps on a semaphore before looking again (spec 7.3)
-
-SPIN_S_DEFAULT = 200e-6
-
+SLEEP_S = 0.05   # the longest a waiting side sleeps on a semaphore before looking again (design 3.4)
 
 def _wait_word(is_new: Callable[[], bool], sem: Any, spin_s: float, sleep_s: float) -> bool:
     """True once is_new() (the control word) says so, having taken the token that announced it.
@@ -1110,105 +1125,197 @@ def _wait_word(is_new: Callable[[], bool], sem: Any, spin_s: float, sleep_s: flo
     return bool(sem.acquire(timeout=sleep_s))
 
 
-# --- 9. The shard runner: the worker's loop body (spec 7.4), shared by both farms -------------
+# --- 9. The shard runner: the worker's loop body (design 3.5), shared by both farms ---------------
+# A ShardRunner is one shard's vec env, composed of its _Seats (who acts in each slot) and its
+# _RunningEpisodes (which episode each battle plays and what it has counted); step() is STEP,
+# apply_slot_plan() is PLAN.
 
 def _battle_seed(master_seed: int, base: int, game: int, ordinal: int) -> int:
     return derive_int(master_seed, f"env/battle/{base + game}/ordinal/{ordinal}")
 
 
-class ShardRunner:
-    """One ClashSelfPlayVecEnv and everything counted about it. numpy only."""
+class _RunningEpisodes:
+    """What the worker knows of each running episode of one shard: which one it is (its reset
+    ordinal and seed; in the evaluation mode its plan index, popped from the shard's queue when
+    the vec env resets the battle) and what it has counted for its EpisodeRecord (per battle
+    the decision index and the non-no-op actions of both seats, what re-simulates it; per slot
+    the cards played, the illegal commands and the undiscounted return)."""
 
-    def __init__(self, cfg: FarmConfig, table: Any, w: int, s: int, gen: int,
-                 ordinals: list[int]) -> None:
+    def __init__(self, cfg: FarmConfig, w: int, s: int, ordinals: list[int]) -> None:
         import functools
-        self.cfg, self.w, self.s, self.gen = cfg, w, s, gen
         M = cfg.games_per_shard
-        self.n = 2 * M
+        self.cfg, self.w, self.s, self.plan = cfg, w, s, cfg.eval_plan   # plan None: training
         self.battle0 = (w * cfg.shards_per_worker + s) * M
-        self.slot0 = 2 * self.battle0
-        self.plan = cfg.eval_plan                           # None: training
-        fn = (self._eval_seed if self.plan is not None
-              else functools.partial(_battle_seed, cfg.master_seed, self.battle0))
-        # spec 7.7 step 11: exactly one vec env in the run carries the viewer's publisher (it
-        # binds a UDP port per process): worker 0's first shard; every other shard gets None.
-        viser = "env" if (cfg.viewer and w == 0 and s == 0) else None
-        self.vec = build_vec(cfg.env, M, viser=viser, autoreset_seed_fn=fn)
-        self.vec.set_episode_ordinals(ordinals)
         self.ordinal = np.asarray(ordinals, np.int64)       # of the episode now running
-        self.packer = codec.Packer(table)
-        self.row_bytes = table.row_bytes
-        self.group = np.full(self.n, GROUP_LEARNER, np.int8)
-        self.opp_ix = np.full(self.n, -1, np.int8)
-        self.asg_ordinal = np.full(M, -1, np.int64)        # the ordinal each battle's seats are for
-        self.scripted: list[Any] = [None] * self.n
-        self.rngs: list[Any] = [None] * self.n              # set per episode when a seat is seated
-        self.gamma: float | None = None
-        self.ep_step = np.zeros(M, np.int64)                # decision index within the episode
-        self.cards = np.zeros(self.n, np.int64)
-        self.illegal = np.zeros(self.n, np.int64)
-        self.ret = np.zeros(self.n, np.float64)
-        self.played: list[list[tuple[int, int, int]]] = [[] for _ in range(M)]
-        self.obs: dict[str, np.ndarray] | None = None
-        self.steps_taken = 0
         self.eval_ix = np.full(M, -1, np.int64)             # evaluation: plan index now playing
         if self.plan is not None:
             j = w * cfg.shards_per_worker + s
             self.queue = collections.deque(eval_queue(len(self.plan), cfg.n_shards, j))
-        self.idle = np.zeros(self.n, bool)                  # evaluation: a stopped battle's seats
-        fault = cfg.debug_fault.split(":") if cfg.debug_fault else []
-        self.fault = (fault[0], int(fault[2])) if fault and int(fault[1]) == w and s == 0 else None
+        self.seed_fn = (self._eval_seed if self.plan is not None    # the vec env's autoreset_seed_fn
+                        else functools.partial(_battle_seed, cfg.master_seed, self.battle0))
+        self.ep_step = np.zeros(M, np.int64)                # decision index within the episode
+        self.cards = np.zeros(2 * M, np.int64)
+        self.illegal = np.zeros(2 * M, np.int64)
+        self.ret = np.zeros(2 * M, np.float64)
+        self.played: list[list[tuple[int, int, int]]] = [[] for _ in range(M)]
 
-    def reset(self, io: ShardIO, rect_row: np.ndarray) -> None:
-        """Start every battle's episode (seeded by name, env/battle/{b}/ordinal/{k}) and publish
-        the first observations. reset() gets no seed: every episode, the first included, takes
-        its seed from autoreset_seed_fn, so spec 5.2's shard path env/worker/{w}/shard/{s}/gen/{g}
-        has no consumer here; a restart moves each battle to its next ordinal instead, and the
-        generation reaches the scripted opponents' streams."""
-        obs, _ = self.vec.reset()
-        self.obs = obs
-        if self.plan is not None:
-            for g in range(self.n // 2):
-                self._begin_eval_episode(g)
-        t0 = time.perf_counter_ns()
-        self.packer.pack(obs, rect_row, self.slot0)
-        io.scalars[:] = np.zeros(self.n, SCALAR_DTYPE)
-        io.scalars["flags"] = np.where(self.idle, 0, F_VALID).astype(np.uint8)
-        io.scalars["group"] = self.group
-        io.episodes[:4] = 0
-        io.control["t_env_ns"] = 0
-        self._write_stats(io, time.perf_counter_ns() - t0, self.n * self.row_bytes)
-
-    def _write_stats(self, io: ShardIO, codec_ns: int, bytes_out: int) -> None:
-        io.stats["codec_ns"] = codec_ns
-        io.stats["bytes_out"] = bytes_out
-        io.stats["clipped"] = self.packer.clipped
-        io.stats["rounded"] = getattr(self.packer, "rounded", 0)
-
-    # -- the evaluation mode (section 6): what each battle plays is read off cfg.eval_plan --
     def _eval_seed(self, game: int, ordinal: int) -> int:
-        """autoreset_seed_fn in the evaluation mode: the vec env calls it for each game that starts
-        an episode, in ascending game order, so popping the shard's queue here is the rule the
-        parent replays. Returns the episode's own seed (an idle battle's: a named filler)."""
+        """autoreset_seed_fn in the evaluation mode (section 6): the vec env calls it for each
+        game that starts an episode, in ascending game order, so popping the shard's queue here
+        is the rule the parent replays. Returns the episode's own seed (an idle battle's: a named
+        filler)."""
         i = self.queue.popleft() if self.queue else -1
         self.eval_ix[game] = i
         if i >= 0:
             return int(self.plan[i].seed)
         return _eval_idle_seed(self.cfg.master_seed, self.battle0 + game, ordinal)
 
-    def _begin_eval_episode(self, g: int) -> None:
-        """Battle g just reset into ordinal self.ordinal[g]: seat its planned players (or stop
-        it). Scripted seats and stopped battles skip their observations from the next one on
-        (royalegym set_mask_only): a scripted player reads only legality (see section 9)."""
-        i = int(self.eval_ix[g])
+    def seed(self, g: int) -> int:
+        """The seed (as u64) of the episode battle g is playing: the plan entry's `seed`."""
+        if self.plan is not None:
+            i = int(self.eval_ix[g])
+            seed = (int(self.plan[i].seed) if i >= 0 else
+                    _eval_idle_seed(self.cfg.master_seed, self.battle0 + g, int(self.ordinal[g])))
+        else:
+            seed = _battle_seed(self.cfg.master_seed, self.battle0, g, int(self.ordinal[g]))
+        return seed & 0xFFFF_FFFF_FFFF_FFFF
+
+    def note_actions(self, acts: np.ndarray, noop: int) -> None:
+        """Before the step: every non-no-op action, as (decision index, seat, action)."""
+        for i in np.flatnonzero(acts != noop):
+            self.played[i // 2].append((int(self.ep_step[i // 2]), int(i % 2), int(acts[i])))
+
+    def count(self, reward: np.ndarray, deploy: np.ndarray) -> None:
+        """After the step: deploy_status 0 is a card played, 1..11 an illegal command."""
+        self.ep_step += 1
+        self.ret += reward
+        self.cards += deploy == 0
+        self.illegal += (deploy >= 1) & (deploy <= 11)
+
+    def record(self, i: int, fin: dict[str, Any], winner: int, outcome: int,
+               eval_ix_ended: np.ndarray) -> dict[str, Any]:
+        """Slot i's finished episode: every EpisodeRecord field but the three the parent adds
+        (policy_id, opponent_id, bucket). The slot's counters restart."""
+        g = i // 2
+        k = int(self.ordinal[g])
+        ev = -1
+        if self.plan is not None:
+            ev = int(eval_ix_ended[g])
+            ep = self.plan[ev]
+            seed_path, seed = ep.seed_path, int(ep.seed)
+        else:
+            seed_path = f"env/battle/{self.battle0 + g}/ordinal/{k}"
+            seed = _battle_seed(self.cfg.master_seed, self.battle0, g, k)
+        terms = {key.split("/", 1)[1]: float(fin[key][i]) for key in fin
+                 if key.startswith("reward_sum/") and fin["_" + key][i]}
+        out = {
+            "slot": 2 * self.battle0 + int(i), "worker": self.w, "shard": self.s,
+            "battle": self.battle0 + g, "seat": int(i % 2), "ordinal": k,
+            "episode_seed_path": seed_path, "episode_seed": seed, **_final_info_fields(fin, i),
+            "winner": winner, "outcome": outcome, "cards_played": int(self.cards[i]),
+            "illegal_commands": int(self.illegal[i]), "undiscounted_return": float(self.ret[i]),
+            "reward_terms": terms, "played": self.played[g], "eval_index": ev,
+        }
+        self.cards[i] = self.illegal[i] = 0
+        self.ret[i] = 0.0
+        return out
+
+    def next_episode(self, g: int) -> None:
+        """Battle g's vec env has reset it into its next episode."""
+        self.ordinal[g] += 1
+        self.ep_step[g] = 0
+        self.played[g] = []
+
+
+def _transition_deploy_tick(info: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Each slot's deploy_status and tick for the transition just taken. After an autoreset the
+    flat info keys hold the NEW episode's reset info; the ended transition's own are in
+    final_info."""
+    deploy = np.asarray(info["deploy_status"]).astype(np.int64)
+    tick = np.asarray(info["tick"]).astype(np.int64)
+    fin = info.get("final_info")
+    if fin is not None:
+        m = np.asarray(info["_final_info"])
+        deploy[m] = np.asarray(fin["deploy_status"])[m]
+        tick[m] = np.asarray(fin["tick"])[m]
+    return deploy, tick
+
+
+def _final_info_fields(fin: dict[str, Any], i: int) -> dict[str, Any]:
+    """The EpisodeRecord fields copied out of slot i's final_info."""
+    return {
+        "episode_steps": int(fin["episode_steps"][i]),
+        "episode_ticks": int(fin["episode_ticks"][i]),
+        "own_crowns": int(fin["own_crowns"][i]),
+        "enemy_crowns": int(fin["enemy_crowns"][i]),
+        "own_tower_hp_frac": float(fin["own_tower_hp_frac"][i]),
+        "enemy_tower_hp_frac": float(fin["enemy_tower_hp_frac"][i]),
+        "elixir_leak_steps": int(fin["elixir_leak_steps"][i]),
+        "elixir_count_exact": bool(fin["elixir_count_exact"][i]),
+    }
+
+
+class _Seats:
+    """Who acts in each slot of one shard, on the worker's side: its group (learner, resident
+    snapshot, scripted, dead, idle), its scripted opponent's index, and for a scripted seat the
+    player and the generator of its running episode; per battle, the ordinal its seats were given
+    for. Seated from the assign entries and the PLAN command (training) or from the evaluation
+    plan. A scripted seat, or a stopped battle's, is built mask-only from its next observation on
+    (royalegym set_mask_only): a scripted player reads only legality."""
+
+    def __init__(self, cfg: FarmConfig, vec: Any, w: int, gen: int, slot0: int, n: int) -> None:
+        self.cfg, self.vec, self.w, self.gen, self.slot0 = cfg, vec, w, gen, slot0
+        self.group = np.full(n, GROUP_LEARNER, np.int8)
+        self.opp_ix = np.full(n, -1, np.int8)
+        self.asg_ordinal = np.full(n // 2, -1, np.int64)   # the ordinal each battle's seats are for
+        self.scripted: list[Any] = [None] * n
+        self.rngs: list[Any] = [None] * n                   # set per episode when a seat is seated
+        self.idle = np.zeros(n, bool)                       # evaluation: a stopped battle's seats
+
+    def seat(self, present: np.ndarray, group: np.ndarray, opp_ix: np.ndarray,
+             ordinal: np.ndarray) -> None:
+        """Seat slots `present` (shard-local) from an assign or plan area (group, opponent index)
+        for the episodes their battles are running (`ordinal`, per battle)."""
+        for i in present:
+            self.group[i] = group[i]
+            self.opp_ix[i] = opp_ix[i]
+            self.scripted[i] = (make_scripted(SCRIPTED_NAMES[self.opp_ix[i]])
+                                if self.group[i] == GROUP_SCRIPTED else None)
+            self.asg_ordinal[int(i) // 2] = ordinal[int(i) // 2]
+            if self.scripted[i] is not None:
+                self.rngs[i] = derive_generator(self.cfg.master_seed, scripted_stream(
+                    self.w, self.slot0 + int(i), self.gen, int(ordinal[int(i) // 2])))
+        if self.cfg.scripted_mask_only:
+            # An assignment arrives with its episode's first action, after the episode's first
+            # observation was built; from the next one on a scripted seat is built mask-only.
+            # The env's set lasts until its next reset, which clears it.
+            for g in sorted({int(i) // 2 for i in present}):
+                skip = [("blue", "red")[seat] for seat in (0, 1) if self.scripted[2 * g + seat] is not None]
+                if skip:
+                    self.vec.envs[g].set_mask_only(skip)
+
+    def check_repeats(self, g: int, e: np.ndarray, k: int, opponents: bool, where: str) -> None:
+        """Battle g's plan entries `e`, for the episode it is running (ordinal k), must repeat what
+        its seats hold: the groups and, with `opponents`, the opponent indices."""
+        group, opp_ix = self.group[2 * g: 2 * g + 2], self.opp_ix[2 * g: 2 * g + 2]
+        if not (np.array_equal(e["group"], group) and
+                (not opponents or np.array_equal(e["opponent_ix"], opp_ix))):
+            raise FarmError(
+                f"{where}: the plan seats groups {e['group'].tolist()} "
+                f"opponents {e['opponent_ix'].tolist()} mid-episode (ordinal {k}); the "
+                f"worker holds {group.tolist()} {opp_ix.tolist()} (design 3.6: no reassignment "
+                "mid-episode)")
+
+    def seat_eval(self, g: int, ep: EvalEpisode | None) -> None:
+        """Battle g just reset into an evaluation episode: seat its planned players, or stop the
+        battle (ep None: its shard's queue is empty)."""
         env = self.vec.envs[g]
-        if i < 0:
+        if ep is None:
             for seat in (0, 1):
                 r = 2 * g + seat
                 self.group[r], self.scripted[r], self.idle[r] = GROUP_IDLE, None, True
             env.set_mask_only(("blue", "red"))
             return
-        ep = self.plan[i]
         skip = []
         for seat, (player, stream) in enumerate(zip(ep.players, ep.streams)):
             r = 2 * g + seat
@@ -1223,207 +1330,228 @@ class ShardRunner:
         if skip:
             env.set_mask_only(skip)
 
-    def _apply_assignments(self, assign: np.ndarray) -> None:
-        if self.plan is not None:
-            return                              # the evaluation mode seats from its plan
-        self._seat(np.flatnonzero(assign["present"]), assign["group"], assign["opponent_ix"])
+    def actions(self, parent_actions: np.ndarray, obs: dict[str, np.ndarray], noop: int) -> np.ndarray:
+        """The parent's actions, a no-op on a stopped evaluation battle, and each scripted seat's
+        own, drawn from its episode's generator on the seat's current observation."""
+        acts = parent_actions.astype(np.int64)
+        acts[self.idle] = noop                  # a stopped evaluation battle waits
+        for i in np.flatnonzero(self.group == GROUP_SCRIPTED):
+            one = {k: v[i] for k, v in obs.items()}
+            acts[i] = self.scripted[i].act(one, obs["action_mask"][i], self.rngs[i])
+        return acts
+
+
+class ShardRunner:
+    """One ClashSelfPlayVecEnv and everything counted about it: the worker's side of one shard.
+    numpy only. reset() publishes the first observations, step() is the STEP command,
+    apply_slot_plan() the PLAN command. Who acts in each slot is self.seats; which episode each
+    battle plays and what it has counted, self.running."""
+
+    def __init__(self, cfg: FarmConfig, table: Any, w: int, s: int, gen: int,
+                 ordinals: list[int]) -> None:
+        self.cfg, self.w, self.s = cfg, w, s
+        M = cfg.games_per_shard
+        self.n = 2 * M
+        self.slot0 = 2 * (w * cfg.shards_per_worker + s) * M
+        self.plan = cfg.eval_plan                           # None: training
+        self.running = _RunningEpisodes(cfg, w, s, ordinals)
+        # design 3.8 step 11: exactly one vec env in the run carries the viewer's publisher (it
+        # binds a UDP port per process): worker 0's first shard; every other shard gets None.
+        viser = "env" if (cfg.viewer and w == 0 and s == 0) else None
+        self.vec = build_vec(cfg.env, M, viser=viser, autoreset_seed_fn=self.running.seed_fn)
+        self.vec.set_episode_ordinals(ordinals)
+        self.packer = codec.Packer(table)
+        self.row_bytes = table.row_bytes
+        self.seats = _Seats(cfg, self.vec, w, gen, self.slot0, self.n)
+        self.gamma: float | None = None
+        self.obs: dict[str, np.ndarray] | None = None
+        self.steps_taken = 0
+        fault = cfg.debug_fault.split(":") if cfg.debug_fault else []
+        self.fault = (fault[0], int(fault[2])) if fault and int(fault[1]) == w and s == 0 else None
+
+    # the seats, under the names a reader of one runner looks for
+    group = property(lambda self: self.seats.group, doc="int8 (n,): each slot's group")
+    scripted = property(lambda self: self.seats.scripted, doc="each slot's scripted player or None")
+    asg_ordinal = property(lambda self: self.seats.asg_ordinal,
+                           doc="int64 (n/2,): the ordinal each battle's seats were given for")
 
     def episode_seed(self, g: int) -> int:
         """The seed (as u64) of the episode battle g is playing: the plan entry's `seed`."""
-        if self.plan is not None:
-            i = int(self.eval_ix[g])
-            seed = (int(self.plan[i].seed) if i >= 0 else
-                    _eval_idle_seed(self.cfg.master_seed, self.battle0 + g, int(self.ordinal[g])))
-        else:
-            seed = _battle_seed(self.cfg.master_seed, self.battle0, g, int(self.ordinal[g]))
-        return seed & 0xFFFF_FFFF_FFFF_FFFF
+        return self.running.seed(g)
 
+    def reset(self, io: ShardIO, rect_row: np.ndarray) -> None:
+        """Start every battle's episode (seeded by name, env/battle/{b}/ordinal/{k}) and publish
+        the first observations. reset() gets no seed: every episode, the first included, takes
+        its seed from autoreset_seed_fn, so design 2.2's shard path env/worker/{w}/shard/{s}/gen/{g}
+        has no consumer here; a restart moves each battle to its next ordinal instead, and the
+        generation reaches the scripted opponents' streams."""
+        obs, _ = self.vec.reset()
+        self.obs = obs
+        if self.plan is not None:
+            for g in range(self.n // 2):
+                self._begin_eval_episode(g)
+        t0 = time.perf_counter_ns()
+        self.packer.pack(obs, rect_row, self.slot0)
+        io.scalars[:] = np.zeros(self.n, SCALAR_DTYPE)
+        io.scalars["flags"] = np.where(self.seats.idle, 0, F_VALID).astype(np.uint8)
+        io.scalars["group"] = self.seats.group
+        io.episodes[:4] = 0
+        io.control["t_env_ns"] = 0
+        self._write_stats(io, time.perf_counter_ns() - t0, self.n * self.row_bytes)
+
+    def _write_stats(self, io: ShardIO, codec_ns: int, bytes_out: int) -> None:
+        io.stats["codec_ns"] = codec_ns
+        io.stats["bytes_out"] = bytes_out
+        io.stats["clipped"] = self.packer.clipped
+        io.stats["rounded"] = getattr(self.packer, "rounded", 0)
+
+    def _begin_eval_episode(self, g: int) -> None:
+        """Battle g just reset into an evaluation episode: seat its planned players (or stop it)."""
+        i = int(self.running.eval_ix[g])
+        self.seats.seat_eval(g, self.plan[i] if i >= 0 else None)
+
+    # -- PLAN -------------------------------------------------------------------------------------
     def apply_slot_plan(self, plan: np.ndarray) -> None:
-        """The PLAN command (spec 7.4): the iteration's opening table for this shard's slots
+        """The PLAN command (design 3.5): the iteration's opening table for this shard's slots
         (PLAN_DTYPE, n entries). A battle whose seats the worker does not hold for its running
         episode yet (a fresh or restarted worker; an episode that started on the previous
         iteration's last round) is seated from it; for every other battle the entry must repeat
         what the worker holds. Ordinal and seed must match the worker's own episode: a plan that
         disagrees means parent and worker are out of step, and that is an error, not a choice."""
         where = f"worker {self.w} shard {self.s}"
+        ordinal, eval_ix = self.running.ordinal, self.running.eval_ix
         take = []
         for g in range(self.n // 2):
             e = plan[2 * g: 2 * g + 2]
             slot = self.slot0 + 2 * g
             if self.plan is not None:           # evaluation: the worker seats from eval_plan
-                idle_p, idle_w = bool((e["group"] == GROUP_IDLE).all()), bool(self.eval_ix[g] < 0)
+                idle_p, idle_w = bool((e["group"] == GROUP_IDLE).all()), bool(eval_ix[g] < 0)
                 if idle_p != idle_w:
                     raise FarmError(f"{where} slot {slot}: the plan says idle={idle_p}, the worker's "
                                     f"queue says idle={idle_w} (evaluation farm out of step)")
                 if idle_w:
                     continue                    # a stopped battle's ordinals are the worker's own
             k = int(e["ordinal"][0])
-            if k != int(self.ordinal[g]) or int(e["seed"][0]) != self.episode_seed(g):
+            if k != int(ordinal[g]) or int(e["seed"][0]) != self.episode_seed(g):
                 raise FarmError(
                     f"{where} slot {slot}: the plan is for ordinal {k} seed {int(e['seed'][0])}, "
-                    f"the battle plays ordinal {int(self.ordinal[g])} seed {self.episode_seed(g)}; "
+                    f"the battle plays ordinal {int(ordinal[g])} seed {self.episode_seed(g)}; "
                     "parent and worker are out of step (restart the run from its checkpoint)")
-            if self.plan is not None or self.asg_ordinal[g] == k:
-                if not (np.array_equal(e["group"], self.group[2 * g: 2 * g + 2]) and
-                        (self.plan is not None or
-                         np.array_equal(e["opponent_ix"], self.opp_ix[2 * g: 2 * g + 2]))):
-                    raise FarmError(
-                        f"{where} slot {slot}: the plan seats groups {e['group'].tolist()} "
-                        f"opponents {e['opponent_ix'].tolist()} mid-episode (ordinal {k}); the "
-                        f"worker holds {self.group[2 * g: 2 * g + 2].tolist()} "
-                        f"{self.opp_ix[2 * g: 2 * g + 2].tolist()} (spec 7.5: no reassignment "
-                        "mid-episode)")
+            if self.plan is not None or self.seats.asg_ordinal[g] == k:
+                self.seats.check_repeats(g, e, k, self.plan is None, f"{where} slot {slot}")
             else:
                 take += [2 * g, 2 * g + 1]
-        self._seat(np.asarray(take, np.int64), plan["group"], plan["opponent_ix"])
+        self.seats.seat(np.asarray(take, np.int64), plan["group"], plan["opponent_ix"], ordinal)
 
-    def _seat(self, present: np.ndarray, group: np.ndarray, opp_ix: np.ndarray) -> None:
-        """Seat slots `present` (shard-local) from an assign or plan area: group, scripted player."""
-        for i in present:
-            self.group[i] = group[i]
-            self.opp_ix[i] = opp_ix[i]
-            self.scripted[i] = (make_scripted(SCRIPTED_NAMES[self.opp_ix[i]])
-                                if self.group[i] == GROUP_SCRIPTED else None)
-            self.asg_ordinal[int(i) // 2] = self.ordinal[int(i) // 2]
-            if self.scripted[i] is not None:
-                self.rngs[i] = derive_generator(self.cfg.master_seed, scripted_stream(
-                    self.w, self.slot0 + int(i), self.gen, int(self.ordinal[int(i) // 2])))
-        if self.cfg.scripted_mask_only:
-            # An assignment arrives with its episode's first action, after the episode's first
-            # observation was built; from the next one on a scripted seat is built mask-only
-            # (it reads only legality). The env's set lasts until its next reset, which clears it.
-            for g in sorted({int(i) // 2 for i in present}):
-                skip = [("blue", "red")[seat] for seat in (0, 1) if self.scripted[2 * g + seat] is not None]
-                if skip:
-                    self.vec.envs[g].set_mask_only(skip)
-
+    # -- STEP -------------------------------------------------------------------------------------
     def step(self, io: ShardIO, rect_row: np.ndarray, gamma: float) -> None:
+        """The STEP command (design 3.5): seat the assignments that arrived, take the actions
+        (the parent's; the scripted seats' own), step the vec env (it autoresets ended battles),
+        and publish the transition: scalars, finals and episode records in the shard's block,
+        the next observations in rect_row, this round's stats."""
         from royalegym.action import NOOP
+        self._planted_fault()
+        self._apply_assignments(io.assign)
+        acts = self.seats.actions(io.actions, self.obs, NOOP)
+        self._forward_gamma(gamma)
+        acted_group = self.seats.group.copy()
+        self.running.note_actions(acts, NOOP)
+        eval_ix_ended = self.running.eval_ix.copy()   # the autoreset below pops the next episodes
+        t0 = time.perf_counter_ns()
+        obs, rew, term, trunc, info = self.vec.step(acts)
+        io.control["t_env_ns"] = time.perf_counter_ns() - t0
+        deploy, tick = _transition_deploy_tick(info)
+        self.running.count(rew, deploy)
+        sc = np.zeros(self.n, SCALAR_DTYPE)
+        sc["reward"] = rew
+        sc["group"] = acted_group
+        sc["flags"] = (F_TERMINATED * term + F_TRUNCATED * trunc
+                       + F_VALID * ~self.seats.idle).astype(np.uint8)
+        sc["deploy_status"] = deploy
+        sc["tick"] = tick
+        done = term | trunc
+        records: list[dict[str, Any]] = []
+        finals_ns = 0
+        if done.any():
+            records, finals_ns = self._end_episodes(io, sc, done, trunc, info, eval_ix_ended)
+        io.scalars[:] = sc
+        record_bytes = write_episodes(io, records, f"worker {self.w} shard {self.s}")
+        self._publish(io, rect_row, obs, sc, finals_ns, record_bytes)
+
+    def _apply_assignments(self, assign: np.ndarray) -> None:
+        if self.plan is not None:
+            return                              # the evaluation mode seats from its plan
+        self.seats.seat(np.flatnonzero(assign["present"]), assign["group"], assign["opponent_ix"],
+                        self.running.ordinal)
+
+    def _planted_fault(self) -> None:
+        """FarmConfig.debug_fault (tests only): raise, or hang, from this shard's Nth step on."""
         self.steps_taken += 1
         if self.fault is not None and self.steps_taken >= self.fault[1]:
             if self.fault[0] == "raise":
                 raise RuntimeError(f"planted fault in worker {self.w} at step {self.steps_taken}")
             if self.fault[0] == "hang":
                 time.sleep(3600)
-        self._apply_assignments(io.assign)
-        acts = io.actions.astype(np.int64)
-        acts[self.idle] = NOOP                  # a stopped evaluation battle waits
-        for i in np.flatnonzero(self.group == GROUP_SCRIPTED):
-            one = {k: v[i] for k, v in self.obs.items()}
-            acts[i] = self.scripted[i].act(one, self.obs["action_mask"][i], self.rngs[i])
-        if gamma != self.gamma:                 # the schedule's gamma reaches every term
+
+    def _forward_gamma(self, gamma: float) -> None:
+        """The schedule's gamma reaches every reward term that takes one (design 4)."""
+        if gamma != self.gamma:
             for env in self.vec.envs:
                 setter = getattr(env.reward_fn, "set_gamma", None)
                 if callable(setter):
                     setter(gamma)
             self.gamma = gamma
-        acted_group = self.group.copy()
-        for i in np.flatnonzero(acts != NOOP):
-            self.played[i // 2].append((int(self.ep_step[i // 2]), int(i % 2), int(acts[i])))
-        self.eval_ix_ended = self.eval_ix.copy()   # the autoreset below pops the next episodes
-        t0 = time.perf_counter_ns()
-        obs, rew, term, trunc, info = self.vec.step(acts)
-        io.control["t_env_ns"] = time.perf_counter_ns() - t0
-        self.ep_step += 1
-        deploy = np.asarray(info["deploy_status"]).astype(np.int64)
-        tick = np.asarray(info["tick"]).astype(np.int64)
-        done = term | trunc
-        fin = info.get("final_info")
-        if fin is not None:
-            m = np.asarray(info["_final_info"])
-            # after an autoreset the flat keys hold the NEW episode's reset info; the transition's
-            # own deploy_status and tick are in final_info
-            deploy[m] = np.asarray(fin["deploy_status"])[m]
-            tick[m] = np.asarray(fin["tick"])[m]
-        self.ret += rew
-        self.cards += deploy == 0
-        self.illegal += (deploy >= 1) & (deploy <= 11)
-        sc = np.zeros(self.n, SCALAR_DTYPE)
-        sc["reward"] = rew
-        sc["group"] = acted_group
-        sc["flags"] = (F_TERMINATED * term + F_TRUNCATED * trunc + F_VALID * ~self.idle).astype(np.uint8)
-        sc["deploy_status"] = deploy
-        sc["tick"] = tick
-        episodes: list[dict[str, Any]] = []
+
+    def _end_episodes(self, io: ShardIO, sc: np.ndarray, done: np.ndarray, trunc: np.ndarray,
+                      info: dict[str, Any], eval_ix_ended: np.ndarray,
+                      ) -> tuple[list[dict[str, Any]], int]:
+        """Every slot whose episode ended on this step: its end fields in `sc`, its packed final
+        observation if truncated (the bootstrap's, design 6.1), its record; then each ended
+        battle moves to its next episode (the vec env already reset it). Returns the records
+        and the nanoseconds spent packing finals."""
+        fin, fo = info.get("final_info"), info["final_obs"]
+        records: list[dict[str, Any]] = []
         pack_finals_ns = 0
-        if done.any():
-            fo = info["final_obs"]
-            for i in map(int, np.flatnonzero(done)):
-                g = i // 2
-                if self.idle[i]:
-                    continue                    # a stopped evaluation battle reports nothing
-                w_ = int(fin["winner"][i]) if "winner" in fin and fin["_winner"][i] else -1
-                out = int(fin["outcome"][i]) if "outcome" in fin and fin["_outcome"][i] else 0
-                sc["episode_end"][i] = (END_NO_RESULT if w_ == -1 else
-                                        END_WIN if out == 1 else END_LOSS if out == -1 else END_DRAW)
-                sc["episode_steps"][i] = fin["episode_steps"][i]
-                sc["cards_played"][i] = self.cards[i]
-                sc["elixir_leak"][i] = fin["elixir_leak_steps"][i]
-                if trunc[i]:
-                    one = {k: np.asarray(v)[None] for k, v in fo[i].items()}
-                    t1 = time.perf_counter_ns()
-                    self.packer.pack(one, io.finals, int(i))
-                    pack_finals_ns += time.perf_counter_ns() - t1
-                    sc["flags"][i] |= F_FINAL
-                k = int(self.ordinal[g])
-                ev = -1
-                if self.plan is not None:
-                    ev = int(self.eval_ix_ended[g])
-                    ep = self.plan[ev]
-                    seed_path, seed = ep.seed_path, int(ep.seed)
-                else:
-                    seed_path = f"env/battle/{self.battle0 + g}/ordinal/{k}"
-                    seed = _battle_seed(self.cfg.master_seed, self.battle0, g, k)
-                terms = {key.split("/", 1)[1]: float(fin[key][i]) for key in fin
-                         if key.startswith("reward_sum/") and fin["_" + key][i]}
-                episodes.append({
-                    "slot": self.slot0 + int(i), "worker": self.w, "shard": self.s,
-                    "battle": self.battle0 + g, "seat": int(i % 2), "ordinal": k,
-                    "episode_seed_path": seed_path, "episode_seed": seed,
-                    "episode_steps": int(fin["episode_steps"][i]),
-                    "episode_ticks": int(fin["episode_ticks"][i]),
-                    "own_crowns": int(fin["own_crowns"][i]),
-                    "enemy_crowns": int(fin["enemy_crowns"][i]),
-                    "own_tower_hp_frac": float(fin["own_tower_hp_frac"][i]),
-                    "enemy_tower_hp_frac": float(fin["enemy_tower_hp_frac"][i]),
-                    "elixir_leak_steps": int(fin["elixir_leak_steps"][i]),
-                    "elixir_count_exact": bool(fin["elixir_count_exact"][i]),
-                    "winner": w_, "outcome": out, "cards_played": int(self.cards[i]),
-                    "illegal_commands": int(self.illegal[i]),
-                    "undiscounted_return": float(self.ret[i]), "reward_terms": terms,
-                    "played": self.played[g], "eval_index": ev,
-                })
-                self.cards[i] = self.illegal[i] = 0
-                self.ret[i] = 0.0
-            for g in np.flatnonzero(done[0::2]):
-                self.ordinal[g] += 1
-                self.ep_step[g] = 0
-                self.played[g] = []
-                if self.plan is not None:
-                    self._begin_eval_episode(int(g))
-        io.scalars[:] = sc
-        raw = msgspec.json.encode(episodes) if episodes else b""
-        if len(raw) + 4 > io.episodes.size:
-            raise FarmError(f"worker {self.w} shard {self.s}: {len(raw)} bytes of episode records "
-                            f"exceed the {io.episodes.size}-byte area; raise EPISODE_BYTES_PER_SLOT")
-        io.episodes[:4] = np.frombuffer(struct.pack("<I", len(raw)), np.uint8)
-        if raw:
-            io.episodes[4:4 + len(raw)] = np.frombuffer(raw, np.uint8)
+        for i in map(int, np.flatnonzero(done)):
+            if self.seats.idle[i]:
+                continue                        # a stopped evaluation battle reports nothing
+            winner = int(fin["winner"][i]) if "winner" in fin and fin["_winner"][i] else -1
+            outcome = int(fin["outcome"][i]) if "outcome" in fin and fin["_outcome"][i] else 0
+            sc["episode_end"][i] = (END_NO_RESULT if winner == -1 else END_WIN if outcome == 1
+                                    else END_LOSS if outcome == -1 else END_DRAW)
+            sc["episode_steps"][i] = fin["episode_steps"][i]
+            sc["cards_played"][i] = self.running.cards[i]
+            sc["elixir_leak"][i] = fin["elixir_leak_steps"][i]
+            if trunc[i]:
+                one = {k: np.asarray(v)[None] for k, v in fo[i].items()}
+                t1 = time.perf_counter_ns()
+                self.packer.pack(one, io.finals, int(i))
+                pack_finals_ns += time.perf_counter_ns() - t1
+                sc["flags"][i] |= F_FINAL
+            records.append(self.running.record(i, fin, winner, outcome, eval_ix_ended))
+        for g in np.flatnonzero(done[0::2]):
+            self.running.next_episode(g)
+            if self.plan is not None:
+                self._begin_eval_episode(int(g))
+        return records, pack_finals_ns
+
+    def _publish(self, io: ShardIO, rect_row: np.ndarray, obs: dict[str, np.ndarray],
+                 sc: np.ndarray, finals_ns: int, record_bytes: int) -> None:
+        """Pack the next observations into the rectangle row; the round's codec time and bytes."""
         t1 = time.perf_counter_ns()
         self.packer.pack(obs, rect_row, self.slot0)
-        codec_ns = time.perf_counter_ns() - t1 + pack_finals_ns
+        codec_ns = time.perf_counter_ns() - t1 + finals_ns
         self.obs = obs
         n_final = int(((sc["flags"] & F_FINAL) != 0).sum())
         self._write_stats(io, codec_ns, (self.n + n_final) * self.row_bytes
-                          + self.n * SCALAR_BYTES + len(raw) + 4)
+                          + self.n * SCALAR_BYTES + record_bytes)
 
 
-def read_episodes(io: ShardIO) -> list[dict[str, Any]]:
-    n = struct.unpack("<I", bytes(io.episodes[:4]))[0]
-    return msgspec.json.decode(bytes(io.episodes[4:4 + n])) if n else []
-
-
-# --- 10. The parent side: the round protocol (spec 7.5), shared by both farms -----------------
+# --- 10. The parent side: the round protocol (design 3.6), shared by both farms -------------------
+# _FarmCore (at the end) drives the protocol: begin_iteration, next_round, submit. It is composed
+# of the parts below, each holding one kind of state: _EvalReplay (the evaluation mode's hosting),
+# _AssignmentBook (what every battle plays), _FarmStats (the metrics), _Collection (what the
+# learner reads, and how a round's answer is filed into it), _WorkerHealth (failures, restarts).
 
 class RolloutRound:
     """One shard-round. Views, valid until the next next_round for the same shard.
@@ -1447,96 +1575,449 @@ def _bucket(role: int) -> str:
     return ("mirror", "pool", "scripted")[role]
 
 
-class _FarmCore:
-    """Geometry, the rectangle, the per-iteration scalars and the assignment bookkeeping."""
+class _EvalReplay:
+    """The evaluation mode's parent side (section 6): which plan episode each (battle, ordinal)
+    plays, found by replaying the rule the workers' vec envs follow when they pop their shard's
+    queue -- once per (battle, ordinal), at the opening in ascending battle order, then for the
+    battles that ended on a round in ascending order."""
 
-    def __init__(self, cfg: FarmConfig, table: Any,
-                 assign_fn: Callable[[int, int], Assignment] | None = None) -> None:
-        cfg.check()
-        self.cfg, self.table = cfg, table
-        if cfg.eval_plan is not None:
-            if assign_fn is not None:
-                raise ValueError("an evaluation farm (FarmConfig.eval_plan) seats its battles from "
-                                 "the plan; pass assign_fn=None")
-            assign_fn = self._eval_assign
-        self.assign_fn = assign_fn
-        self.T, self.k, self.R = cfg.cycles, cfg.frame_stack, cfg.n_slots
-        self.row_bytes = table.row_bytes
-        self.n_shard = 2 * cfg.games_per_shard
-        self.J = cfg.n_shards
-        self.ordinals = np.asarray(cfg.start_ordinals if cfg.start_ordinals is not None
-                                   else [0] * cfg.n_battles, np.int64)
-        self.generation = [0] * cfg.workers
-        self.restarts = [0] * cfg.workers
-        self.dead = [False] * cfg.workers
-        self._pending_restart: set[int] = set()
-        self._failures: list[WorkerFailure] = []
-        self.assignment: list[Assignment | None] = [None] * cfg.n_battles
-        self.group = np.full(self.R, GROUP_LEARNER, np.int8)
-        self.opp_ix = np.full(self.R, -1, np.int8)
-        self._new_assign = np.zeros(self.R, bool)          # to send on the shard's next Step
-        self.new_episode = np.ones(self.R, bool)
-        # first_obs[q, r]: rect row q holds the FIRST observation of its episode (a reset, an
-        # autoreset, a restart). Frame liveness is read here, at the observation's own row
-        # (spec 18.1): see stack_valid.
-        self.first_obs = np.zeros((self.T + self.k, self.R), bool)
-        self.first_obs[self.k - 1] = True
-        self.scalars = np.zeros((self.T, self.R), SCALAR_DTYPE)
-        self.finals: dict[tuple[int, int], np.ndarray] = {}
-        self.episodes: list[EpisodeRecord] = []
-        self.iteration = -1
-        self.plan: SlotPlan | None = None
-        self._cycle, self._shard, self._await_submit = 0, 0, False
-        self._last_ended: list[int] = []
-        self._fresh = [True] * self.J                       # shard has an unread reset publication
-        self._closed = False
-        self.rect = np.zeros((0,), np.uint8)                # set by the subclass
-        # health and timing (spec 7.6, 13.2): per iteration, reset by begin_iteration
-        self.rows_dropped_dead_worker_total = 0
-        self.eval_map: dict[tuple[int, int], int] = {}      # (battle, ordinal) -> plan index
-        if cfg.eval_plan is not None:
-            for b in range(cfg.n_battles):                  # the opening, as the workers' resets
-                self._eval_assign(b, 0)
-        self._clip_last = np.zeros((self.J, 2), np.int64)   # per shard: clipped, rounded (cumulative)
-        self._clip_base = np.zeros(2, np.int64)             # counters of workers since restarted
-        self._reset_iteration_stats()
+    def __init__(self, cfg: FarmConfig) -> None:
+        self.cfg = cfg
+        n = len(cfg.eval_plan)
+        self.queues = [collections.deque(eval_queue(n, cfg.n_shards, j)) for j in range(cfg.n_shards)]
+        self.plan_index: dict[tuple[int, int], int] = {}    # (battle, ordinal) -> plan index
+        for b in range(cfg.n_battles):                      # the opening, as the workers' resets
+            self.assign(b, 0)
 
-    def _reset_iteration_stats(self) -> None:
-        self._it = {"env_ms": 0.0, "wait_ms": 0.0, "codec_ms": 0.0, "bytes_out": 0,
-                    "rows_dropped_dead_worker": 0}
-        self._it_t0 = time.perf_counter()
-        self._it_t1: float | None = None
-
-    # the evaluation mode (section 6)
-    def _eval_assign(self, b: int, k: int) -> Assignment:
-        """The parent's replay of the worker's queue rule: called once per (battle, ordinal), at
-        the opening in ascending battle order and then for the battles that ended on a round in
-        ascending order -- the order in which the worker's vec env popped the same queue."""
-        if (b, k) not in self.eval_map:
-            if not hasattr(self, "_eval_queues"):
-                n = len(self.cfg.eval_plan)
-                self._eval_queues = [collections.deque(eval_queue(n, self.J, j)) for j in range(self.J)]
-            q = self._eval_queues[b // self.cfg.games_per_shard]
-            self.eval_map[(b, k)] = q.popleft() if q else -1
-        i = self.eval_map[(b, k)]
+    def assign(self, b: int, k: int) -> Assignment:
+        """The farm's assign_fn in the evaluation mode."""
+        if (b, k) not in self.plan_index:
+            q = self.queues[b // self.cfg.games_per_shard]
+            self.plan_index[(b, k)] = q.popleft() if q else -1
+        i = self.plan_index[(b, k)]
         if i < 0:
             return Assignment(b, k, ROLE_POOL, None, (GROUP_IDLE, GROUP_IDLE), -1)
         ep = self.cfg.eval_plan[i]
         g = tuple(GROUP_SCRIPTED if p.startswith("scripted:") else GROUP_LEARNER for p in ep.players)
         return Assignment(b, k, ROLE_POOL, f"eval:{i}", (g[0], g[1]), -1)
 
+    def seed(self, b: int, k: int) -> int:
+        """The reset seed of battle b's episode k: its plan episode's, or a stopped battle's filler."""
+        i = self.plan_index.get((b, k), -1)
+        return (int(self.cfg.eval_plan[i].seed) if i >= 0
+                else _eval_idle_seed(self.cfg.master_seed, b, k))
+
+    def players(self, a: Assignment, seat: int) -> tuple[str, str]:
+        p = self.cfg.eval_plan[int(a.opponent_id.split(":", 1)[1])].players
+        return p[seat], p[1 - seat]
+
+
+class _AssignmentBook:
+    """What every battle plays, on the parent's side (design 3.6): the reset ordinal of its
+    running episode, that episode's Assignment, the routing it implies per slot (group, scripted
+    opponent index), and which slots' assignments the worker has yet to be told. An assignment
+    changes only at its battle's own episode boundary: drawn by assign_fn when the parent reads
+    the end, or handed to submit by a caller that has none."""
+
+    def __init__(self, cfg: FarmConfig, assign_fn: Callable[[int, int], Assignment] | None,
+                 replay: _EvalReplay | None) -> None:
+        self.cfg, self.assign_fn, self.replay = cfg, assign_fn, replay
+        self.ordinals = np.asarray(cfg.start_ordinals if cfg.start_ordinals is not None
+                                   else [0] * cfg.n_battles, np.int64)
+        self.assignment: list[Assignment | None] = [None] * cfg.n_battles
+        self.group = np.full(cfg.n_slots, GROUP_LEARNER, np.int8)
+        self.opp_ix = np.full(cfg.n_slots, -1, np.int8)
+        self.unsent = np.zeros(cfg.n_slots, bool)          # to send on the shard's next STEP
+
+    def set(self, a: Assignment) -> None:
+        self.assignment[a.battle] = a
+        for seat in (0, 1):
+            r = 2 * a.battle + seat
+            self.group[r] = a.group[seat]
+            self.opp_ix[r] = (SCRIPTED_NAMES.index(a.opponent_id.split(":", 1)[1])
+                              if a.group[seat] == GROUP_SCRIPTED and self.replay is None
+                              else -1)
+            self.unsent[r] = True
+
+    def check_shape(self, plan: SlotPlan) -> None:
+        if plan.n_battles != self.cfg.n_battles or len(plan.assignment) != plan.n_battles:
+            raise ValueError(f"SlotPlan for iteration {plan.iteration} has {plan.n_battles} "
+                             f"battles / {len(plan.assignment)} assignments; the farm has "
+                             f"{self.cfg.n_battles}")
+
+    def open_iteration(self, plan: SlotPlan) -> None:
+        """The iteration's opening table: taken for a battle the book has no assignment for
+        yet, otherwise it must repeat the current one."""
+        for b, a in enumerate(plan.assignment):
+            if a.battle != b:
+                raise ValueError(f"SlotPlan.assignment[{b}] is for battle {a.battle}")
+            cur = self.assignment[b]
+            if cur is None:
+                self.set(a)
+            elif cur != a:
+                raise ValueError(
+                    f"SlotPlan for iteration {plan.iteration} gives battle {b} {a}, but it is "
+                    f"mid-episode under {cur}; assignments change only at a battle's own episode "
+                    "boundary (design 3.6): build the plan from the current assignments")
+
+    def episode_ended(self, b: int) -> None:
+        """Battle b moved to its next ordinal; with an assign_fn, its next assignment is drawn."""
+        self.ordinals[b] += 1
+        if self.assign_fn is not None:
+            a = self.assign_fn(b, int(self.ordinals[b]))
+            if a.battle != b or a.ordinal != self.ordinals[b]:
+                raise ValueError(f"assign_fn({b}, {self.ordinals[b]}) returned {a}")
+            self.set(a)
+
+    def take_given(self, assignments: list[Assignment] | tuple[Assignment, ...],
+                   ended: list[int], c: int, j: int) -> None:
+        """submit's `assignments`: none with an assign_fn; without one, exactly one for every
+        battle that ended on the round, for its next ordinal."""
+        if self.assign_fn is not None and assignments:
+            raise FarmError("submit(assignments=...) on a farm built with an assign_fn: the farm "
+                            "already drew them in next_round; pass one or the other")
+        if self.assign_fn is None:
+            given = {a.battle: a for a in assignments}
+            want = set(int(b) for b in ended)
+            if set(given) != want:
+                raise FarmError(f"submit at cycle {c}, shard {j}: battles {sorted(want)} ended on "
+                                f"this round and need an Assignment each; got {sorted(given)}")
+            for b in sorted(want):
+                a = given[b]
+                if a.ordinal != self.ordinals[b]:
+                    raise FarmError(f"Assignment for battle {b} has ordinal {a.ordinal}; its next "
+                                    f"episode is ordinal {int(self.ordinals[b])}")
+                self.set(a)
+
+    def shard_ordinals(self, j: int) -> list[int]:
+        """The ordinals of global shard j's battles: what its (re)started worker resets into."""
+        b0 = j * self.cfg.games_per_shard
+        return [int(x) for x in self.ordinals[b0: b0 + self.cfg.games_per_shard]]
+
+    def reseat(self, sl: slice) -> None:
+        """A restarted worker's slots: all to be sent again, each battle's assignment redrawn for
+        the ordinal it moved to."""
+        self.unsent[sl] = True
+        if self.assign_fn is not None:
+            for b in range(sl.start // 2, sl.stop // 2):
+                self.set(self.assign_fn(b, int(self.ordinals[b])))
+
+    def assign_entries(self, sl: slice) -> np.ndarray:
+        """ASSIGN_DTYPE for the slots `sl` of a STEP; present where not yet sent, now sent."""
+        asg = np.zeros(sl.stop - sl.start, ASSIGN_DTYPE)
+        asg["group"] = self.group[sl]
+        asg["opponent_ix"] = self.opp_ix[sl]
+        asg["learner_seat"] = [self.assignment[b].learner_seat
+                               for b in range(sl.start // 2, sl.stop // 2) for _ in (0, 1)]
+        asg["present"] = self.unsent[sl]
+        self.unsent[sl] = False
+        return asg
+
+    def plan_table(self) -> np.ndarray:
+        """PLAN_DTYPE (R,) from the current assignments, each entry with its episode's ordinal
+        and reset seed (as u64)."""
+        out = np.zeros(self.cfg.n_slots, PLAN_DTYPE)
+        for b, a in enumerate(self.assignment):
+            k = int(self.ordinals[b])
+            seed = (self.replay.seed(b, k) if self.replay is not None
+                    else derive_int(self.cfg.master_seed, f"env/battle/{b}/ordinal/{k}"))
+            for seat in (0, 1):
+                r = 2 * b + seat
+                out[r]["role"], out[r]["learner_seat"] = a.role, a.learner_seat
+                out[r]["group"], out[r]["opponent_ix"] = self.group[r], self.opp_ix[r]
+                out[r]["seed"], out[r]["ordinal"] = seed & 0xFFFF_FFFF_FFFF_FFFF, k
+        return out
+
+    def policy_ids(self, a: Assignment, seat: int, plan: SlotPlan | None) -> tuple[str, str]:
+        """(policy_id, opponent_id) of an episode record: who played the seat and against whom."""
+        if self.replay is not None:
+            return self.replay.players(a, seat)
+
+        def name(g: int) -> str:
+            if g == GROUP_LEARNER:
+                return "learner"
+            if g == GROUP_SCRIPTED:
+                return str(a.opponent_id)
+            if plan is not None and 0 <= g < len(plan.resident_snapshots):
+                return f"snap:{plan.resident_snapshots[g]}"
+            return str(a.opponent_id)
+        return name(a.group[seat]), name(a.group[1 - seat])
+
+    def complete_record(self, raw: dict[str, Any], plan: SlotPlan | None, w: int,
+                        j: int) -> EpisodeRecord:
+        """A worker's record completed with what only the parent knows (policy, opponent,
+        bucket: from the assignment the episode was played under); in the evaluation mode,
+        checked against the parent's replay of the shard's queue."""
+        if self.replay is not None and \
+                raw["eval_index"] != self.replay.plan_index.get((raw["battle"], raw["ordinal"])):
+            raise FarmError(
+                f"evaluation farm out of step: worker {w} shard {j} reports battle "
+                f"{raw['battle']} ordinal {raw['ordinal']} played plan episode "
+                f"{raw['eval_index']}, the parent's replay of its queue says "
+                f"{self.replay.plan_index.get((raw['battle'], raw['ordinal']))}")
+        a = self.assignment[raw["battle"]]
+        pol, opp = self.policy_ids(a, raw["seat"], plan)
+        raw.update(policy_id=pol, opponent_id=opp, bucket=_bucket(a.role))
+        return msgspec.convert(raw, EpisodeRecord)
+
+
+class _Stats(dict):
+    """A dict that also answers a call with itself, so that farm.stats[...] and farm.stats()[...]
+    both read the metrics: callers use both spellings."""
+
+    def __call__(self) -> "_Stats":
+        return self
+
+
+class _FarmStats:
+    """The farm's metrics (design 9.2): this iteration's worker and wait times and bytes, summed
+    over shard-rounds, and the run totals a restart must not lose (dropped rows, the packers'
+    clip and round counters of every generation)."""
+
+    def __init__(self, n_shards: int) -> None:
+        self.rows_dropped_dead_worker_total = 0
+        self._clip_last = np.zeros((n_shards, 2), np.int64)   # per shard: clipped, rounded (cumulative)
+        self._clip_base = np.zeros(2, np.int64)             # counters of workers since restarted
+        self.begin_iteration()
+
+    def begin_iteration(self) -> None:
+        self._it = {"env_ms": 0.0, "wait_ms": 0.0, "codec_ms": 0.0, "bytes_out": 0,
+                    "rows_dropped_dead_worker": 0}
+        self._it_t0 = time.perf_counter()
+        self._it_t1: float | None = None
+
+    def end_iteration(self) -> None:
+        self._it_t1 = time.perf_counter()
+
+    def waited(self, seconds: float) -> None:
+        self._it["wait_ms"] += seconds * 1e3
+
+    def count_round(self, j: int, io: ShardIO) -> None:
+        st = io.stats[0]
+        self._it["env_ms"] += float(io.control["t_env_ns"][0]) / 1e6
+        self._it["codec_ms"] += float(st["codec_ns"]) / 1e6
+        self._it["bytes_out"] += int(st["bytes_out"])
+        self._clip_last[j] = (int(st["clipped"]), int(st["rounded"]))
+
+    def dropped(self, cells: int) -> None:
+        self._it["rows_dropped_dead_worker"] += cells
+        self.rows_dropped_dead_worker_total += cells
+
+    def restarted(self, shards: range) -> None:
+        for j in shards:
+            self._clip_base += self._clip_last[j]              # the dead generation's counts stay
+            self._clip_last[j] = 0
+
+    def snapshot(self, restarts: list[int]) -> _Stats:
+        end = self._it_t1 if self._it_t1 is not None else time.perf_counter()
+        wall_ms = max((end - self._it_t0) * 1e3, 1e-9)
+        clip = self._clip_base + self._clip_last.sum(axis=0)
+        return _Stats(
+            env_ms=self._it["env_ms"], wait_ms=self._it["wait_ms"], codec_ms=self._it["codec_ms"],
+            parent_wait_frac=self._it["wait_ms"] / wall_ms, bytes_out=float(self._it["bytes_out"]),
+            rows_dropped_dead_worker=float(self._it["rows_dropped_dead_worker"]),
+            worker_restarts=float(sum(restarts)), obs_codec_clipped=float(clip[0]),
+            obs_codec_rounded=float(clip[1]))
+
+
+class _Collection:
+    """What the current iteration has collected, in the layout the learner reads (design 1.1),
+    and how each shard-round's answer is filed into it (design 3.6):
+      first_obs   bool (T + k, R): rect row q holds the FIRST observation of its episode (a
+                  reset, an autoreset, a restart). Frame liveness is read here, at the
+                  observation's own row (design 1.1's transition alignment): see stack_valid
+      scalars     SCALAR_DTYPE (T, R): row t is the transition the action at cycle t caused
+      finals      {(t, r): row}: the packed final observation of each truncated transition
+      episodes    the EpisodeRecords finished this iteration, in round order
+      new_episode bool (R,): per slot, the last observation read is the first of an episode
+      ended       the battles whose episodes ended on the last round read, ascending
+    A record is completed, and an ended battle's next assignment drawn, by the farm's
+    _AssignmentBook; each round's costs are counted in its _FarmStats."""
+
+    def __init__(self, cfg: FarmConfig, book: _AssignmentBook, metrics: _FarmStats) -> None:
+        self.T, self.k, self.n_shard = cfg.cycles, cfg.frame_stack, 2 * cfg.games_per_shard
+        self.book, self.metrics = book, metrics
+        self.new_episode = np.ones(cfg.n_slots, bool)
+        self.first_obs = np.zeros((self.T + self.k, cfg.n_slots), bool)
+        self.first_obs[self.k - 1] = True
+        self.scalars = np.zeros((self.T, cfg.n_slots), SCALAR_DTYPE)
+        self.finals: dict[tuple[int, int], np.ndarray] = {}
+        self.episodes: list[EpisodeRecord] = []
+        self.ended: list[int] = []
+
+    def turn_over(self, rect: np.ndarray) -> None:
+        """The last k rows (cycles T-k+1..T) become rows 0..k-1: cycle T is cycle 0 now; the
+        previous iteration's scalars, finals and records are dropped."""
+        rect[: self.k] = rect[self.T: self.T + self.k]
+        self.first_obs[: self.k] = self.first_obs[self.T: self.T + self.k]
+        self.first_obs[self.k:] = False
+        self.scalars[:] = np.zeros(1, SCALAR_DTYPE)
+        self.finals = {}
+        self.episodes = []
+
+    def read(self, iteration: int, c: int, j: int, w: int, io: ShardIO | None, dead: bool,
+             plan: SlotPlan | None) -> RolloutRound:
+        """File shard j's round at cycle c and return its views. io: the shard's answer, None
+        when none arrived (a dead worker; at cycle 0, a reset publication already read)."""
+        sl = slice(j * self.n_shard, (j + 1) * self.n_shard)
+        self.ended = []
+        episodes: list[EpisodeRecord] = []
+        if io is None and c > 0 and dead:
+            self._file_dead(c - 1, sl)
+        elif io is not None and c > 0:
+            self.metrics.count_round(j, io)
+            episodes = [self.book.complete_record(raw, plan, w, j)
+                        for raw in self._file_answer(c, sl, io)]
+            self.ended = sorted({e.battle for e in episodes})
+            for b in self.ended:                 # ascending battle order; ends come in pairs
+                self.book.episode_ended(b)
+            self.episodes.extend(episodes)
+        elif io is not None:
+            self.metrics.count_round(j, io)      # a reset publication: pack cost, bytes
+            self.new_episode[sl] = True          # the reset's first observations
+            self.first_obs[c + self.k - 1, sl] = True
+        return self._view(iteration, c, j, w, sl, io, dead, episodes)
+
+    def _file_answer(self, c: int, sl: slice, io: ShardIO) -> list[dict[str, Any]]:
+        """A STEP answer onto row c - 1: scalars, finals, which observations of cycle c start an
+        episode. Returns the episode records as the worker wrote them."""
+        row = c - 1
+        sc = io.scalars.copy()
+        self.scalars[row, sl] = sc
+        for i in np.flatnonzero(sc["flags"] & F_FINAL):
+            self.finals[(row, sl.start + int(i))] = io.finals[i].copy()
+        done = (sc["flags"] & (F_TERMINATED | F_TRUNCATED)) != 0
+        self.new_episode[sl] = done
+        self.first_obs[c + self.k - 1, sl] = done
+        return read_episodes(io)
+
+    def _file_dead(self, row: int, sl: slice) -> None:
+        """A dead worker's slots arrive with valid=False rather than not arriving (design 3.1);
+        the row before the failure keeps its flags: if its transition completed, truncate_open
+        marked it truncated so the learner bootstraps from the observation that exists."""
+        sc = np.zeros(self.n_shard, SCALAR_DTYPE)
+        sc["group"] = GROUP_DEAD
+        self.scalars[row, sl] = sc
+        self.metrics.dropped(self.n_shard)       # design 3.7: the lost cells
+
+    def truncate_open(self, row: int, sl: slice) -> None:
+        """A worker failed: on `row`, the last transition that completed, every slot still open
+        is truncated there so the learner bootstraps from the observation that exists."""
+        prev = self.scalars[row, sl]
+        open_ = (prev["flags"] & (F_TERMINATED | F_TRUNCATED)) == 0
+        prev["flags"][open_] |= F_TRUNCATED
+        self.scalars[row, sl] = prev
+
+    def _view(self, iteration: int, c: int, j: int, w: int, sl: slice, io: ShardIO | None,
+              dead: bool, episodes: list[EpisodeRecord]) -> RolloutRound:
+        row = c - 1
+        sc_row = self.scalars[row, sl] if row >= 0 else np.zeros(self.n_shard, SCALAR_DTYPE)
+        flags = sc_row["flags"]
+        return RolloutRound(
+            iteration=iteration, cycle=c, shard=j, worker=w,
+            slots=np.arange(sl.start, sl.stop, dtype=np.int32),
+            obs_rows=np.full(self.n_shard, c + self.k - 1, np.int32),
+            group=self.book.group[sl].copy() if not dead else np.full(self.n_shard, GROUP_DEAD, np.int8),
+            new_episode=self.new_episode[sl].copy(), row=row,
+            reward=sc_row["reward"], terminated=(flags & F_TERMINATED) != 0,
+            truncated=(flags & F_TRUNCATED) != 0, valid=(flags & F_VALID) != 0,
+            deploy_status=sc_row["deploy_status"], tick=sc_row["tick"],
+            episode_end=sc_row["episode_end"], episodes=episodes,
+            ended_battles=np.asarray(self.ended, np.int64), obs_valid=not dead,
+            timings={"env_ms": float(io.control["t_env_ns"][0]) / 1e6
+                     if io is not None and c > 0 else 0.0})
+
+
+class _WorkerHealth:
+    """The workers as the parent tracks them (design 3.7): which are dead, the failures not yet
+    drained, how often each was restarted and its generation (which its scripted opponents'
+    seed paths carry), and the restarts due at the next begin_iteration."""
+
+    def __init__(self, cfg: FarmConfig) -> None:
+        self.cfg = cfg
+        self.generation = [0] * cfg.workers
+        self.restarts = [0] * cfg.workers
+        self.dead = [False] * cfg.workers
+        self.pending: set[int] = set()
+        self.failures: list[WorkerFailure] = []
+
+    def fail(self, w: int, j: int, c: int, kind: str, message: str) -> None:
+        self.dead[w] = True
+        self.failures.append(WorkerFailure(w, j, c, kind, message))
+
+    def drain(self) -> list[WorkerFailure]:
+        out, self.failures = self.failures, []
+        return out
+
+    def request_restart(self, w: int) -> None:
+        if self.cfg.eval_plan is not None:
+            raise FarmError(f"restart({w}) on an evaluation farm: close it and play the comparison "
+                            "again on a new one")
+        self.restarts[w] += 1
+        if self.restarts[w] > self.cfg.max_restarts_per_worker:
+            raise FarmError(f"worker {w} has been restarted {self.restarts[w] - 1} times; "
+                            f"max_restarts_per_worker={self.cfg.max_restarts_per_worker}")
+        self.pending.add(w)
+
+
+class _FarmCore:
+    """The parent's side of the round protocol, shared by both farms: begin_iteration, then per
+    shard-round next_round and (below cycle T) submit; worker failure and restart. What the
+    learner reads is kept by a _Collection (rect is the subclass's memory), what every battle
+    plays by an _AssignmentBook, the metrics by _FarmStats. A subclass moves the bytes: the
+    hooks at the end."""
+
+    def __init__(self, cfg: FarmConfig, table: Any,
+                 assign_fn: Callable[[int, int], Assignment] | None = None) -> None:
+        cfg.check()
+        self.cfg, self.table = cfg, table
+        self._replay: _EvalReplay | None = None
+        if cfg.eval_plan is not None:
+            if assign_fn is not None:
+                raise ValueError("an evaluation farm (FarmConfig.eval_plan) seats its battles from "
+                                 "the plan; pass assign_fn=None")
+            self._replay = _EvalReplay(cfg)
+            assign_fn = self._replay.assign
+        self.T, self.k, self.R = cfg.cycles, cfg.frame_stack, cfg.n_slots
+        self.row_bytes = table.row_bytes
+        self.n_shard = 2 * cfg.games_per_shard
+        self.J = cfg.n_shards
+        self._book = _AssignmentBook(cfg, assign_fn, self._replay)
+        self._metrics = _FarmStats(self.J)
+        self._collection = _Collection(cfg, self._book, self._metrics)
+        self._health = _WorkerHealth(cfg)
+        self.iteration = -1
+        self.plan: SlotPlan | None = None
+        self._cycle, self._shard, self._await_submit = 0, 0, False
+        self._fresh = [True] * self.J                       # shard has an unread reset publication
+        self._closed = False
+        self.rect = np.zeros((0,), np.uint8)                # set by the subclass
+
+    # what the learner reads, kept by the collection and the book (see the module docstring)
+    first_obs = property(lambda self: self._collection.first_obs)
+    scalars = property(lambda self: self._collection.scalars)
+    finals = property(lambda self: self._collection.finals)
+    episodes = property(lambda self: self._collection.episodes)
+    ordinals = property(lambda self: self._book.ordinals)
+    assignment = property(lambda self: self._book.assignment)
+    rows_dropped_dead_worker_total = property(lambda self: self._metrics.rows_dropped_dead_worker_total)
+    generation = property(lambda self: self._health.generation)
+    restarts = property(lambda self: self._health.restarts)
+    dead = property(lambda self: self._health.dead)
+
+    # the evaluation mode (section 6)
     def eval_slot_plan(self, iteration: int) -> SlotPlan:
         """The SlotPlan for begin_iteration in the evaluation mode: the opening table at
-        iteration 0, the current assignments after (spec 7.5's rule holds here too)."""
-        n = self.cfg.n_battles
-        table = (tuple(self._eval_assign(b, int(self.ordinals[b])) for b in range(n))
+        iteration 0, the current assignments after (design 3.6's rule holds here too)."""
+        table = (tuple(self._replay.assign(b, int(k)) for b, k in enumerate(self.ordinals))
                  if self.iteration < 0 else tuple(self.assignment))
-        return SlotPlan(iteration, n, self.cfg.n_slots, table, ())
+        return SlotPlan(iteration, self.cfg.n_battles, self.cfg.n_slots, table, ())
 
     @property
     def eval_index(self) -> np.ndarray:
         """int64 (n_battles,): the eval_plan index each battle is playing now, -1 once stopped."""
-        return np.array([self.eval_map.get((b, int(k)), -1) for b, k in enumerate(self.ordinals)],
+        index = {} if self._replay is None else self._replay.plan_index
+        return np.array([index.get((b, int(k)), -1) for b, k in enumerate(self.ordinals)],
                         np.int64)
 
     @property
@@ -1554,68 +2035,35 @@ class _FarmCore:
     def _obs_row(self, cycle: int) -> np.ndarray:
         return self.rect[cycle + self.k - 1]
 
-    # the parent's side of the protocol
+    # the iteration boundary: the PLAN command
     def begin_iteration(self, plan: SlotPlan) -> None:
         if self._closed:
             raise FarmError("begin_iteration on a closed farm")
-        if plan.n_battles != self.cfg.n_battles or len(plan.assignment) != plan.n_battles:
-            raise ValueError(f"SlotPlan for iteration {plan.iteration} has {plan.n_battles} "
-                             f"battles / {len(plan.assignment)} assignments; the farm has "
-                             f"{self.cfg.n_battles}")
+        self._book.check_shape(plan)
         if self.iteration >= 0 and (self._cycle, self._shard) != (self.T + 1, 0):
             raise FarmError(f"begin_iteration({plan.iteration}) before the previous iteration's "
                             f"rounds were all read (at cycle {self._cycle}, shard {self._shard}); "
                             "read every shard's cycle-T round first")
-        for b, a in enumerate(plan.assignment):
-            if a.battle != b:
-                raise ValueError(f"SlotPlan.assignment[{b}] is for battle {a.battle}")
-            cur = self.assignment[b]
-            if cur is None:
-                self._set_assignment(a)
-            elif cur != a:
-                raise ValueError(
-                    f"SlotPlan for iteration {plan.iteration} gives battle {b} {a}, but it is "
-                    f"mid-episode under {cur}; assignments change only at a battle's own episode "
-                    "boundary (spec 7.5): build the plan from the current assignments")
-        self._reset_iteration_stats()
+        self._book.open_iteration(plan)
+        self._metrics.begin_iteration()
         if self.iteration >= 0:
-            # the last k rows (cycles T-k+1..T) become rows 0..k-1: cycle T is cycle 0 now
-            self.rect[: self.k] = self.rect[self.T: self.T + self.k]
-            self.first_obs[: self.k] = self.first_obs[self.T: self.T + self.k]
-            self.first_obs[self.k:] = False
-            self.scalars[:] = np.zeros(1, SCALAR_DTYPE)
-            self.finals = {}
-            self.episodes = []
+            self._collection.turn_over(self.rect)
         self.iteration, self.plan = plan.iteration, plan
         self._cycle, self._shard, self._await_submit = 0, 0, False
-        for w in sorted(self._pending_restart):
+        for w in sorted(self._health.pending):
             self._do_restart(w)
-        self._pending_restart.clear()
+        self._health.pending.clear()
         self._deliver_plan()
 
     def plan_table(self) -> np.ndarray:
         """PLAN_DTYPE (R,): the opening table as it crosses to the workers, from the farm's own
         assignments (equal to the caller's SlotPlan, except where a restart moved a battle on)."""
-        out = np.zeros(self.R, PLAN_DTYPE)
-        for b, a in enumerate(self.assignment):
-            k = int(self.ordinals[b])
-            if self.cfg.eval_plan is not None:
-                i = self.eval_map.get((b, k), -1)
-                seed = (int(self.cfg.eval_plan[i].seed) if i >= 0
-                        else _eval_idle_seed(self.cfg.master_seed, b, k))
-            else:
-                seed = derive_int(self.cfg.master_seed, f"env/battle/{b}/ordinal/{k}")
-            for seat in (0, 1):
-                r = 2 * b + seat
-                out[r]["role"], out[r]["learner_seat"] = a.role, a.learner_seat
-                out[r]["group"], out[r]["opponent_ix"] = self.group[r], self.opp_ix[r]
-                out[r]["seed"], out[r]["ordinal"] = seed & 0xFFFF_FFFF_FFFF_FFFF, k
-        return out
+        return self._book.plan_table()
 
     def _deliver_plan(self) -> None:
-        """Write the plan area of every live worker and send each of its shards PLAN (spec 7.4),
-        then wait for every answer: the worker has applied it before the iteration's first STEP.
-        The assign entries of that first STEP then carry nothing the plan already delivered."""
+        """Write the plan area of every live worker and send each of its shards PLAN (design
+        3.5), then wait for every answer: the worker has applied it before the iteration's first
+        STEP. The assign entries of that first STEP then carry nothing the plan already delivered."""
         table = self.plan_table()
         sent = []
         for j in range(self.J):
@@ -1630,34 +2078,13 @@ class _FarmCore:
             if self.dead[self.shard_of(j)[0]]:
                 continue                        # failed on an earlier shard's PLAN: reported once
             if self._await_plan(j, self.cfg.round_timeout_s):
-                self._new_assign[self.shard_slots(j)] = False
+                self._book.unsent[self.shard_slots(j)] = False
 
-    def _set_assignment(self, a: Assignment) -> None:
-        self.assignment[a.battle] = a
-        for seat in (0, 1):
-            r = 2 * a.battle + seat
-            self.group[r] = a.group[seat]
-            self.opp_ix[r] = (SCRIPTED_NAMES.index(a.opponent_id.split(":", 1)[1])
-                              if a.group[seat] == GROUP_SCRIPTED and self.cfg.eval_plan is None
-                              else -1)
-            self._new_assign[r] = True
-
-    def _policy_ids(self, a: Assignment, seat: int) -> tuple[str, str]:
-        if self.cfg.eval_plan is not None:
-            p = self.cfg.eval_plan[int(a.opponent_id.split(":", 1)[1])].players
-            return p[seat], p[1 - seat]
-
-        def name(g: int) -> str:
-            if g == GROUP_LEARNER:
-                return "learner"
-            if g == GROUP_SCRIPTED:
-                return str(a.opponent_id)
-            if self.plan is not None and 0 <= g < len(self.plan.resident_snapshots):
-                return f"snap:{self.plan.resident_snapshots[g]}"
-            return str(a.opponent_id)
-        return name(a.group[seat]), name(a.group[1 - seat])
-
+    # a round: next_round reads it, submit answers it with the STEP command
     def next_round(self, timeout_s: float | None = None) -> RolloutRound:
+        """Shard j's round at cycle c, in cycle-major order: wait for its answer, file it (the
+        transition on row c - 1, the records, the ended battles' next assignments) and return
+        the round's views."""
         if self.iteration < 0:
             raise FarmError("next_round before begin_iteration")
         if self._await_submit:
@@ -1666,94 +2093,29 @@ class _FarmCore:
         if self._cycle > self.T:
             raise FarmError(f"iteration {self.iteration} is complete; call begin_iteration")
         c, j = self._cycle, self._shard
-        w, s = self.shard_of(j)
-        sl = self.shard_slots(j)
-        slots = np.arange(sl.start, sl.stop, dtype=np.int32)
-        timeout = self.cfg.round_timeout_s if timeout_s is None else timeout_s
-        arrived = (c > 0 or self._fresh[j]) and not self.dead[w]
-        if arrived:
-            t_wait = time.perf_counter()
-            ok = self._wait(j, c, timeout)
-            self._it["wait_ms"] += (time.perf_counter() - t_wait) * 1e3
-            arrived = ok
+        w, _ = self.shard_of(j)
+        arrived = self._await_round(j, c, w, timeout_s)
         self._fresh[j] = False
-        row = c - 1
-        ended: list[int] = []
-        self._last_ended = []
-        episodes: list[EpisodeRecord] = []
-        if not arrived and c > 0 and self.dead[w]:
-            # a dead worker's slots arrive with valid=False rather than not arriving (spec 4.1);
-            # the row before the failure keeps its flags: if its transition completed, it is
-            # marked truncated so the learner bootstraps from the observation that exists
-            sc = np.zeros(self.n_shard, SCALAR_DTYPE)
-            sc["group"] = GROUP_DEAD
-            self.scalars[row, sl] = sc
-            self._it["rows_dropped_dead_worker"] += self.n_shard      # spec 7.6: the lost cells
-            self.rows_dropped_dead_worker_total += self.n_shard
-        elif arrived and c > 0:
-            io = self._io(j)
-            self._count_round(j, io)
-            sc = io.scalars.copy()
-            self.scalars[row, sl] = sc
-            for i in np.flatnonzero(sc["flags"] & F_FINAL):
-                self.finals[(row, sl.start + int(i))] = io.finals[i].copy()
-            done = (sc["flags"] & (F_TERMINATED | F_TRUNCATED)) != 0
-            self.new_episode[sl] = done
-            self.first_obs[c + self.k - 1, sl] = done
-            for raw in read_episodes(io):
-                if self.cfg.eval_plan is not None and \
-                        raw["eval_index"] != self.eval_map.get((raw["battle"], raw["ordinal"])):
-                    raise FarmError(
-                        f"evaluation farm out of step: worker {w} shard {j} reports battle "
-                        f"{raw['battle']} ordinal {raw['ordinal']} played plan episode "
-                        f"{raw['eval_index']}, the parent's replay of its queue says "
-                        f"{self.eval_map.get((raw['battle'], raw['ordinal']))}")
-                a = self.assignment[raw["battle"]]
-                pol, opp = self._policy_ids(a, raw["seat"])
-                raw.update(policy_id=pol, opponent_id=opp, bucket=_bucket(a.role))
-                episodes.append(msgspec.convert(raw, EpisodeRecord))
-            ended = sorted({e.battle for e in episodes})
-            self._last_ended = ended
-            for b in ended:                      # ascending battle order; ends come in pairs
-                self.ordinals[b] += 1
-                if self.assign_fn is not None:
-                    a = self.assign_fn(b, int(self.ordinals[b]))
-                    if a.battle != b or a.ordinal != self.ordinals[b]:
-                        raise ValueError(f"assign_fn({b}, {self.ordinals[b]}) returned {a}")
-                    self._set_assignment(a)
-            self.episodes.extend(episodes)
-        elif arrived:
-            self._count_round(j, self._io(j))        # a reset publication: pack cost, bytes
-            self.new_episode[sl] = True          # the reset's first observations
-            self.first_obs[c + self.k - 1, sl] = True
-        sc_row = self.scalars[row, sl] if row >= 0 else np.zeros(self.n_shard, SCALAR_DTYPE)
-        flags = sc_row["flags"]
-        rnd = RolloutRound(
-            iteration=self.iteration, cycle=c, shard=j, worker=w, slots=slots,
-            obs_rows=np.full(self.n_shard, c + self.k - 1, np.int32),
-            group=self.group[sl].copy() if not self.dead[w] else np.full(self.n_shard, GROUP_DEAD, np.int8),
-            new_episode=self.new_episode[sl].copy(), row=row,
-            reward=sc_row["reward"], terminated=(flags & F_TERMINATED) != 0,
-            truncated=(flags & F_TRUNCATED) != 0, valid=(flags & F_VALID) != 0,
-            deploy_status=sc_row["deploy_status"], tick=sc_row["tick"],
-            episode_end=sc_row["episode_end"], episodes=episodes,
-            ended_battles=np.asarray(ended, np.int64), obs_valid=not self.dead[w],
-            timings={"env_ms": float(self._io(j).control["t_env_ns"][0]) / 1e6
-                     if arrived and c > 0 else 0.0})
+        rnd = self._collection.read(self.iteration, c, j, w, self._io(j) if arrived else None,
+                                    self.dead[w], self.plan)
         if c < self.T:
             self._await_submit = True
         else:
             self._advance()
             if self._cycle > self.T:
-                self._it_t1 = time.perf_counter()    # the iteration's last round was read
+                self._metrics.end_iteration()    # the iteration's last round was read
         return rnd
 
-    def _count_round(self, j: int, io: ShardIO) -> None:
-        st = io.stats[0]
-        self._it["env_ms"] += float(io.control["t_env_ns"][0]) / 1e6
-        self._it["codec_ms"] += float(st["codec_ns"]) / 1e6
-        self._it["bytes_out"] += int(st["bytes_out"])
-        self._clip_last[j] = (int(st["clipped"]), int(st["rounded"]))
+    def _await_round(self, j: int, c: int, w: int, timeout_s: float | None) -> bool:
+        """Whether shard j's answer for cycle c arrived: never from a dead worker; at cycle 0,
+        only the reset publication of a shard not read since its worker started."""
+        if not ((c > 0 or self._fresh[j]) and not self.dead[w]):
+            return False
+        timeout = self.cfg.round_timeout_s if timeout_s is None else timeout_s
+        t_wait = time.perf_counter()
+        ok = self._wait(j, c, timeout)
+        self._metrics.waited(time.perf_counter() - t_wait)
+        return ok
 
     def _advance(self) -> None:
         self._await_submit = False
@@ -1774,115 +2136,62 @@ class _FarmCore:
         if acts.shape != (self.n_shard,):
             raise ValueError(f"submit: {acts.shape} actions for shard {j} at cycle {c}; it has "
                              f"{self.n_shard} slots")
-        if self.assign_fn is not None and assignments:
-            raise FarmError("submit(assignments=...) on a farm built with an assign_fn: the farm "
-                            "already drew them in next_round; pass one or the other")
-        if self.assign_fn is None:
-            given = {a.battle: a for a in assignments}
-            want = set(int(b) for b in self._last_ended)
-            if set(given) != want:
-                raise FarmError(f"submit at cycle {c}, shard {j}: battles {sorted(want)} ended on "
-                                f"this round and need an Assignment each; got {sorted(given)}")
-            for b in sorted(want):
-                a = given[b]
-                if a.ordinal != self.ordinals[b]:
-                    raise FarmError(f"Assignment for battle {b} has ordinal {a.ordinal}; its next "
-                                    f"episode is ordinal {int(self.ordinals[b])}")
-                self._set_assignment(a)
+        self._book.take_given(assignments, self._collection.ended, c, j)
         if not self.dead[w]:
-            sl = self.shard_slots(j)
             io = self._io(j)
             io.actions[:] = acts.astype(np.int16)
-            asg = np.zeros(self.n_shard, ASSIGN_DTYPE)
-            new = self._new_assign[sl]
-            asg["group"] = self.group[sl]
-            asg["opponent_ix"] = self.opp_ix[sl]
-            asg["learner_seat"] = [self.assignment[b].learner_seat
-                                   for b in range(sl.start // 2, sl.stop // 2) for _ in (0, 1)]
-            asg["present"] = new
-            io.assign[:] = asg
-            self._new_assign[sl] = False
+            io.assign[:] = self._book.assign_entries(self.shard_slots(j))
             self._kick(j, c + 1, float(gamma))
         self._advance()
 
+    # failure and restart (design 3.7)
     def drain_failures(self) -> list[WorkerFailure]:
-        out, self._failures = self._failures, []
-        return out
+        return self._health.drain()
 
     def restart(self, w: int) -> None:
         """Restart worker w with the next generation's seed paths; it rejoins at the next
         begin_iteration. Its battles' running episodes are abandoned: each moves to the next
         ordinal, so no episode is played twice. An evaluation farm is not restarted: its caller
         rebuilds it (a lost episode would silently leave a comparison short)."""
-        if self.cfg.eval_plan is not None:
-            raise FarmError(f"restart({w}) on an evaluation farm: close it and play the comparison "
-                            "again on a new one")
-        self.restarts[w] += 1
-        if self.restarts[w] > self.cfg.max_restarts_per_worker:
-            raise FarmError(f"worker {w} has been restarted {self.restarts[w] - 1} times; "
-                            f"max_restarts_per_worker={self.cfg.max_restarts_per_worker}")
-        self._pending_restart.add(w)
-
-    def _worker_ordinals(self, w: int, s: int) -> list[int]:
-        j = w * self.cfg.shards_per_worker + s
-        b0 = j * self.cfg.games_per_shard
-        return [int(x) for x in self.ordinals[b0: b0 + self.cfg.games_per_shard]]
+        self._health.request_restart(w)
 
     def _do_restart(self, w: int) -> None:
+        S = self.cfg.shards_per_worker
         b0 = w * self.cfg.games_per_worker
         self.ordinals[b0: b0 + self.cfg.games_per_worker] += 1   # abandon the running episodes
-        for j in range(w * self.cfg.shards_per_worker, (w + 1) * self.cfg.shards_per_worker):
-            self._clip_base += self._clip_last[j]              # the dead generation's counts stay
-            self._clip_last[j] = 0
+        self._metrics.restarted(range(w * S, (w + 1) * S))
         self.generation[w] += 1
         self._stop_worker(w)
         self.dead[w] = False
-        for s in range(self.cfg.shards_per_worker):
-            j = w * self.cfg.shards_per_worker + s
+        for j in range(w * S, (w + 1) * S):
             sl = self.shard_slots(j)
             self.rect[:, sl] = 0                 # history from the abandoned episodes
             self.first_obs[:, sl] = False
-            self._new_assign[sl] = True
             self._fresh[j] = True
-            if self.assign_fn is not None:
-                for b in range(sl.start // 2, sl.stop // 2):
-                    self._set_assignment(self.assign_fn(b, int(self.ordinals[b])))
+            self._book.reseat(sl)
         self._start_worker(w)
 
     def _fail(self, w: int, j: int, c: int, kind: str, message: str) -> None:
-        self.dead[w] = True
-        self._failures.append(WorkerFailure(w, j, c, kind, message))
-        # the transition whose action was lost is invalid; the one before it completed, and its
-        # observation exists: truncate it there so the learner bootstraps (spec 7.6)
+        """Worker w failed answering cycle c: the transition whose action was lost is invalid;
+        the one before it (row c - 2) completed and its observation exists (design 3.7)."""
+        self._health.fail(w, j, c, kind, message)
         for s in range(self.cfg.shards_per_worker):
-            sl = self.shard_slots(w * self.cfg.shards_per_worker + s)
             if c - 2 >= 0:
-                prev = self.scalars[c - 2, sl]
-                open_ = (prev["flags"] & (F_TERMINATED | F_TRUNCATED)) == 0
-                prev["flags"][open_] |= F_TRUNCATED
-                self.scalars[c - 2, sl] = prev
+                self._collection.truncate_open(c - 2, self.shard_slots(w * self.cfg.shards_per_worker + s))
 
     @property
-    def stats(self) -> "_Stats":
-        """The current (or last finished) iteration's farm metrics, spec 7.6 / 13.2:
+    def stats(self) -> _Stats:
+        """The current (or last finished) iteration's farm metrics, design 3.7 / 9.2:
         env_ms       the workers' vec.step time, summed over every shard-round (worker side)
         codec_ms     the workers' codec.pack time (observations and finals), summed likewise
         wait_ms      the parent's time blocked in next_round waiting for a shard
         parent_wait_frac  wait_ms over the iteration's wall time (begin_iteration to its last
                      round; so far, while it runs): near 1 means the learner starves on the envs
         bytes_out    bytes the workers wrote across the boundary (rows, finals, scalars, records)
-        rows_dropped_dead_worker  (cycle, slot) cells lost to a dead worker (spec 7.6)
-        worker_restarts, obs_codec_clipped, obs_codec_rounded  run totals (health/, spec 7.2)
+        rows_dropped_dead_worker  (cycle, slot) cells lost to a dead worker (design 3.7)
+        worker_restarts, obs_codec_clipped, obs_codec_rounded  run totals (health/, design 3.3)
         Usable as farm.stats[...] and, equally, farm.stats()[...]."""
-        end = self._it_t1 if self._it_t1 is not None else time.perf_counter()
-        wall_ms = max((end - self._it_t0) * 1e3, 1e-9)
-        clip = self._clip_base + self._clip_last.sum(axis=0)
-        return _Stats(
-            env_ms=self._it["env_ms"], wait_ms=self._it["wait_ms"], codec_ms=self._it["codec_ms"],
-            parent_wait_frac=self._it["wait_ms"] / wall_ms, bytes_out=float(self._it["bytes_out"]),
-            rows_dropped_dead_worker=float(self._it["rows_dropped_dead_worker"]),
-            worker_restarts=float(sum(self.restarts)), obs_codec_clipped=float(clip[0]),
-            obs_codec_rounded=float(clip[1]))
+        return self._metrics.snapshot(self.restarts)
 
     # subclass hooks
     def _io(self, j: int) -> ShardIO: ...
@@ -1892,14 +2201,6 @@ class _FarmCore:
     def _wait(self, j: int, cycle: int, timeout_s: float) -> bool: ...
     def _start_worker(self, w: int) -> None: ...
     def _stop_worker(self, w: int) -> None: ...
-
-
-class _Stats(dict):
-    """A dict that also answers a call with itself: `stats` began as a property and callers may
-    write farm.stats() -- both spellings keep working."""
-
-    def __call__(self) -> "_Stats":
-        return self
 
 
 def stack_valid(first_obs: np.ndarray, k: int) -> np.ndarray:
@@ -1918,7 +2219,7 @@ def stack_valid(first_obs: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
-# --- 11. InlineFarm: the reference, one process, the same bytes ----------------------------
+# --- 11. InlineFarm: the reference, one process, the same bytes -----------------------------------
 
 class InlineFarm(_FarmCore):
     """The same ShardRunner writing the same layout into process-local buffers; submit steps the
@@ -1944,7 +2245,7 @@ class InlineFarm(_FarmCore):
     def _start_worker(self, w: int) -> None:
         for s in range(self.cfg.shards_per_worker):
             j = w * self.cfg.shards_per_worker + s
-            r = ShardRunner(self.cfg, self.table, w, s, self.generation[w], self._worker_ordinals(w, s))
+            r = ShardRunner(self.cfg, self.table, w, s, self.generation[w], self._book.shard_ordinals(j))
             r.reset(self._ios[j], self._obs_row(0))
             self._runners[j] = r
 
@@ -1989,14 +2290,14 @@ class InlineFarm(_FarmCore):
             self._stop_worker(w)
 
 
-# --- 12. ProcessFarm: spawn, handshake, semaphores, timeouts, restart, close (spec 7.1, 7.6) --
+# --- 12. ProcessFarm: spawn, handshake, semaphores, timeouts, restart, close (design 3.2, 3.7) ----
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 class _SpawnEnv:
     """Around Process.start(): the child's environment gets the thread variables (so they are set
-    before the child imports numpy, spec 7.1) and the parent's __main__ is hidden, so a learner
+    before the child imports numpy, design 3.2) and the parent's __main__ is hidden, so a learner
     run as `python ppo_clash.py` is not re-imported (with torch) into every worker. Both are
     restored when start() returns; the parent's own torch never sees the variables."""
 
@@ -2202,7 +2503,7 @@ class ProcessFarm(_FarmCore):
                 pass
             while self._act_sems[j].acquire(block=False):
                 pass
-        ords = [self._worker_ordinals(w, s) for s in range(S)]
+        ords = [self._book.shard_ordinals(j) for j in self._shards(w)]
         args = (self._cfg_json, self._table_json, w, self.generation[w], ords, self._shm_a.name,
                 self._shm_b[w].name, [self._obs_sems[j] for j in self._shards(w)],
                 [self._act_sems[j] for j in self._shards(w)])
@@ -2274,7 +2575,7 @@ class ProcessFarm(_FarmCore):
         return self._await_answer(j, 0, timeout_s, "the PLAN command")
 
     def spaces(self, w: int, timeout_s: float | None = None) -> dict[str, Any]:
-        """The SPACES command (spec 7.4): worker w re-reads its spaces and engine binary off its
+        """The SPACES command (design 3.5): worker w re-reads its spaces and engine binary off its
         live env without stepping and answers like the start-up handshake; refused (FarmError,
         the worker is stopped) on a mismatch with env_spec, as at start-up. Only between
         iterations (before the first begin_iteration, or after cycle T was read), when no STEP is
@@ -2288,7 +2589,7 @@ class ProcessFarm(_FarmCore):
         self._command(j, CMD_SPACES)
         timeout = self.cfg.round_timeout_s if timeout_s is None else timeout_s
         if not self._await_answer(j, 0, timeout, "the SPACES command"):
-            raise FarmError(f"worker {w} failed answering SPACES: {self._failures[-1].message}")
+            raise FarmError(f"worker {w} failed answering SPACES: {self._health.failures[-1].message}")
         report = self._read_handshake(w)
         self._check_report(w, report)
         return report
@@ -2339,7 +2640,7 @@ class ProcessFarm(_FarmCore):
         self._procs[w] = None
 
     def _stop_worker(self, w: int) -> None:
-        """Close, join with timeout, then terminate, then kill (spec 7.6)."""
+        """Close, join with timeout, then terminate, then kill (design 3.7)."""
         p = self._procs[w]
         if p is None:
             return
@@ -2379,8 +2680,7 @@ class ProcessFarm(_FarmCore):
         atexit.unregister(self.close)
 
 
-
-# --- 13. The benchmark (issue 3 "Show"; DESIGN.md 7): farm overhead against the direct loop ---
+# --- 13. The benchmark: farm overhead against the direct loop (docs/throughput.md) ----------------
 
 def _bench_actions(master_seed: int, t: int, masks: np.ndarray, slots: np.ndarray,
                    n_slots: int, noop_prob: float = 0.7) -> np.ndarray:

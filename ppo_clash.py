@@ -3273,7 +3273,7 @@ def console_block(row: dict[str, Any], fired: Sequence[tuple[Alarm, float]] = ()
 #     learner's rows (codec.unpack of the same rows), one batched forward per group;
 #   - in evaluation (ladder.EvalRunner), from raw env observations: packed with the run's codec
 #     table and unpacked again, so it sees exactly what it saw as the learner (codec's
-#     pack(unpack_numpy(x)) == x, farm.py section 3). The static planes are taken from the
+#     pack(unpack_numpy(x)) == x, farm.py section 4). The static planes are taken from the
 #     observation's own rows (the ActFn is not told the seat), which is what static_planes holds.
 
 ACTOR_PREFIXES = ("actor_trunk.", "policy.")

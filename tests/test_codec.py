@@ -1,4 +1,4 @@
-"""Tests for codec.py on RustEngine observations from real battles (spec 7.2, 2.1, D4-D6).
+"""Tests for codec.py on RustEngine observations from real battles (design 3.3, 1.2).
 
 Every width-sensitive check runs on two geometries: the default SpatialObsBuilder and one
 with Reveal(enemy_spell_aim=True), which adds a spatial plane. A third, card_identity=True,
@@ -102,7 +102,7 @@ def test_two_geometries_really_differ(played):
 
 
 def test_row_bytes_equals_the_spec_formula(played):
-    """Spec 2.1: row_bytes = H*W*((S - s - f)*1 + f*2) + 2*V + ceil(A/8), with s and f counted
+    """design 1.2: row_bytes = H*W*((S - s - f)*1 + f*2) + 2*V + ceil(A/8), with s and f counted
     here independently of the codec: s from the declaration, f from the sample (the non-static
     planes that are not integer-valued, or whose declared bound exceeds a byte)."""
     _, vec, layout, sample, table = played
@@ -295,7 +295,7 @@ def test_card_ids_get_their_own_exact_uint8_region():
 
 
 def test_packing_never_imports_torch():
-    """Spec D7: a worker that packs never loads torch. Run in a fresh interpreter."""
+    """design 3.2: a worker that packs never loads torch. Run in a fresh interpreter."""
     script = textwrap.dedent(
         """
         import sys, numpy as np

@@ -81,7 +81,7 @@ def drive(f, cfg, table, iterations, gamma=0.99, assign=mixed_assign, log=None):
     return out
 
 
-# --- 1. seeding (spec 5.2) --------------------------------------------------------------------
+# --- 1. seeding (design 2.2) ------------------------------------------------------------------
 
 def test_seeding_values_are_pinned():
     # pinned on 2026-11-29; a change here changes every stream of every run: deliberate only
@@ -172,7 +172,7 @@ def test_env_spec_is_read_off_the_env(spell_aim):
         assert es.obs_digest != plain.obs_digest
 
 
-# --- 3. the potential reward (spec 10) --------------------------------------------------------
+# --- 3. the potential reward (design 4) -------------------------------------------------------
 
 def _play(env, steps, seed):
     from royalegym.selfplay import RandomLegalOpponent
@@ -246,7 +246,7 @@ def test_the_schedule_s_gamma_reaches_the_reward_during_collection(kind):
         assert np.all(res[it]["scalars"]["reward"] == np.float32(g - 1.0)), it
 
 
-# --- 4. the byte layout (spec 7.3) ------------------------------------------------------------
+# --- 4. the byte layout (design 3.4) ----------------------------------------------------------
 
 def test_layout_golden_record():
     # The contract a Rust worker implements: any change here is a LAYOUT_VERSION bump.
@@ -407,7 +407,7 @@ def test_a_battle_s_assignment_changes_only_after_its_episode_ended(inline_run):
 
 
 def test_the_plan_command_seats_the_opening_table_and_refuses_an_out_of_step_plan(short_env):
-    """Spec 7.3/7.4: begin_iteration writes the plan area and sends PLAN; the worker is seated
+    """design 3.4, 3.5: begin_iteration writes the plan area and sends PLAN; the worker is seated
     before the first STEP, whose assign entries then carry nothing; a battle that reset on the
     iteration's last round is seated by the next PLAN; a plan for another ordinal, or one that
     reseats a battle mid-episode, is refused naming the slot."""
@@ -456,9 +456,10 @@ def test_the_plan_command_seats_the_opening_table_and_refuses_an_out_of_step_pla
 
 
 def test_alignment_the_return_sums_exactly_the_episode_s_own_rows(inline_run):
-    """The 18.1 fix: a transition's reward and flags sit on the row of the action that caused
-    it. With a 20-decision truncation and every battle starting at cycle 0, episode k of every
-    battle occupies rows [20k, 20k+20) of the run; its end flag is on row 20k+19."""
+    """The transition alignment (design 1.1): a transition's reward and flags sit on the row of
+    the action that caused it. With a 20-decision truncation and every battle starting at cycle
+    0, episode k of every battle occupies rows [20k, 20k+20) of the run; its end flag is on row
+    20k+19."""
     cfg, _, res, _ = inline_run
     T = cfg.cycles
     rew = np.concatenate([it["scalars"]["reward"] for it in res])       # run rows
@@ -558,7 +559,7 @@ def test_process_farm_matches_inline_byte_for_byte(short_env):
         inline.close()
     proc = farm.ProcessFarm(cfg, table, mixed_assign, env_spec=env_spec)
     try:
-        # SPACES (spec 7.4): re-read without stepping -- the bytes below still match inline's
+        # SPACES (design 3.5): re-read without stepping -- the bytes below still match inline's
         rep = proc.spaces(1)
         assert rep["spaces"] == proc._expect_sig() and rep["engine_binary"] == env_spec.engine_binary
         assert rep["pid"] == proc._procs[1].pid
@@ -684,7 +685,7 @@ def test_a_hung_worker_raises_worker_timeout(short_env):
         assert time.monotonic() - t0 < 10
 
 
-# --- 7. the evaluation mode, the farm's stats, the viewer rule, mask-only scripted seats -------
+# --- 7. the evaluation mode, the farm's stats, the viewer rule, mask-only scripted seats ------
 
 def run_eval(spec, table, plan, battles, master=MASTER, act=None):
     """Drive an evaluation farm until every battle stopped; returns (records by plan index and
@@ -820,7 +821,7 @@ def test_stats_count_time_bytes_clips_and_the_dead_worker_s_rows(short_env):
 
 
 def test_only_worker_0_s_first_shard_gets_the_viewer(short_env, monkeypatch):
-    """Spec 7.7 step 11, checked on what build_vec is given (no socket is bound: the recorder
+    """design 3.8 step 11, checked on what build_vec is given (no socket is bound: the recorder
     passes viser=None on)."""
     spec, _, table = short_env
     seen = []
