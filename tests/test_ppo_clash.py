@@ -987,7 +987,9 @@ def watch(name, globals=None, locals=None, fromlist=(), level=0):
 builtins.__import__ = watch
 sys.path.insert(0, sys.argv[1])
 import ppo_clash, ladder
-run = ppo_clash.train(ppo_clash.parse_args(["--profile", "smoke", "--runs-dir", sys.argv[2]]), quiet=True,
+gate = ["--ladder.candidate-every-env-steps", "100", "--ladder.gate.champion-games", "4", "--ladder.gate.anchor-games",
+        "2", "--ladder.gate.bootstrap-resamples", "50", "--ladder.refit-every-iterations", "1"]
+run = ppo_clash.train(ppo_clash.parse_args(["--profile", "smoke", "--runs-dir", sys.argv[2], *gate]), quiet=True,
                       max_iterations=1)
 assert ladder.main(["rate", str(run)]) == 0
 up = sorted((a, b) for a, b in edges if order.index(a) < order.index(b))
@@ -999,8 +1001,9 @@ assert ("ppo_clash", "ladder") in edges and ("farm", "codec") in edges   # the w
 
 @pytest.mark.slow
 def test_the_import_direction_holds_at_run_time(tmp_path):
-    """codec <- farm <- ladder <- ppo_clash, while a run trains, checkpoints, gates its v0 and is
-    rated: every import statement executed is watched, lazy ones inside functions included."""
+    """codec <- farm <- ladder <- ppo_clash, while a run trains, gates a candidate against v0 on the
+    evaluation farm, checkpoints and is rated: every import statement executed is watched, lazy
+    ones inside functions included."""
     import subprocess
     import sys
     proc = subprocess.run([sys.executable, "-c", RUNTIME_IMPORTS, str(ROOT), str(tmp_path)], capture_output=True,
