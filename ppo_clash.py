@@ -2211,6 +2211,15 @@ def identity_diff(a: RunIdentity, b: RunIdentity) -> list[str]:
     return dict_diff(msgspec.to_builtins(a), msgspec.to_builtins(b))
 
 
+def compute_identity(args: Args, env: Env) -> RunIdentity:
+    """The identity a run with these arguments on this env gets (what open_run records and
+    `checks.py identity` prints). The frozen evaluation seed set is drawn from the master seed
+    alone, so its sha enters ladder_digest before the run directory exists."""
+    seed_sha = ladder.draw_eval_seeds(args.master_seed, args.ladder.eval_seed_count).sha256
+    return make_identity(args, env.facts, arch=arch_digest(env.geo, args.net), T=env.T, R=env.R,
+                         device=env.device, eval_seed_set_sha=seed_sha, user_code=user_code_digest())
+
+
 class IdentityMismatch(ValueError):
     """A resume whose identity differs from the checkpoint's: every differing field is named."""
 
@@ -2221,9 +2230,7 @@ def open_run(args: Args, env: Env, learner: Learner, resume: Path | None, allow_
     identity.json. A resume (design 2.4) refuses an identity that differs from the checkpoint's,
     naming every field, unless allowed (drift.json then records what changed), prints every
     config difference the identity excludes, and restores the learner."""
-    seed_sha = ladder.draw_eval_seeds(args.master_seed, args.ladder.eval_seed_count).sha256   # from the seed alone
-    identity = make_identity(args, env.facts, arch=arch_digest(env.geo, args.net), T=env.T, R=env.R,
-                             device=env.device, eval_seed_set_sha=seed_sha, user_code=user_code_digest())
+    identity = compute_identity(args, env)
     if resume is None:
         rid = run_id(identity)
         path = Path(args.runs_dir) / f"{args.run_name}-{rid}"

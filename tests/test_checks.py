@@ -1,0 +1,251 @@
+"""Tests for checks.py: identity, verify-resume and replay (issue 10's Tests paragraph, the parts
+built). The fast tests compute identities off a real env and exercise the comparison and the
+errors on small planted files; the slow ones train smoke runs and check the commands on them."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+import checks
+import farm
+import ppo_clash as P
+
+
+def run_main(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = checks.main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def write_identity_run(path: Path, args: P.Args) -> Path:
+    """A run directory holding identity.json exactly as ppo_clash.open_run writes it."""
+    identity, rid = checks.compute_identity(args)
+    run = path / f"{args.run_name}-{rid}"
+    run.mkdir(parents=True)
+    (run / "identity.json").write_bytes(msgspec.json.format(P.canonical_json(identity)))
+    return run
+
+
+def a_record(**kw) -> farm.EpisodeRecord:
+    base = dict(slot=0, worker=0, shard=0, battle=0, seat=0, ordinal=0, episode_seed_path="env/battle/0/ordinal/0",
+                episode_seed=1, policy_id="learner", opponent_id="scripted:noop", bucket="scripted",
+                episode_steps=3, episode_ticks=30, own_crowns=0, enemy_crowns=0, own_tower_hp_frac=1.0,
+                enemy_tower_hp_frac=1.0, elixir_leak_steps=0, elixir_count_exact=True, winner=-1, outcome=0,
+                cards_played=0, illegal_commands=0, undiscounted_return=0.0, reward_terms={}, played=())
+    base.update(kw)
+    return farm.EpisodeRecord(**base)
+
+
+# --- the CLI and the errors -------------------------------------------------------------------------
+
+
+def test_the_cli_lists_exactly_the_built_commands():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        checks.main(["--help"])
+    listed = set(re.findall(r"\b(identity|verify-resume|replay|doctor|bench|play)\b", out.getvalue()))
+    assert listed == {"identity", "verify-resume", "replay"}
+    assert "doctor" in checks.__doc__ and "bench" in checks.__doc__ and "Not built yet" in checks.__doc__
+
+
+def test_bad_input_exits_2_with_one_line_naming_the_thing(tmp_path):
+    code, _, err = run_main("identity", str(tmp_path / "absent"))
+    assert code == 2 and "absent: no such run directory" in err and "Traceback" not in err
+    code, _, err = run_main("replay", str(tmp_path / "absent"), "--episode", "0")
+    assert code == 2 and "no such run directory" in err
+    run = tmp_path / "run"
+    run.mkdir()
+    code, _, err = run_main("replay", str(run), "--episode", "0")
+    assert code == 2 and "episodes.jsonl: missing" in err
+    (run / "episodes.jsonl").write_bytes(msgspec.json.encode(a_record()) + b"\n" + b'{"slot": 1\n')
+    code, _, err = run_main("replay", str(run), "--episode", "0")
+    assert code == 2 and "episodes.jsonl: line 2 is not an EpisodeRecord" in err
+    (run / "episodes.jsonl").write_bytes(msgspec.json.encode(a_record()) + b"\n")
+    code, _, err = run_main("replay", str(run), "--episode", "3")
+    assert code == 2 and "--episode 3 is out of range" in err and "holds 1 records (0..0)" in err
+    code, _, err = run_main("replay", str(run))
+    assert code == 2 and "--episode N" in err
+    (run / "identity.json").write_text("{not json")
+    code, _, err = run_main("identity", str(run))
+    assert code == 2 and "identity.json: not valid JSON" in err
+    (run / "identity.json").write_text('{"master_seed": 1}')
+    code, _, err = run_main("identity", str(run))
+    assert code == 2 and "identity.json: not a RunIdentity" in err
+    code, _, err = run_main("identity", "--config", str(tmp_path / "nope.json"))
+    assert code == 2 and "nope.json: no such config file" in err
+
+
+# --- identity -------------------------------------------------------------------------------------
+
+
+def test_two_runs_differing_only_in_run_name_have_one_run_id_and_lr_actor_moves_only_algo_digest(tmp_path):
+    """Computed the way open_run computes it; --diff names exactly the field that moved."""
+    smoke = ["--profile", "smoke", "--runs-dir", str(tmp_path)]
+    a = write_identity_run(tmp_path / "a", P.parse_args(smoke + ["--run-name", "first"]))
+    b = write_identity_run(tmp_path / "b", P.parse_args(smoke + ["--run-name", "second"]))
+    assert a.name.split("-")[-1] == b.name.split("-")[-1]
+    assert (a / "identity.json").read_bytes() == (b / "identity.json").read_bytes()
+    c = write_identity_run(tmp_path / "c", P.parse_args(smoke + ["--ppo.lr-actor", "0.001"]))
+    code, out, _ = run_main("identity", "--diff", str(a), str(c))
+    lines = out.splitlines()
+    assert code == 0 and "1 field(s) differ" in lines[0]
+    assert len(lines) == 2 and lines[1].startswith("algo_digest: '")
+    code, out, _ = run_main("identity", str(a))
+    assert code == 0 and out.splitlines()[-1] == f"run_id {a.name.split('-')[-1]}"
+    assert json.loads("\n".join(out.splitlines()[:-1])) == json.loads((a / "identity.json").read_text())
+
+
+# --- verify-resume: the comparison on planted files ----------------------------------------------
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_the_comparison_skips_wall_clock_and_names_file_row_and_field(tmp_path):
+    rows = [{"run/iteration": i, "ppo/kl": 0.1 * i, "time/iteration": 1.0, "ladder/gate_seconds_frac": 0.0,
+             "health/nan": float("nan")} for i in range(1, 4)]
+    games = [{"a": "x", "b": "y", "wall": "2001"}]
+    for d in ("a", "b"):
+        _write_rows(tmp_path / d / "metrics.jsonl", rows)
+        _write_rows(tmp_path / d / "episodes.jsonl", [{"slot": 0}])
+        _write_rows(tmp_path / d / "ladder" / "games.jsonl", games)
+    b = tmp_path / "b"
+    _write_rows(b / "metrics.jsonl", [dict(r, **{"time/iteration": 9.0, "ladder/gate_seconds_frac": 0.5}) for r in rows])
+    _write_rows(b / "ladder" / "games.jsonl", [dict(games[0], wall="2002")])
+    assert checks.compare_runs(tmp_path / "a", b) is None
+    _write_rows(b / "metrics.jsonl", rows[:2] + [dict(rows[2], **{"ppo/kl": 7.0})])
+    assert checks.compare_runs(tmp_path / "a", b) == \
+        "metrics.jsonl: row 3, field 'ppo/kl': straight run 0.30000000000000004, resumed run 7.0"
+    _write_rows(b / "metrics.jsonl", rows[:2])
+    assert checks.compare_runs(tmp_path / "a", b).startswith("metrics.jsonl: row 3: the straight run has 3 rows")
+    _write_rows(b / "metrics.jsonl", rows)
+    _write_rows(b / "ladder" / "games.jsonl", [dict(games[0], b="z")])
+    assert checks.compare_runs(tmp_path / "a", b) == "ladder/games.jsonl: row 1, field 'b': straight run 'y', resumed run 'z'"
+
+
+# --- slow: on real smoke runs ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """A smoke run of three iterations: whole battles spanning iterations, so replay must apply
+    each iteration's gamma; both seats of each finished battle recorded."""
+    runs = tmp_path_factory.mktemp("smoke")
+    return P.train(P.parse_args(["--profile", "smoke", "--runs-dir", str(runs)]), quiet=True)
+
+
+@pytest.mark.slow
+def test_replay_matches_every_episode_of_a_smoke_run(smoke_run):
+    code, out, err = run_main("replay", str(smoke_run), "--all")
+    n = len((smoke_run / "episodes.jsonl").read_text().splitlines())
+    assert code == 0, out + err
+    assert n >= 2 and out.splitlines()[-1] == f"{n} of {n} records match"
+    code, out, _ = run_main("replay", str(smoke_run), "--episode", "0")
+    assert code == 0 and "MATCH: every field equal" in out and "reward_terms.terminal" in out
+
+
+def _edited_copy(run: Path, dst: Path, edits: dict[int, Any]) -> Path:
+    shutil.copytree(run, dst)
+    recs = [json.loads(x) for x in (dst / "episodes.jsonl").read_text().splitlines()]
+    for i, edit in edits.items():
+        edit(recs[i])
+    (dst / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return dst
+
+
+def change(r):
+    r["played"][1][2] += 1
+
+
+def remove(r):
+    r["played"] = []
+
+
+@pytest.mark.slow
+def test_replay_fails_naming_the_step_on_a_changed_or_removed_played_action(smoke_run, tmp_path):
+    """One record edited: its played list disagrees with the other seat's record of the battle
+    at the edited step. Both records edited alike: the simulation itself diverges (removed
+    actions never reach the recorded result). A no-op written into played is refused at its step.
+    Neither can pass: each edited record, and its twin, is counted as not matching."""
+    recs = [json.loads(x) for x in (smoke_run / "episodes.jsonl").read_text().splitlines()]
+    i = max(range(len(recs)), key=lambda j: len(recs[j]["played"]))
+    (twin,) = [j for j, r in enumerate(recs)
+               if j != i and (r["battle"], r["ordinal"]) == (recs[i]["battle"], recs[i]["ordinal"])]
+    played = recs[i]["played"]
+    assert len(played) >= 2
+    last = recs[i]["episode_steps"] - 1
+    cases = [("changed", {i: change},
+              f"DIVERGES at step {played[1][0]}: played[1]: record {[*played[1][:2], played[1][2] + 1]}"),
+             ("removed", {i: remove},
+              f"DIVERGES at step {played[0][0]}: played[0]: record '<absent>', replay '{played[0]}"),
+             ("removed_both", {i: remove, twin: remove}, f"DIVERGES at step {last}: "),
+             ("noop", {i: lambda r: r["played"][0].__setitem__(2, 0)},
+              f"DIVERGES at step {played[0][0]}: played[0]: record {[*played[0][:2], 0]}, "
+              "replay 'a no-op is never recorded'")]
+    for name, edits, want in cases:
+        run = _edited_copy(smoke_run, tmp_path / name, edits)
+        code, out, _ = run_main("replay", str(run), "--episode", str(i))
+        assert code == 1 and want in out, (name, out)
+        code, out, _ = run_main("replay", str(run), "--all")
+        assert code == 1 and out.splitlines()[-1] == f"{len(recs) - 2} of {len(recs)} records match", (name, out)
+
+
+@pytest.mark.slow
+def test_identity_of_a_run_is_its_name_and_recomputes_from_its_config(smoke_run):
+    rid = smoke_run.name.split("-")[-1]
+    code, out, _ = run_main("identity", str(smoke_run))
+    assert code == 0 and out.splitlines()[-1] == f"run_id {rid}"
+    code, out, _ = run_main("identity", "--config", str(smoke_run / "config.json"))
+    assert code == 0 and out.splitlines()[-1] == f"run_id {rid}"
+
+
+@pytest.fixture(scope="module")
+def verified(tmp_path_factory):
+    """`checks.py verify-resume` (smoke) through the CLI, its runs kept for the planted test."""
+    work = tmp_path_factory.mktemp("verify") / "work"
+    code, out, err = run_main("verify-resume", "--work-dir", str(work), "--keep")
+    return code, out + err, work
+
+
+@pytest.mark.slow
+def test_verify_resume_passes_on_smoke(verified):
+    code, out, work = verified
+    assert code == 0, out
+    assert out.splitlines()[-1].startswith("PASS: rows 1-6 of metrics.jsonl equal")
+    (b,) = (work / "b").iterdir()
+    rows = [json.loads(x) for x in (b / "metrics.jsonl").read_text().splitlines()]
+    assert [r["run/iteration"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["env/episodes_completed"] > 0 for r in rows)   # every iteration ends episodes
+
+
+@pytest.mark.slow
+def test_verify_resume_reports_a_planted_difference_after_the_resume(verified, tmp_path):
+    _, _, work = verified
+    (a,) = (work / "a").iterdir()
+    (b0,) = (work / "b").iterdir()
+    b = tmp_path / "b"
+    shutil.copytree(b0, b)
+    rows = [json.loads(x) for x in (b / "metrics.jsonl").read_text().splitlines()]
+    was = rows[4]["ppo/kl"]
+    rows[4]["ppo/kl"] = was + 1.0
+    (b / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert checks.compare_runs(a, b) == \
+        f"metrics.jsonl: row 5, field 'ppo/kl': straight run {was!r}, resumed run {was + 1.0!r}"
+    shutil.rmtree(b)
+    shutil.copytree(b0, b)
+    eps = [json.loads(x) for x in (b / "episodes.jsonl").read_text().splitlines()]
+    eps[-1]["own_crowns"] += 1
+    (b / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in eps))
+    found = checks.compare_runs(a, b)
+    assert found.startswith(f"episodes.jsonl: row {len(eps)}, field 'own_crowns': straight run ")
