@@ -1,18 +1,19 @@
-"""checks.py -- the commands a user reaches for when a run must be trusted: "which experiment is
-this", "does resume really reproduce my run", "did that episode really happen".
+"""checks.py -- the commands a user reaches for when a run must be trusted: "is this machine and
+engine fit to train", "which experiment is this", "does resume really reproduce my run", "did that
+episode really happen".
 
 Stage owned: none of training. This file is the top of the import chain (codec <- farm <- ladder
 <- ppo_clash <- checks) and re-uses, never re-implements, what the stages below it define: the
 identity recipe (ppo_clash.compute_identity), the resume of `python ppo_clash.py --resume`, the env
 that farm.py builds from a run's config.
 
+    python checks.py doctor [--profile P | --config F]    the start-up gates; design 3.8
     python checks.py identity [--profile P | --config F | RUN_DIR] [--diff RUN_A RUN_B]
     python checks.py verify-resume [--profile P]          smoke by default; design 8.3
     python checks.py replay RUN_DIR --episode N [--all]   re-simulate episodes.jsonl records
 
-Not built yet: `doctor` (the start-up gates of design 3.8), `bench` (this machine's throughput
-budget for a profile, design 1.2) and `play` (watch one battle). The CLI lists only the commands
-that exist.
+Not built yet: `bench` (this machine's throughput budget for a profile, design 1.2) and `play`
+(watch one battle). The CLI lists only the commands that exist.
 
 Reads:  a run directory: config.json, identity.json, metrics.jsonl, episodes.jsonl,
         ladder/games.jsonl, checkpoints/*/manifest.json. verify-resume trains into a scratch
@@ -28,7 +29,8 @@ dataclasses and main() are at the bottom.
   2. identity             the RunIdentity and run_id, as training computes them (design 2.3)
   3. verify-resume        a straight run against a stopped-and-resumed one (design 8.3, 2.4)
   4. replay               an EpisodeRecord re-simulated from its seed and played actions (design 3.1)
-  5. CLI
+  5. doctor               the start-up gates training runs, printed (design 3.8)
+  6. CLI
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ import msgspec
 import numpy as np
 import tyro
 
+import codec
 import farm
 import ppo_clash as P
 
@@ -513,8 +516,42 @@ def cmd_replay(cmd: "Replay") -> int:
     return 1 if bad else 0
 
 
-# --- 5. CLI ---------------------------------------------------------------------------------------
+# --- 5. doctor (design 3.8) ----------------------------------------------------------------------
+# The start-up gates training runs (ppo_clash.startup_gates, one implementation), printed one a
+# line with their numbers, then step 10: what the run would be.
+
+
+def cmd_doctor(cmd: "Doctor") -> int:
+    if cmd.config is not None and not Path(cmd.config).exists():
+        raise CheckError(f"{cmd.config}: no such config file")
+    args = P.parse_args(["--config", cmd.config] if cmd.config is not None else ["--profile", cmd.profile])
+    env = P.read_env(args)
+    gates, _ = P.startup_gates(args, env, P.ActorCritic(env.geo, args.net, args.master_seed).to(env.device))
+    a = args.advantage
+    horizon = P.credit_horizon_seconds(args.obs.decision_ms, a.gamma.value(0), a.gae_lambda)
+    gates.append(P.Gate(10, "what the run would be", True, f"T={env.T} cycles x R={env.R} slots, "
+                        f"{env.learner_rows} learner rows a cycle ({env.T * env.learner_rows} an iteration), "
+                        f"credit horizon {horizon:.1f} s, run_id {P.run_id(P.compute_identity(args, env))}"))
+    print(f"doctor: {'--config ' + cmd.config if cmd.config else '--profile ' + cmd.profile} (design 3.8)")
+    print(codec.format_table(env.table))
+    print("\n".join(P.gate_lines(sorted(gates, key=lambda g: g.step))))
+    P.check_gates(gates)   # the first failure exits 2, naming its gate and remedy
+    print("all gates pass")
+    return 0
+
+
+# --- 6. CLI ---------------------------------------------------------------------------------------
 # The commands as tyro dataclasses, as in ladder.py: each field's docstring is its --help.
+
+
+@dataclasses.dataclass(kw_only=True)
+class Doctor:
+    """Is this machine and engine fit to train this configuration: the start-up gates of design
+    3.8, each numbered with its result; exit 2 naming the first that fails and its remedy."""
+    profile: str = "cpu"
+    """the profile to check (laptop, workstation, many_core, cpu, smoke)"""
+    config: Optional[str] = None
+    """check this config file instead (a run's config.json is one)"""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -555,13 +592,13 @@ class Replay:
     """replay every record and report how many match"""
 
 
-COMMANDS: dict[type, Callable[[Any], int]] = {Identity: cmd_identity, VerifyResume: cmd_verify_resume,
-                                              Replay: cmd_replay}
+COMMANDS: dict[type, Callable[[Any], int]] = {Doctor: cmd_doctor, Identity: cmd_identity,
+                                              VerifyResume: cmd_verify_resume, Replay: cmd_replay}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cmd = tyro.cli(Union[Identity, VerifyResume, Replay], args=argv, prog="checks.py",   # type: ignore[arg-type]
-                   description="Checks of a clash-ppo run: identity, verify-resume, replay.")
+    cmd = tyro.cli(Union[Doctor, Identity, VerifyResume, Replay], args=argv, prog="checks.py",   # type: ignore[arg-type]
+                   description="Checks of a clash-ppo run: doctor, identity, verify-resume, replay.")
     try:
         return COMMANDS[type(cmd)](cmd)
     except (CheckError, P.ConfigError, P.CheckpointFormatError, P.ArchMismatch) as exc:

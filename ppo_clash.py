@@ -29,7 +29,8 @@ stops after the loop has read the whole method. Sections 9-12 are the run's book
   7. Iteration invariants          what must hold before a batch is trained on
   8. The loop                      train(): plan and collect -> critic pass -> advantages ->
                                    update -> ladder step -> record
-  9. Run identity                  run_id, and why a resume may refuse
+  9. The run                       run_id and why a resume may refuse; the start-up gates; the
+                                   run directory and what is written into it
  10. Checkpoints                   atomic, hashed, resumable byte for byte
  11. Metrics, alarms and sinks     the row's schema, the alarm table, the console
  12. Snapshots and the ladder      the ladder's side of the loop
@@ -343,6 +344,16 @@ class DeterminismArgs:
 
 
 @dataclass
+class DoctorArgs:
+    ram_budget_mb: int = 6500
+    """start-up refuses a configuration whose projected RAM ledger exceeds this (design 3.8 step 9)"""
+    run_mask_disagreement_gate: bool = True
+    """compare the mask with the engine's deploy rules over every action at a played state (step 5)"""
+    vram_headroom_mb: int = 256
+    """device memory one minibatch must leave free (CUDA only); 0 turns the gate off"""
+
+
+@dataclass
 class Args:
     """Self-play PPO for Clash Royale. --profile NAME picks the preset (laptop, workstation,
     many_core, cpu, smoke) and every flag below overrides one field; --config run.json loads a
@@ -369,6 +380,7 @@ class Args:
     metrics: MetricsArgs = field(default_factory=MetricsArgs)
     alarms: AlarmArgs = field(default_factory=AlarmArgs)
     determinism: DeterminismArgs = field(default_factory=DeterminismArgs)
+    doctor: DoctorArgs = field(default_factory=DoctorArgs)
 
 
 def _set(args: Args, path: str, value: Any) -> None:
@@ -1445,6 +1457,7 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
     apply_determinism(args)                   # design 2.1: before the first tensor exists
     env = read_env(args)                      # geometry, codec table and T x R, read off a reset env
     learner = Learner(args, env)              # the network, its optimizers, scaler, backoff, positions
+    env.mask_disagreements = run_startup_gates(args, env, learner.model, quiet)   # design 3.8: refuse
     run = open_run(args, env, learner, resume, allow_drift, quiet, t_start)   # identity; a resume restores
     lad = LadderLoop(args, run.path, run.rid, args.master_seed, env.n_battles, env.spec, env.table, env.device)
     opening = start_ladder(lad, run, learner, env)   # v0 admitted free, or the checkpoint's pool
@@ -1526,6 +1539,7 @@ class Env:
     T: int                    # cycles an iteration
     learner_rows: int         # learner seats a cycle
     n_shards: int             # shard-rounds a cycle: workers x shards_per_worker
+    mask_disagreements: int = 0   # the start-up gate's count of mask-vs-engine disagreements
 
 
 def read_env(args: Args) -> Env:
@@ -2032,7 +2046,7 @@ def emergency_save(run: Run, learner: Learner, source: Any, lad: LadderLoop, exc
         print(f"emergency checkpoint failed: {e2!r}", file=sys.stderr)
 
 
-# --- 9. The run: its identity, its directory, what it writes (design 2.3, 9) ----------------------
+# --- 9. The run: its identity, its start-up gates, its directory (design 2.3, 3.8, 9) -------------
 # run_id = sha256 of the identity's canonical JSON, first 16 hex. Included even though they look
 # cosmetic, because each changes the byte stream: master_seed, workers, games_per_worker,
 # shards_per_worker, timesteps_per_iteration, determinism tier, device kind, and the code itself.
@@ -2218,6 +2232,171 @@ def compute_identity(args: Args, env: Env) -> RunIdentity:
     seed_sha = ladder.draw_eval_seeds(args.master_seed, args.ladder.eval_seed_count).sha256
     return make_identity(args, env.facts, arch=arch_digest(env.geo, args.net), T=env.T, R=env.R,
                          device=env.device, eval_seed_set_sha=seed_sha, user_code=user_code_digest())
+
+
+# Start-up gates (design 3.8): what must hold of this engine and this configuration before a run
+# may start. Training runs them at start (startup_gates in _train) and `python checks.py doctor`
+# prints them; one implementation. Steps 1-4 happen in read_env, which raises naming the step.
+
+class StartupGateFailed(ConfigError):
+    """A start-up gate refused the run: names the gate, what it saw and the remedy."""
+
+
+class Gate(NamedTuple):
+    step: int               # design 3.8's step number
+    name: str
+    ok: bool | None         # None: skipped, and detail says why
+    detail: str
+    remedy: str = ""
+
+
+# Resident memory a process costs, for the RAM ledger [M, this project's 2-core machine,
+# docs/throughput.md]: a worker holding a vec env (its base, and per battle), the parent's torch.
+WORKER_BASE_MB, WORKER_PER_BATTLE_MB, TORCH_MB = 93.0, 6.9, 505.0
+DOCTOR_STATES = 1000        # seat-states sampled for the no-op gate, at least one after game over
+
+
+class SampledBattles(NamedTuple):
+    states: int             # seat-states seen
+    noop_missing: int       # of them, with mask[NOOP] clear
+    game_over: int          # of them, after the battle ended
+    planes_mismatch: int    # of them, whose mask_planes are not the mask's grid reshaped
+    disagreements: list[tuple[int, int, int]] | None   # mask vs engine at a played state, both teams
+    parser: Any
+
+
+def sample_battles(args: Args, env: Env) -> SampledBattles:
+    """Whole battles of the evaluation env (no step cap, so they end in a game over), both seats
+    playing a random legal card a third of the time, until DOCTOR_STATES seat-states are seen.
+    Each battle's seed and actions are name-addressed (doctor/battle/{i}), so the gate is exact."""
+    from royalegym.action import BLUE, NOOP, RED, mask_disagreements
+    H, W = env.geo.tiles
+    grid = env.geo.hand_size * H * W
+    e = farm.env_factory(ladder.eval_env_spec(env.spec))()
+    states = missing = over = planes = 0
+    disagree: list[tuple[int, int, int]] | None = None
+    i = 0
+    while states < DOCTOR_STATES or not over:
+        rng = derive_generator(args.master_seed, f"doctor/battle/{i}")
+        obs, _ = e.reset(seed=derive_int(args.master_seed, f"doctor/battle/{i}/seed"))
+        for step in range(10**6):
+            masks = {a: np.asarray(obs[a]["action_mask"]).astype(bool) for a in obs}
+            done = step > 0 and not e.agents
+            for a, m in masks.items():
+                states, missing, over = states + 1, missing + int(not m[NOOP]), over + int(done)
+                if "mask_planes" in obs[a]:
+                    planes += int(not np.array_equal(np.asarray(obs[a]["mask_planes"]).astype(bool),
+                                                     m[1:1 + grid].reshape(env.geo.hand_size, H, W)))
+            if done:
+                break
+            if disagree is None and step == 50 and args.doctor.run_mask_disagreement_gate:
+                st = e.engine.state()
+                disagree = [d for team in (BLUE, RED) for d in mask_disagreements(e.engine, e.action_parser, st, team)]
+            obs, *_ = e.step({a: int(rng.choice(np.flatnonzero(m))) if rng.random() < 1 / 3 else NOOP
+                              for a, m in masks.items()})
+        i += 1
+    parser = e.action_parser
+    e.close()
+    return SampledBattles(states, missing, over, planes, disagree, parser)
+
+
+def ram_ledger(args: Args, env: Env, params: int) -> list[tuple[str, float, str]]:
+    """(term, MB, source) of the run's projected resident memory (design 3.8 step 9), for a
+    network of `params` parameters."""
+    r, k = args.rollout, args.obs.frame_stack
+    worker = lambda battles: WORKER_BASE_MB + WORKER_PER_BATTLE_MB * battles   # noqa: E731
+    return [("rectangle (T + k) x R x row_bytes", (env.T + k) * env.R * env.table.row_bytes / 2**20, "[A]"),
+            ("scalar columns T x R", env.T * env.R * farm.SCALAR_DTYPE.itemsize / 2**20, "[A]"),
+            ("parent torch", TORCH_MB, "[M]"),
+            ("weights, gradients, Adam moments: 4 x 4 B a parameter", 16 * params / 2**20, "[A]"),
+            (f"{r.workers} workers x {r.games_per_worker} battles", r.workers * worker(r.games_per_worker), "[M]"),
+            (f"at a gate: {r.eval_workers} eval workers x {r.eval_games_per_worker} battles",
+             r.eval_workers * worker(r.eval_games_per_worker), "[M]")]
+
+
+def startup_gates(args: Args, env: Env, model: ActorCritic) -> tuple[list[Gate], int]:
+    """Design 3.8's gates in order for the run's network, and the mask-vs-engine disagreement
+    count (the row's health/mask_disagreements). Raises nothing: check_gates refuses on the first
+    failure."""
+    eb, geo = env.facts.engine_build, env.geo
+    fields = ", ".join(f"{n}[{geo.field(n).start}:{geo.field(n).stop}]" for n in (HAND_CARDS, HAND_COST, HAND_AFFORDABLE))
+    gates = [Gate(1, "engine built and reset", True, f"{eb.engine_class}, binary {eb.binary_sha256[:12]}"),
+             Gate(2, "the env's config read once", True, f"calibration {eb.calibration_digest[:12]}, build "
+                  f"{eb.build_digest[:12]}, env {env.facts.env_spec_digest[:12]}"),
+             Gate(3, "codec table from the env's spaces", True, f"{env.table.row_bytes} bytes a row, "
+                  f"digest {env.table.digest()[:12]}"),
+             Gate(4, "pointer head's vector fields by name", True, fields)]
+    s = sample_battles(args, env)
+    n_dis = len(s.disagreements or [])
+    gates.append(Gate(5, "mask agrees with the engine at a played state, both teams", None if s.disagreements is None
+                      else n_dis == 0, "skipped (doctor.run_mask_disagreement_gate false)" if s.disagreements is None
+                      else f"{n_dis} disagreements" + (f", first (action, mask, engine status): {s.disagreements[:4]}" if n_dis else ""),
+                      "the observation's mask and the engine's deploy rules differ: report it against royalegym"))
+    gates.append(Gate(6, "mask[NOOP] on sampled states", s.noop_missing == 0 and s.game_over > 0,
+                      f"{s.states} states ({s.game_over} after game over), {s.noop_missing} without the no-op",
+                      "the masking scheme needs the no-op always legal: report it against royalegym"))
+    H, W = geo.tiles
+    bad = [(p, x, y) for p in range(geo.hand_size) for y in range(H) for x in range(W)
+           if s.parser.encode(p, x, y) != 1 + p * H * W + y * W + x]
+    gates.append(Gate(7, "action layout: encode(slot, x, y) = 1 + slot*H*W + y*W + x", not bad and not s.planes_mismatch,
+                      f"{geo.hand_size * H * W} actions, {len(bad)} off the layout" + (f" (first {bad[:3]})" if bad else "") + "; "
+                      f"{s.planes_mismatch} states whose mask_planes differ from the mask",
+                      "the pointer head's tiles would name the wrong actions: update PointerHead to the parser"))
+    gates.append(Gate(8, "engine build recorded in the identity", True, f"catalogue {eb.catalogue_sha256[:12]}"))
+    ledger = ram_ledger(args, env, sum(p.numel() for p in model.parameters()))
+    total = sum(mb for _, mb, _ in ledger)
+    gates.append(Gate(9, "RAM ledger within doctor.ram_budget_mb", total <= args.doctor.ram_budget_mb,
+                      f"{total:,.0f} MB projected of {args.doctor.ram_budget_mb:,} MB: "
+                      + "; ".join(f"{t} {mb:,.0f} {src}" for t, mb, src in ledger),
+                      "lower rollout.workers or rollout.games_per_worker, or raise --doctor.ram-budget-mb"))
+    gates.append(vram_gate(args, env, model))
+    return gates, n_dis
+
+
+def vram_gate(args: Args, env: Env, model: ActorCritic) -> Gate:
+    """One minibatch's forward and backward at the profile's minibatch_size must leave
+    doctor.vram_headroom_mb of device memory free (CUDA only)."""
+    name = "device memory after one minibatch"
+    if env.device.type != "cuda" or args.doctor.vram_headroom_mb <= 0:
+        why = "no CUDA device" if env.device.type != "cuda" else "doctor.vram_headroom_mb is 0"
+        return Gate(12, name, None, f"skipped ({why})")
+    n, k = args.ppo.minibatch_size, args.obs.frame_stack
+    rows = torch.zeros((n, k, env.table.row_bytes), dtype=torch.uint8, device=env.device)
+    obs = codec.unpack(env.table, rows, env.statics, torch.arange(n, device=env.device) % 2, None)
+    free0, _ = torch.cuda.mem_get_info(env.device)
+    torch.cuda.reset_peak_memory_stats(env.device)
+    base = torch.cuda.memory_allocated(env.device)
+    mask = torch.zeros_like(obs.mask)
+    mask[:, 0] = True   # a zero row decodes to no legal action; the no-op keeps the distribution defined
+    (model.value(obs).sum() + MaskedCategorical(model.logits(obs), mask).entropy().sum()).backward()
+    model.zero_grad(set_to_none=True)   # the probe's gradients are not the update's
+    peak_mb = (torch.cuda.max_memory_allocated(env.device) - base) / 2**20
+    left = free0 / 2**20 - peak_mb
+    return Gate(12, name, left >= args.doctor.vram_headroom_mb,
+                f"{peak_mb:,.0f} MB peak, {left:,.0f} MB left of the {free0 / 2**20:,.0f} MB free",
+                "lower ppo.minibatch_size (a pure memory knob), or --doctor.vram-headroom-mb")
+
+
+def check_gates(gates: list[Gate]) -> None:
+    """Refuse on the first failing gate, naming it and the remedy."""
+    for g in gates:
+        if g.ok is False:
+            raise StartupGateFailed(f"start-up gate {g.step} ({g.name}) failed: {g.detail}. {g.remedy}")
+
+
+def gate_lines(gates: list[Gate]) -> list[str]:
+    return [f"  {g.step:>2}. {g.name}: {'ok, ' if g.ok else '' if g.ok is None else 'FAILED, '}{g.detail}"
+            for g in gates]
+
+
+def run_startup_gates(args: Args, env: Env, model: ActorCritic, quiet: bool) -> int:
+    """Training's start: the gates, printed unless quiet, refused on the first failure; returns
+    the mask disagreement count the rows carry."""
+    gates, n_dis = startup_gates(args, env, model)
+    if not quiet:
+        print("start-up gates (design 3.8):\n" + "\n".join(gate_lines(gates)))
+    check_gates(gates)
+    return n_dis
 
 
 class IdentityMismatch(ValueError):
@@ -2686,6 +2865,7 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "ppo/reward_clip_frac": ("", "cells whose scaled reward hit reward_clip; exactly 0 when healthy", (0.0, 0.0), False),
     "health/illegal_action_rate": ("", "trainable actions illegal under their stored mask; exactly 0", (0.0, 0.0), False),
     "health/worker_failures": ("count", "worker failures this iteration", (0.0, 0.0), False),
+    "health/mask_disagreements": ("count", "actions where the mask and the engine disagreed at the start-up gate (design 3.8 step 5); a run starts only at 0", (0.0, 0.0), False),
     "env/episodes_completed": ("count", "seat-episodes that ended this iteration", None, False),
     "env/episode_steps_mean": ("decisions", "learner seats' episode length", None, True),
     "env/crowns_for": ("crowns", "learner seats' crowns per episode", None, True),
@@ -3190,7 +3370,7 @@ def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: LadderLoop
         "time/critic_pass": crit.seconds, "time/gae": adv.seconds, "time/update": upd["time/update"],
         "throughput/collected_steps_per_second": T * env.n_battles / max(roll.t_collect, 1e-9),
         "ppo/explained_variance": adv.explained_variance, "ppo/reward_clip_frac": adv.reward_clip_frac,
-        "health/worker_failures": len(roll.failures),
+        "health/worker_failures": len(roll.failures), "health/mask_disagreements": env.mask_disagreements,
         "health/illegal_action_rate": float((~crit.legal & trainable).sum()) / n_train,
         "env/episodes_completed": len(roll.episodes),
         "env/episode_steps_mean": mean([e.episode_steps for e in mine]),

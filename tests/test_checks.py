@@ -53,8 +53,8 @@ def test_the_cli_lists_exactly_the_built_commands():
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
         checks.main(["--help"])
     listed = set(re.findall(r"\b(identity|verify-resume|replay|doctor|bench|play)\b", out.getvalue()))
-    assert listed == {"identity", "verify-resume", "replay"}
-    assert "doctor" in checks.__doc__ and "bench" in checks.__doc__ and "Not built yet" in checks.__doc__
+    assert listed == {"doctor", "identity", "verify-resume", "replay"}
+    assert "bench" in checks.__doc__ and "Not built yet" in checks.__doc__
 
 
 def test_bad_input_exits_2_with_one_line_naming_the_thing(tmp_path):
@@ -249,3 +249,45 @@ def test_verify_resume_reports_a_planted_difference_after_the_resume(verified, t
     (b / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in eps))
     found = checks.compare_runs(a, b)
     assert found.startswith(f"episodes.jsonl: row {len(eps)}, field 'own_crowns': straight run ")
+
+
+# --- doctor (design 3.8) ----------------------------------------------------------------------------
+
+
+def _config(tmp_path, name, **fields):
+    """A config file: the smoke profile with dotted fields set."""
+    args = P.profile_args("smoke")
+    for path, value in fields.items():
+        P._set(args, path, value)
+    f = tmp_path / f"{name}.json"
+    f.write_bytes(P.config_json(args))
+    return f
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reveal", [(), ("enemy_spell_aim",)])
+def test_doctor_passes_on_both_geometries(tmp_path, reveal):
+    """The default observation and the spell-aim one (one plane more): every gate passes, each is
+    printed with its number, and step 10 names the run_id training would get."""
+    code, out, err = run_main("doctor", "--config", str(_config(tmp_path, "c", **{"obs.reveal": reveal})))
+    assert code == 0, err
+    for step in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10):
+        assert re.search(rf"^\s*{step}\. .*: ok, ", out, re.M), (step, out)
+    assert "0 disagreements" in out and "0 without the no-op" in out and "all gates pass" in out
+    assert re.search(r"\(\d+ after game over\)", out) and "(0 after game over)" not in out
+
+
+@pytest.mark.slow
+def test_doctor_fails_naming_the_gate_planted_to_fail(tmp_path, monkeypatch):
+    """A mask that disagrees with the engine fails gate 5, a RAM budget of 1 MB fails gate 9: exit
+    2, one line naming the gate and its remedy; training refuses the same way (one implementation)."""
+    import royalegym.action
+    code, _, err = run_main("doctor", "--config", str(_config(tmp_path, "ram", **{"doctor.ram_budget_mb": 1})))
+    assert code == 2 and "start-up gate 9 (RAM ledger within doctor.ram_budget_mb) failed" in err
+    assert "raise --doctor.ram-budget-mb" in err and "Traceback" not in err
+    monkeypatch.setattr(royalegym.action, "mask_disagreements", lambda engine, parser, state, team: [(7, 1, 3)])
+    code, _, err = run_main("doctor", "--profile", "smoke")
+    assert code == 2 and "start-up gate 5 (mask agrees with the engine" in err and "2 disagreements" in err
+    with pytest.raises(P.StartupGateFailed, match="start-up gate 5"):
+        P.train(P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path / "runs")]), quiet=True)
+    assert not (tmp_path / "runs").exists()   # refused before the run directory was made

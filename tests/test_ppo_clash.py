@@ -727,7 +727,8 @@ INCLUDED = {
 EXCLUDED = {
     "run_name": "other", "runs_dir": "elsewhere", "metrics.wandb": True, "metrics.wandb_project": "x",
     "metrics.console_full": True, "checkpoint.keep": 3, "alarms.kl_high": 0.5,
-    "alarms.noop_collapse_severe": 1.0, "alarms.clip_pinned": 0.9,
+    "alarms.noop_collapse_severe": 1.0, "alarms.clip_pinned": 0.9, "doctor.ram_budget_mb": 1234,
+    "doctor.run_mask_disagreement_gate": False,
 }
 
 
