@@ -1551,7 +1551,13 @@ def read_env(args: Args) -> Env:
     spec = farm.default_env_spec(reveal_spell_aim="enemy_spell_aim" in args.obs.reveal,
                                  max_steps=args.obs.max_steps or None)
     spec = msgspec.structs.replace(spec, decision_ms=args.obs.decision_ms)
-    env_spec, table = farm.preflight(spec, frame_stack=k, master_seed=seed)
+    try:
+        env_spec, table = farm.preflight(spec, frame_stack=k, master_seed=seed)
+    except RuntimeError as e:   # design 3.8 step 1: a stale engine build refuses here, before cycle 0
+        refusal = stale_build_refusal(e)
+        if refusal is None:
+            raise
+        raise refusal from e
     vec = farm.build_vec(spec, 1)
     obs0, _ = vec.reset(seed=0)
     statics = torch.as_tensor(codec.static_planes(table, obs0), device=device)
@@ -2240,6 +2246,19 @@ def compute_identity(args: Args, env: Env) -> RunIdentity:
 
 class StartupGateFailed(ConfigError):
     """A start-up gate refused the run: names the gate, what it saw and the remedy."""
+
+
+def stale_build_refusal(exc: RuntimeError) -> StartupGateFailed | None:
+    """Gate 1's refusal for a RustEngine that would not construct because its compiled build and
+    the calibration ledger differ (royalegym's own check says so), in the engine's words with the
+    rebuild command; None for any other error, which is raised as it was."""
+    from royalegym.rust_engine import default_calibration, stale_build_differences
+    if not stale_build_differences(default_calibration()):
+        return None
+    words = "; ".join(line.strip() for line in str(exc).splitlines())   # the engine's, on one line
+    return StartupGateFailed(f"start-up gate 1 (engine built and reset) failed: {words}. Rebuild the engine: "
+                             "pip install --force-reinstall 'royalegym[sim]' (in a RoyaleSim checkout, "
+                             "`maturin develop --release`)")
 
 
 class Gate(NamedTuple):

@@ -291,3 +291,18 @@ def test_doctor_fails_naming_the_gate_planted_to_fail(tmp_path, monkeypatch):
     with pytest.raises(P.StartupGateFailed, match="start-up gate 5"):
         P.train(P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path / "runs")]), quiet=True)
     assert not (tmp_path / "runs").exists()   # refused before the run directory was made
+
+
+def test_doctor_names_the_rebuild_command_for_a_stale_engine_build(monkeypatch):
+    """Design 3.8 step 1: a RustEngine whose build differs from the calibration ledger refuses to
+    construct; doctor (and training, through read_env) re-raise it as gate 1 with the rebuild
+    command, in the engine's own words. Any other error from the engine is left as it was."""
+    import royalegym.rust_engine
+    monkeypatch.setattr(royalegym.rust_engine, "stale_build_differences",
+                        lambda calibration, arena_path=None: ["elixir.REGEN_TICKS: built 56, ledger 57"])
+    code, _, err = run_main("doctor", "--profile", "smoke")
+    assert code == 2 and "start-up gate 1 (engine built and reset) failed" in err, err
+    assert "royalesim was built against different data" in err and "elixir.REGEN_TICKS" in err
+    assert "pip install --force-reinstall 'royalegym[sim]'" in err and err.count("\n") == 1 and "Traceback" not in err
+    monkeypatch.undo()
+    assert P.stale_build_refusal(RuntimeError("something else")) is None

@@ -1092,7 +1092,7 @@ def test_a_smoke_run_of_three_iterations_end_to_end(tmp_path):
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["run/iteration"] for r in rows] == [1, 2, 3]
     for r in rows:
-        assert r["health/illegal_action_rate"] == 0.0
+        assert r["health/illegal_action_rate"] == 0.0 and r["health/mask_disagreements"] == 0   # design 3.8 step 5
         assert r["health/buffer_fill_frac"] == 1.0 and r["health/samples_unused_frac"] == 0.0
         assert r["ppo/ratio_max_abs_dev"] <= args.ppo.ratio_atol_fp32
         nums = {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
