@@ -11,14 +11,17 @@ that farm.py builds from a run's config.
     python checks.py identity [--profile P | --config F | RUN_DIR] [--diff RUN_A RUN_B]
     python checks.py verify-resume [--profile P]          smoke by default; design 8.3
     python checks.py replay RUN_DIR --episode N [--all]   re-simulate episodes.jsonl records
+    python checks.py replay FILE [--episode N]           re-simulate a battle `play --save` wrote
+    python checks.py play --blue PLAYER --red PLAYER [--run RUN_DIR] [--seed S] [--every K]
+                          [--save F] [--viewer]           watch one battle; design 7.5
+    python checks.py bench [--profile P] [--iterations N] [--write]   this machine's budget; design 1.2
 
-Not built yet: `bench` (this machine's throughput budget for a profile, design 1.2) and `play`
-(watch one battle). The CLI lists only the commands that exist.
 
 Reads:  a run directory: config.json, identity.json, metrics.jsonl, episodes.jsonl,
-        ladder/games.jsonl, checkpoints/*/manifest.json. verify-resume trains into a scratch
-        folder of its own (--work-dir; removed afterwards unless --keep).
-Writes: nothing in any run directory it is pointed at.
+        ladder/games.jsonl, ladder/eval_env.json, ladder/snapshots/, checkpoints/*/manifest.json
+        (play reads a checkpoint's files too). verify-resume trains into a scratch folder of its
+        own (--work-dir; removed afterwards unless --keep).
+Writes: nothing in any run directory it is pointed at; `play --save F` writes F.
 Exit codes: 0 pass, 1 a check failed (a divergence, a differing field), 2 bad input (a missing
 run directory, an episode index out of range, a corrupt file), one line naming the thing, no
 traceback.
@@ -30,18 +33,24 @@ dataclasses and main() are at the bottom.
   3. verify-resume        a straight run against a stopped-and-resumed one (design 8.3, 2.4)
   4. replay               an EpisodeRecord re-simulated from its seed and played actions (design 3.1)
   5. doctor               the start-up gates training runs, printed (design 3.8)
-  6. CLI
+  6. play                 one battle between two players, watched and saved (design 7.5, 2.2)
+  7. bench                the profile's parts timed alone, beside its real iterations (design 1.2)
+  8. CLI
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Any, Callable, NamedTuple, Optional, Sequence, Union
 
 if __name__ == "__main__":   # one module object whether run as a script or imported (as ladder.py does)
@@ -49,10 +58,12 @@ if __name__ == "__main__":   # one module object whether run as a script or impo
 
 import msgspec
 import numpy as np
+import torch
 import tyro
 
 import codec
 import farm
+import ladder
 import ppo_clash as P
 
 ROOT = Path(P.__file__).resolve().parent
@@ -302,7 +313,7 @@ def cmd_verify_resume(cmd: "VerifyResume") -> int:
 
 # --- 4. replay (design 3.1) -----------------------------------------------------------------------
 # An EpisodeRecord carries its seed and every non-no-op action of BOTH seats with its decision
-# index (farm._RunningEpisodes); with the run's env spec that re-simulates it exactly
+# index (farm.RunningEpisodes); with the run's env spec that re-simulates it exactly
 # (tests/test_farm.py holds the farm to it). Built from the run's config.json by ppo_clash.read_env,
 # the one recipe training uses, and checked against identity.json's env_spec_digest first.
 #
@@ -318,6 +329,12 @@ def cmd_verify_resume(cmd: "VerifyResume") -> int:
 # first at which the divergence is visible. What stays out of reach: the same edit made to both
 # seats' records that happens to leave the battle's end unchanged (a card one tile over); the
 # record states how the battle ended, not each step.
+#
+# A file that `play --save` wrote (section 6) is replayed the same way: it carries both seats'
+# records and the EnvFactorySpec the battle was played on, so SavedBattleEnv rebuilds that env
+# (checked against the digest the file states) instead of a run's, with the one gamma the
+# battle was played under; replay_record, the twin check and the comparison are the same code,
+# so an edited file fails exactly as an edited run record does.
 
 SEATS = ("blue", "red")
 
@@ -364,6 +381,10 @@ class ReplayEnv:
                              "code's env is not the run's (check out the commit the run was trained with)")
         self.env = farm.env_factory(env.spec)()
         self.T, self.n_battles = env.T, env.n_battles
+        self.pair_seats(records)
+
+    def pair_seats(self, records: Sequence[farm.EpisodeRecord]) -> None:
+        """Index the records by battle, so each can be held against its other seat's."""
         self.lengths: dict[tuple[int, int], int] = {}   # (battle, ordinal) -> episode_steps
         self.seats: dict[tuple[int, int, int], list[farm.EpisodeRecord]] = {}   # both seats' records of a battle
         for r in records:
@@ -398,6 +419,26 @@ class ReplayEnv:
         start = sum(self.lengths[(rec.battle, k)] for k in range(rec.ordinal))
         per_iteration = self.T * self.n_battles
         return [g.value((start + s) // self.T * per_iteration) for s in range(rec.episode_steps)]
+
+
+class SavedBattleEnv(ReplayEnv):
+    """A saved battle's env (`play --save F`): the EnvFactorySpec stored in F, checked to hash to
+    the env_value_digest F states (else this code builds another env, or F's env was edited), and
+    the one gamma the battle was played with. Everything else is ReplayEnv's, so a saved battle is
+    checked field for field as a run's record is, twin seat included."""
+
+    def __init__(self, path: Path, saved: "SavedBattle") -> None:
+        have = farm.env_value_digest(saved.env)
+        if have != saved.env_value_digest:
+            raise CheckError(f"{path}: its env hashes to env_value_digest {have[:16]} here, the file says "
+                             f"{saved.env_value_digest[:16]}: the env was edited, or this code's components "
+                             "differ from the ones it was played with (check out that commit)")
+        self.env = farm.env_factory(saved.env)()
+        self.gamma = saved.gamma
+        self.pair_seats(saved.records)
+
+    def gammas(self, rec: farm.EpisodeRecord) -> list[float]:
+        return [self.gamma] * rec.episode_steps
 
 
 def _played_by_step(rec: farm.EpisodeRecord, noop: int,
@@ -481,7 +522,38 @@ def describe(i: int, rec: farm.EpisodeRecord) -> str:
             f"{len(rec.played)} played actions (both seats)")
 
 
+def print_replayed(i: int, rec: farm.EpisodeRecord, res: Replayed) -> int:
+    """One record against its replay, field by field; 0 on a match, else 1."""
+    print(describe(i, rec))
+    print(f"  {'field':<40} {'record':>24} {'replay':>24}")
+    for f, a, b in res.fields:
+        print(f"  {f:<40} {a!r:>24} {b!r:>24}  {'ok' if _same(a, b) else 'DIFFERS'}")
+    print(f"DIVERGES at {res.divergence}" if res.divergence else "MATCH: every field equal")
+    if res.divergence is not None and res.divergence.step == rec.episode_steps - 1:
+        print("  (a record states how its episode ended, not each step, so a divergence earlier in the "
+              "battle first shows at its last step)")
+    return 1 if res.divergence else 0
+
+
+def replay_saved_battle(path: Path, episode: int | None) -> int:
+    """`replay F` for a file `play --save F` wrote: both seats' records (or --episode N's), each
+    re-simulated on the env stored in F and held against its twin, printed field by field."""
+    saved = read_saved_battle(path)
+    n = len(saved.records)
+    if episode is not None and not 0 <= episode < n:
+        raise CheckError(f"--episode {episode} is out of range: {path} holds {n} records (0 blue, 1 red)")
+    renv = SavedBattleEnv(path, saved)
+    print(f"saved battle {path}: blue {saved.players[0]} vs red {saved.players[1]}, --seed {saved.seed}, "
+          f"env_value_digest {saved.env_value_digest[:16]}")
+    chosen = range(n) if episode is None else [episode]
+    bad = sum(print_replayed(i, saved.records[i], replay_record(renv, saved.records[i])) for i in chosen)
+    print(f"{len(chosen) - bad} of {len(chosen)} records match")
+    return 1 if bad else 0
+
+
 def cmd_replay(cmd: "Replay") -> int:
+    if Path(cmd.run).is_file():
+        return replay_saved_battle(Path(cmd.run), cmd.episode)
     run = run_dir(cmd.run)
     records = read_records(run)
     if not cmd.all and cmd.episode is None:
@@ -496,17 +568,7 @@ def cmd_replay(cmd: "Replay") -> int:
                          "played on ladder/eval_env.json, which replay does not rebuild")
     renv = ReplayEnv(run, records)
     if not cmd.all:
-        rec = records[cmd.episode]
-        res = replay_record(renv, rec)
-        print(describe(cmd.episode, rec))
-        print(f"  {'field':<40} {'record':>24} {'replay':>24}")
-        for f, a, b in res.fields:
-            print(f"  {f:<40} {a!r:>24} {b!r:>24}  {'ok' if _same(a, b) else 'DIFFERS'}")
-        print(f"DIVERGES at {res.divergence}" if res.divergence else "MATCH: every field equal")
-        if res.divergence is not None and res.divergence.step == rec.episode_steps - 1:
-            print("  (a record states how its episode ended, not each step, so a divergence earlier in the "
-                  "battle first shows at its last step)")
-        return 1 if res.divergence else 0
+        return print_replayed(cmd.episode, records[cmd.episode], replay_record(renv, records[cmd.episode]))
     bad = 0
     for i, rec in enumerate(records):
         res = replay_record(renv, rec)
@@ -540,7 +602,518 @@ def cmd_doctor(cmd: "Doctor") -> int:
     return 0
 
 
-# --- 6. CLI ---------------------------------------------------------------------------------------
+# --- 6. play (design 7.5, 3.1, 2.2) ---------------------------------------------------------------
+# One full battle between two players, watched as text, optionally saved so that `replay F`
+# re-simulates it. Each choice below re-uses what training and the ladder already do, so what a
+# person watches is what a gate would have played:
+#   - The env. With a run (--run, or a checkpoint: player's run, two levels above it), the run's
+#     evaluation env, ladder/eval_env.json through ladder.read_run_env: what its gates play, ending
+#     only at game over (design 7.5: a cut match is scored on crowns not yet taken). Without one,
+#     the evaluation env of farm.default_env_spec(): two scripted players need no run.
+#   - What that env is (codec table, statics, observation space, the longest legal match) and who
+#     plays (snap: built by ppo_clash.snapshot_policy_builder, a pairing refused by field, a
+#     frame_stack != 1 snapshot refused) come from a ladder.EvalRunner opened on it. It plays
+#     nothing here and writes nothing; it is the object a gate reads the same facts from.
+#   - The battle is the evaluation farm's worker with one battle, in this process: farm.build_vec,
+#     the worker's RunningEpisodes (it counts the battle and writes both EpisodeRecords, eval
+#     mode, plan episode 0) and Seats (it seats the scripted players on their streams, mask-only
+#     as the worker does, and steps them); the parent's half is FarmComparison's: a neural seat's
+#     raw observation is packed with the run's codec table and unpacked (farm.unpack_numpy), so it
+#     sees exactly what it saw in training, and acts on one uniform per decision from its stream.
+#   - Seeding (design 2.2): the battle resets with derive_int(--seed, "play/battle") and seat c
+#     draws from derive_generator(--seed, "play/seat/<c>"), so a battle is a function of (seed,
+#     players) and its record re-simulates from the file alone.
+#   - The text view reads the battle by name: the engine's BattleState (elixir_milli, tower_hp by
+#     TowerSlot, crowns, tick), the card catalogue's names, the action parser's own decoding of
+#     an action; the result line is the blue seat's EpisodeRecord, the numbers replay checks.
+
+PLAY_BATTLE = "play/battle"
+PLAY_GAMMA = 1.0   # the evaluation farm's gamma (FarmComparison submits 1.0): the return is undiscounted
+PLAYER_KINDS = ("snap:", "scripted:", "checkpoint:")
+SAVED_BATTLE_FORMAT = "clash-ppo saved battle 1"
+
+
+class SavedBattle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What `play --save F` writes (JSON) and `replay F` reads: the battle's two EpisodeRecords
+    (blue's, red's) and the env they were played on, as data and as its value digest."""
+    format: str                                    # SAVED_BATTLE_FORMAT
+    players: tuple[str, str]                       # (blue, red), as given to play
+    seed: int                                      # --seed
+    gamma: float                                   # forwarded to the reward before every step
+    env_value_digest: str                          # farm.env_value_digest(env) when it was played
+    env: farm.EnvFactorySpec
+    records: tuple[farm.EpisodeRecord, ...]        # (blue's, red's)
+
+
+def read_saved_battle(path: Path) -> SavedBattle:
+    try:
+        saved = msgspec.json.decode(path.read_bytes(), type=SavedBattle)
+    except msgspec.DecodeError as e:
+        raise CheckError(f"{path}: not a battle saved by `checks.py play --save` ({e})") from None
+    if saved.format != SAVED_BATTLE_FORMAT:
+        raise CheckError(f"{path}: format {saved.format!r}; this code reads {SAVED_BATTLE_FORMAT!r}")
+    return saved
+
+
+def parse_player(p: str) -> str:
+    """A player id, refused unless its kind is known and, for scripted:, its name too."""
+    kind = next((k for k in PLAYER_KINDS if p.startswith(k)), None)
+    if kind is None or not p[len(kind):]:
+        raise CheckError(f"player {p!r}: not snap:<id>, scripted:<name> or checkpoint:<dir> (a run's "
+                         "runs/<id>/checkpoints/<step>)")
+    if kind == "scripted:" and p[len(kind):] not in farm.SCRIPTED_NAMES:
+        raise CheckError(f"{p}: unknown scripted player; farm.SCRIPTED_NAMES = {', '.join(farm.SCRIPTED_NAMES)}")
+    return p
+
+
+def play_run(players: Sequence[str], run: str | None) -> Path | None:
+    """The one run the battle is played in: --run, or the run a checkpoint: player lives in."""
+    found: dict[str, Path] = {"--run": run_dir(run)} if run is not None else {}
+    for p in players:
+        if p.startswith("checkpoint:"):
+            ck = Path(p.removeprefix("checkpoint:"))
+            if not ck.is_dir():
+                raise CheckError(f"{p}: no such checkpoint directory (a run's are runs/<id>/checkpoints/<step>)")
+            if not (ck / "manifest.json").is_file():
+                raise CheckError(f"{p}: {ck / 'manifest.json'} is missing: not a checkpoint, or one whose write "
+                                 "never finished; pick a checkpoint directory that has it")
+            found[p] = run_dir(ck.resolve().parent.parent)
+    where = {r.resolve() for r in found.values()}
+    if len(where) > 1:
+        raise CheckError(f"players from more than one run ({', '.join(f'{k}: {v}' for k, v in found.items())}): "
+                         "play takes one run, whose evaluation env and codec table both players saw")
+    if not where and any(p.startswith("snap:") for p in players):
+        raise CheckError("a snap:<id> player needs --run RUN_DIR, the run whose ladder/snapshots holds it")
+    return next(iter(found.values()), None)
+
+
+class PlaySetup(NamedTuple):
+    runner: Any                      # the ladder.EvalRunner holding the env's facts and the players
+    players: tuple[str, str]         # (blue, red)
+    acts: dict[str, Any]             # each player's act, None for a scripted one (the worker's)
+    where: str                       # where the env came from
+    args: P.Args | None              # the run's configuration, None without a run
+
+
+def open_play(cmd: "Play") -> PlaySetup:
+    players = (parse_player(cmd.blue), parse_player(cmd.red))
+    run = play_run(players, cmd.run)
+    args = run_args(run) if run is not None else None
+    if run is None:
+        spec, where, table_seed = farm.default_env_spec(), "farm.default_env_spec() (no run)", 0
+    else:
+        spec, where = ladder.read_run_env(run)
+        table_seed = args.master_seed   # the codec table is decided on the run's seed, as its gates do
+    runner: Any = None
+
+    def build(sid: str) -> Any:   # the run's snapshot builder, on the table the runner decided
+        return P.snapshot_policy_builder(run, device=cmd.device, table=runner.table)(sid)
+    runner = ladder.EvalRunner(spec, ladder.EvalSeedSet(master_seed=table_seed, path=PLAY_BATTLE, seeds=[], sha256=""),
+                               run_dir=run, policy_builder=build)
+    try:
+        for p in players:
+            if p.startswith("checkpoint:") and p not in runner.policies:
+                runner.register(p, P.checkpoint_policy_act(p.removeprefix("checkpoint:"), cmd.device,
+                                                           table=runner.table, obs_digest=runner.obs_digest))
+        runner.check_pair(*players)
+        acts = {p: runner.players.act(p) for p in players}
+    except (ladder.SnapshotMismatch, FileNotFoundError) as e:
+        raise CheckError(str(e)) from None
+    return PlaySetup(runner, players, acts,
+                     f"{where}, without truncation (ladder.eval_env_spec: it ends only at game over)", args)
+
+
+class BattleView:
+    """The compact text view, every `every` decisions: battle time, each side's elixir, crowns
+    and towers' HP, and the actions taken since the last view (by whom, at which step: the
+    record's decision index, which replay names; card and own-frame tile; a refused one with its
+    deploy_status)."""
+
+    def __init__(self, env: Any, players: Sequence[str], every: int, say: Callable[[str], None]) -> None:
+        from royalegym.env import AGENT_TEAM
+        self.env, self.players, self.every, self.say = env, players, every, say
+        self.team = [AGENT_TEAM[c] for c in SEATS]
+        self.names = {c.card_id: c.name for c in env.engine.cards()}
+        self.plays: list[list[str]] = [[], []]   # per seat, since the last view
+
+    def note(self, step: int, before: Any, acts: np.ndarray, deploy: np.ndarray, noop: int) -> None:
+        """Name each seat's non-no-op action of this step, read off the state it was taken in."""
+        parser = self.env.action_parser
+        for s in (0, 1):
+            a = int(acts[s])
+            if a == noop:
+                continue
+            cmd = parser.parse(a, before, self.team[s])
+            hand = before.players[self.team[s]].hand
+            what = (self.names.get(hand[cmd.hand_slot], f"card #{hand[cmd.hand_slot]}") if cmd.hand_slot < len(hand)
+                    else f"ability button {cmd.hand_slot - len(hand)}")
+            if cmd.hand_slot < len(hand) and hasattr(parser, "decode"):
+                _, x, y = parser.decode(a)
+                what += f" at tile ({x}, {y})"
+            refused = "" if int(deploy[s]) == 0 else f" (refused, deploy_status {int(deploy[s])})"
+            self.plays[s].append(f"s{step} {what}{refused}")
+
+    def played_lines(self) -> list[str]:
+        """Each seat's actions since the last view, one line a seat; then they are forgotten."""
+        lines = [f"    {SEATS[s]} played: {'; '.join(self.plays[s]) or 'nothing'}" for s in (0, 1)]
+        self.plays = [[], []]
+        return lines
+
+    def show(self, step: int) -> None:
+        from royalegym.protocol import TowerSlot
+        st = self.env.battle_state
+        t = st.tick * st.tick_ms / 1000.0
+        lines = [f"step {step} ({step + 1} decisions), {int(t // 60)}:{t % 60:04.1f} of battle"]
+        for s, color in enumerate(SEATS):
+            p = st.players[self.team[s]]
+            towers = " ".join(f"{slot.name.lower()} {p.tower_hp[slot]}" for slot in TowerSlot)
+            lines.append(f"  {color:<4} elixir {p.elixir_milli / 1000:4.1f}  crowns {p.crowns}  towers {towers}"
+                         f"   {self.players[s]}")
+        self.say("\n".join(lines + self.played_lines()))
+
+
+def _neural_actions(runner: Any, obs: dict[str, np.ndarray], players: Sequence[str], acts: dict[str, Any],
+                    rngs: Sequence[np.random.Generator], step: int) -> np.ndarray:
+    """The parent's actions (FarmComparison's path): each neural seat's observation packed with
+    the run's codec table, unpacked as the evaluation runner unpacks the rectangle, and answered
+    with one uniform from the seat's stream; a scripted seat's entry is the worker's (0 here)."""
+    out = np.zeros(len(players), np.int64)
+    neural = [s for s, p in enumerate(players) if acts[p] is not None]
+    if not neural:
+        return out
+    rows = np.zeros((len(players), runner.table.row_bytes), np.uint8)
+    codec.Packer(runner.table).pack(obs, rows, 0)
+    for s in neural:
+        seen = farm.unpack_numpy(runner.table, rows[[s]], runner.statics, np.array([s]), runner.env_spec.obs_space)
+        a = int(np.asarray(acts[players[s]](seen, np.array([rngs[s].random()]))).reshape(-1)[0])
+        if not obs["action_mask"][s, a]:
+            raise RuntimeError(f"{players[s]}: illegal action {a} at decision {step} ({SEATS[s]}); a policy "
+                               "must mask before sampling")
+        out[s] = a
+    return out
+
+
+def _record(running: Any, i: int, fin: dict[str, Any], eval_ix: np.ndarray,
+            players: Sequence[str]) -> farm.EpisodeRecord:
+    """Slot i's EpisodeRecord as the worker ends an episode (ShardRunner._end_episodes) and the
+    parent completes it (the evaluation mode: the plan's players, the pool bucket)."""
+    winner = int(fin["winner"][i]) if "winner" in fin and fin["_winner"][i] else -1
+    outcome = int(fin["outcome"][i]) if "outcome" in fin and fin["_outcome"][i] else 0
+    raw = running.record(i, fin, winner, outcome, eval_ix)
+    raw.update(policy_id=players[i], opponent_id=players[1 - i], bucket=farm.bucket_of(farm.ROLE_POOL))
+    return msgspec.convert(raw, farm.EpisodeRecord)
+
+
+def play_battle(runner: Any, players: tuple[str, str], acts: dict[str, Any], seed: int, every: int,
+                say: Callable[[str], None] = print, viser: Any = None) -> list[farm.EpisodeRecord]:
+    """Play one full battle, showing it every `every` decisions; both seats' EpisodeRecords."""
+    from royalegym.action import NOOP
+    streams = tuple(f"play/seat/{c}" for c in SEATS)
+    ep = farm.EvalEpisode(seed=farm.derive_int(seed, PLAY_BATTLE), seed_path=PLAY_BATTLE, players=players,
+                          streams=(streams[0], streams[1]))
+    cfg = farm.FarmConfig(env=runner.env_factory_spec, master_seed=seed, games_per_worker=1, cycles=1,
+                          viewer=False, eval_plan=[ep])
+    cfg.check()
+    running = farm.RunningEpisodes(cfg, 0, 0, [0])
+    vec = farm.build_vec(cfg.env, 1, viser=viser, autoreset_seed_fn=running.seed_fn)
+    try:
+        seats = farm.Seats(cfg, vec, 0, 0, 0, 2)
+        obs, _ = vec.reset()
+        seats.seat_eval(0, ep)
+        for env in vec.envs:   # the gamma the evaluation farm's worker forwards (ShardRunner._forward_gamma)
+            setter = getattr(env.reward_fn, "set_gamma", None)
+            if callable(setter):
+                setter(PLAY_GAMMA)
+        view = BattleView(vec.envs[0], players, every, say)
+        rngs = [farm.derive_generator(seed, s) for s in streams]
+        pace = time.monotonic()
+        for step in range(runner.max_decisions):
+            taken = seats.actions(_neural_actions(runner, obs, players, acts, rngs, step), obs, NOOP)
+            running.note_actions(taken, NOOP)
+            eval_ix, before = running.eval_ix.copy(), vec.envs[0].battle_state
+            obs, rew, term, trunc, info = vec.step(taken)
+            deploy, _ = farm.transition_deploy_tick(info)
+            running.count(rew, deploy)
+            view.note(step, before, taken, deploy, NOOP)
+            if term[0] or trunc[0]:   # the vec env already reset the battle: the records hold the end
+                say(f"step {step}, the last: the battle is over\n" + "\n".join(view.played_lines()))
+                return [_record(running, i, info["final_info"], eval_ix, players) for i in (0, 1)]
+            if (step + 1) % every == 0:
+                view.show(step)
+            if viser is not None and viser.attached:   # a watched battle runs at game speed
+                pace += runner.env_spec.decision_ms / 1000.0
+                time.sleep(max(0.0, pace - time.monotonic()))
+            else:
+                pace = time.monotonic()
+        raise RuntimeError(f"the battle ran {runner.max_decisions} decisions, twice a full match; the "
+                           "engine did not end it")
+    finally:
+        vec.close()
+
+
+def result_line(rec: farm.EpisodeRecord, tick_ms: int) -> str:
+    """The battle's end from the blue seat's record: winner, crowns, towers' HP, length."""
+    from royalegym.protocol import Winner
+    who = {Winner.BLUE: "blue wins", Winner.RED: "red wins", Winner.DRAW: "draw"}.get(rec.winner, "no result")
+    return (f"result: {who} ({rec.policy_id} blue, {rec.opponent_id} red); crowns blue {rec.own_crowns} "
+            f"red {rec.enemy_crowns}; tower HP blue {rec.own_tower_hp_frac:.3f} red {rec.enemy_tower_hp_frac:.3f} "
+            f"(the mean of each side's three towers' HP fractions); {rec.episode_steps} decisions, "
+            f"{rec.episode_ticks * tick_ms / 1000:.1f} s of battle")
+
+
+def play_viewer(say: Callable[[str], None]) -> Any:
+    """royalegym's viewer publisher (royalegym.viser), bound as the ROYALEVISER variable says or
+    at its default address; None, said in one line with the remedy, when this royalegym has none."""
+    try:
+        from royalegym.viser import ViserPublisher
+    except ImportError:
+        say("--viewer: this royalegym has no viewer (royalegym.viser); get one with "
+            "pip install -U 'royalegym[viser]'. Playing without it.")
+        return None
+    try:
+        pub = ViserPublisher.from_env() or ViserPublisher()
+    except (OSError, ValueError) as e:
+        raise CheckError(f"--viewer: {e}") from None
+    host, port = pub.address
+    app = "" if importlib.util.find_spec("royaleviser") else " (install it with pip install 'royalegym[viser]')"
+    say(f"--viewer: streaming to {host}:{port}; watch with python -m royaleviser --stream {host}:{port}{app}. "
+        "An attached viewer gets the battle at game speed")
+    return pub
+
+
+def cmd_play(cmd: "Play") -> int:
+    if cmd.every < 1:
+        raise CheckError(f"--every {cmd.every}: a view every K decisions needs K >= 1")
+    runner, players, acts, where, args = open_play(cmd)
+    print(f"play: blue {players[0]} vs red {players[1]}, --seed {cmd.seed}; env {where}")
+    viser = play_viewer(print) if cmd.viewer else None
+    try:
+        with P.process_settings_kept():
+            if args is not None:   # the run's torch threads and kernels (design 2.1), as its gates act
+                P.apply_determinism(args)
+            records = play_battle(runner, players, acts, cmd.seed, cmd.every, print, viser)
+    finally:
+        if viser is not None:
+            viser.close()
+    print(result_line(records[0], runner.env_spec.tick_ms))
+    if cmd.save is not None:
+        saved = SavedBattle(format=SAVED_BATTLE_FORMAT, players=players, seed=cmd.seed, gamma=PLAY_GAMMA,
+                            env_value_digest=farm.env_value_digest(runner.env_factory_spec),
+                            env=runner.env_factory_spec, records=tuple(records))
+        ladder.write_atomic(Path(cmd.save), msgspec.json.format(msgspec.json.encode(saved), indent=1) + b"\n")
+        print(f"saved both seats' records and the env to {cmd.save}; check it: python checks.py replay {cmd.save}")
+    return 0
+
+
+# --- 7. bench (design 1.2) ------------------------------------------------------------------------
+# This machine's budget for a profile, in the units a person sizes a run with. Two halves:
+#   the parts, each timed alone and repeated (REPEATS, medians): the engine stepped by one process
+#     with nothing else (the raw loop), the same battles collected by the profile's farm (workers x
+#     shards, codec.pack included, no inference), codec.pack per row, and, on one real rectangle
+#     collected by the profile's own farm and network, the parent's inference per shard-round, the
+#     critic pass per row and the PPO update per learner row;
+#   the whole: `--iterations` real iterations of the profile (train(), as a user runs it), the first
+#     a warm-up, the median of the rest beside what the parts predict for one iteration.
+# The prediction is a plain sum: env time at the farm's rate, plus inference, critic and update at
+# theirs. Collection overlaps the parent's inference with the workers' stepping, so a measured
+# iteration may come in under the sum; a measured iteration well over it means time goes somewhere
+# the parts do not name (the row's time/residual says where to look). The machine is shared and
+# its load drifts, so the load average is printed before and after each part.
+
+REPEATS = 3
+THROUGHPUT_DOC = ROOT / "docs" / "throughput.md"   # where --write appends the table
+
+
+class BenchFigure(NamedTuple):
+    part: str
+    unit: str
+    runs: list[float]          # one value per repeat
+    load: tuple[float, float]  # 1-minute load average before and after
+    note: str = ""
+
+    @property
+    def median(self) -> float:
+        return float(np.median(self.runs))
+
+
+def loadavg() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
+def timed_figure(part: str, unit: str, measure: Callable[[], float], note: str = "") -> BenchFigure:
+    """REPEATS calls of measure(), each returning the figure in `unit`, with the load around them."""
+    before = loadavg()
+    runs = [measure() for _ in range(REPEATS)]
+    return BenchFigure(part, unit, runs, (before, loadavg()), note)
+
+
+def engine_figures(args: P.Args, env: P.Env) -> list[BenchFigure]:
+    """The raw loop and the profile's farm over the same battles and actions (farm.bench_farm,
+    interleaved repeats), one iteration of T cycles each; their ratio."""
+    r = args.rollout
+    before = loadavg()
+    out = farm.bench_farm(env.spec, battles=env.n_battles, cycles=env.T, iterations=1,
+                          arms=((r.workers, r.shards_per_worker),), repeats=REPEATS, master_seed=args.master_seed)
+    load = (before, loadavg())
+    arm = f"farm_w{r.workers}_s{r.shards_per_worker}"
+    raw, farmed = out["direct"]["runs"], out[arm]["runs"]
+    return [BenchFigure("engine, one process, nothing else", "game-steps/s", raw, load,
+                        f"{env.n_battles} battles x {env.T} cycles"),
+            BenchFigure(f"process farm ({r.workers} worker(s) x {r.shards_per_worker} shard(s))", "game-steps/s", farmed, load,
+                        "codec.pack included, no inference"),
+            BenchFigure("farm / raw loop", "x", [f / d for f, d in zip(farmed, raw)], load)]
+
+
+def codec_figure() -> BenchFigure:
+    return timed_figure("codec.pack", "us/row", lambda: float(codec.measure(battles=8, decisions=60)["pack_us_per_row"]),
+                        "8 battles x 60 decisions of random legal play")
+
+
+def rig_figures(args: P.Args, env: P.Env, work: Path) -> tuple[list[BenchFigure], int]:
+    """Inference, critic and update, each timed alone on one real rectangle, and the rectangle's
+    learner rows: the profile's farm collects one iteration with the profile's (untrained)
+    network, set up as train() sets up (ppo_clash.set_up, a scratch run under `work`), then each
+    part is re-run REPEATS times on that rectangle. The update changes the weights it times;
+    nothing here is kept."""
+    with P.process_settings_kept():
+        s = P.set_up(dataclasses.replace(args, runs_dir=str(work)), quiet=True)
+        try:
+            return _rig_figures(s, args, env)
+        finally:
+            s.source.close()
+            s.run.close()
+
+
+def _rig_figures(s: P.Setup, args: P.Args, env: P.Env) -> tuple[list[BenchFigure], int]:
+    learner, source, view, lad = s.learner, s.source, s.view, s.lad
+    sched = learner.schedule_values(args)
+    view.new_iteration(renumber=False)
+    source.begin_iteration(lad.plan(0, source.ordinals, s.opening))
+    roll = P.collect(source, view, learner.model, lad, env, s.run, 0, 0, sched["gamma"], time.perf_counter())
+    crit = P.critic_pass(learner.model, view, source, roll.action, env, args.ppo.critic_chunk)
+    adv = P.advantages(learner.scaler, roll, crit, sched["gamma"], args)
+    rows, cells = int(roll.trainable.sum()), (env.T + 1) * env.R
+    return [timed_figure("inference", "ms/round", lambda: 1e3 * replay_inference(roll, view, learner, lad, env),
+                         f"{rows / max(roll.rounds, 1):.1f} learner rows a shard-round, pool seats included"),
+            timed_figure("critic pass", "ms/row", lambda: 1e3 * P.critic_pass(
+                learner.model, view, source, roll.action, env, args.ppo.critic_chunk).seconds / cells,
+                f"{cells} rows a pass, chunks of {args.ppo.critic_chunk}"),
+            timed_figure("PPO update", "ms/learner-row", lambda: 1e3 * timed_update(s, roll, crit, adv, sched, args) / rows,
+                         f"{rows} learner rows, {args.ppo.n_epochs} epochs")], rows
+
+
+def timed_update(s: P.Setup, roll: P.Rollout, crit: P.Critic, adv: P.Advantages, sched: dict[str, float],
+                 args: P.Args) -> float:
+    """Seconds of one update from the weights that collected the rectangle: each repeat starts
+    from the same learner state (the ratio invariant holds the update to it, design 6.4)."""
+    before = s.learner.files(args.master_seed)
+    seconds = P.update(s.learner, s.view, roll, crit, adv, sched, args)["time/update"]
+    s.learner.restore(before)
+    return seconds
+
+
+def replay_inference(roll: P.Rollout, view: P.RectView, learner: P.Learner, lad: Any, env: P.Env) -> float:
+    """Seconds per shard-round of act_round over the collected rectangle's rounds, the same seats
+    and groups as collection had (each shard's slots, in the order the farm served them), on
+    fresh uniforms; what collection's time/inference measures, without the workers around it."""
+    scratch, rounds, t0 = P.Rollout.empty(env.T, env.R), 0, time.perf_counter()
+    for t in range(env.T):
+        u = torch.rand(env.R, generator=torch.Generator().manual_seed(t)).to(env.device)
+        for shard in np.array_split(np.arange(env.R), env.n_shards):
+            rnd = SimpleNamespace(slots=shard, group=roll.group[t, shard])
+            P.act_round(rnd, t, u, view, learner.model, lad, env.geo, scratch)
+            rounds += 1
+    return (time.perf_counter() - t0) / rounds
+
+
+class Whole(NamedTuple):
+    predicted: dict[str, float]    # seconds an iteration, by part, from the parts' medians
+    measured: dict[str, float]     # the real iterations' medians of the row's time/ keys
+    iterations: list[float]        # time/iteration of every real iteration after the first
+    load: tuple[float, float]
+
+
+def predict(env: Any, figs: dict[str, BenchFigure], learner_rows: int) -> dict[str, float]:
+    """Seconds an iteration, by part, from the parts' medians: T x battles game-steps at the farm's
+    rate, T x shards rounds of inference, (T + 1) x R critic rows, the learner rows' update."""
+    farm_rate = next(f for f in figs.values() if f.part.startswith("process farm (")).median
+    return {"env": env.T * env.n_battles / farm_rate, "inference": env.T * env.n_shards * figs["inference"].median / 1e3,
+            "critic": (env.T + 1) * env.R * figs["critic pass"].median / 1e3,
+            "update": learner_rows * figs["PPO update"].median / 1e3}
+
+
+def real_iterations(args: P.Args, env: P.Env, figs: dict[str, BenchFigure], learner_rows: int,
+                    n: int, work: Path) -> Whole:
+    """n iterations of the profile as train() runs them; the first is a warm-up (the farm starting,
+    first-call allocations) and is left out of the medians."""
+    before = loadavg()
+    run = P.train(dataclasses.replace(args, runs_dir=str(work)), max_iterations=n, quiet=True)
+    rows = read_jsonl(run / "metrics.jsonl")[1:]
+    med = lambda k: float(np.median([r[k] for r in rows]))   # noqa: E731
+    measured = {k: med(f"time/{k}") for k in ("iteration", "collection", "inference", "critic_pass", "update",
+                                                "residual")}
+    return Whole(predict(env, figs, learner_rows), measured, [r["time/iteration"] for r in rows], (before, loadavg()))
+
+
+RATIO_READING = {True: "under 1: collection overlapped the workers' stepping with the parent's inference",
+                 False: "over 1: time the parts do not name; the row's time/residual and time/env say where"}
+
+
+def bench_lines(profile: str, env: P.Env, figs: list[BenchFigure], whole: Whole) -> list[str]:
+    """The table, as markdown (it reads on a console too and appends to docs/throughput.md)."""
+    p, m = whole.predicted, whole.measured
+    ratio = m["iteration"] / sum(p.values())
+    out = [f"`python checks.py bench --profile {profile}`: {os.cpu_count()} cpus, torch threads "
+           f"{torch.get_num_threads()}, device {env.device}; T={env.T} cycles x R={env.R} slots, "
+           f"{env.n_battles} battles; medians of {REPEATS} repeats",
+           "", "| part | median | unit | repeats | load before/after | note |", "|---|---|---|---|---|---|"]
+    for f in figs:
+        runs = " ".join(f"{x:.4g}" for x in f.runs)
+        out.append(f"| {f.part} | {f.median:.4g} | {f.unit} | {runs} | {f.load[0]:.2f} / {f.load[1]:.2f} | {f.note} |")
+    parts = " + ".join(f"{k} {v:.2f}" for k, v in p.items())
+    its = " ".join(f"{x:.2f}" for x in whole.iterations)
+    out += [f"| iteration, predicted by the parts | {sum(p.values()):.2f} | s | | | {parts} |",
+            f"| iteration, measured | {m['iteration']:.2f} | s | {its} | {whole.load[0]:.2f} / {whole.load[1]:.2f} | "
+            f"collection {m['collection']:.2f} (inference {m['inference']:.2f}) + critic {m['critic_pass']:.2f} + "
+            f"update {m['update']:.2f} + residual {m['residual']:.2f} |",
+            f"| measured / predicted | {ratio:.2f} | x | | | {RATIO_READING[ratio < 1]} |"]
+    return out
+
+
+def cmd_bench(cmd: "Bench") -> int:
+    if cmd.iterations < 2:
+        raise CheckError(f"--iterations {cmd.iterations}: at least 2 (the first real iteration is a warm-up)")
+    args = P.profile_args(cmd.profile)
+    P.apply_determinism(args)
+    env = P.read_env(args)
+    work = Path(tempfile.mkdtemp(prefix="bench-"))
+    try:
+        print(f"bench --profile {cmd.profile}: the engine and the farm ...", flush=True)
+        figs = engine_figures(args, env) + [codec_figure()]
+        print("bench: inference, critic and update on one collected rectangle ...", flush=True)
+        rig, learner_rows = rig_figures(args, env, work / "parts")
+        figs += rig
+        print(f"bench: {cmd.iterations} real iterations ...", flush=True)
+        whole = real_iterations(args, env, {f.part: f for f in figs}, learner_rows, cmd.iterations, work / "whole")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    lines = bench_lines(cmd.profile, env, figs, whole)
+    print("\n".join(lines))
+    if cmd.write:
+        path = THROUGHPUT_DOC
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        with path.open("a") as f:
+            f.write(f"\n### bench, {stamp}, commit {git_commit()}\n\n" + "\n".join(lines) + "\n")
+        print(f"appended to {path}")
+    return 0
+
+
+def git_commit() -> str:
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return proc.stdout.strip() or "(not a git checkout)"
+
+
+# --- 8. CLI ---------------------------------------------------------------------------------------
 # The commands as tyro dataclasses, as in ladder.py: each field's docstring is its --help.
 
 
@@ -582,23 +1155,63 @@ class VerifyResume:
 
 @dataclasses.dataclass(kw_only=True)
 class Replay:
-    """Re-simulate episodes from episodes.jsonl (their seed and both seats' played actions) and
-    compare each with its record; exit 1 at the first divergence, naming the step and field."""
-    run: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN_DIR")]
-    """the run directory"""
+    """Re-simulate episodes from episodes.jsonl, or a battle `play --save` wrote (their seed and
+    both seats' played actions), and compare each with its record; exit 1 at the first
+    divergence, naming the step and field."""
+    run: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN_DIR|FILE")]
+    """the run directory, or a file written by `play --save` (both its records by default)"""
     episode: Optional[int] = None
-    """the record to replay: its 0-based line in episodes.jsonl"""
+    """the record to replay: its 0-based line in episodes.jsonl (in a saved battle: 0 blue, 1 red)"""
     all: bool = False
     """replay every record and report how many match"""
 
 
+@dataclasses.dataclass(kw_only=True)
+class Play:
+    """Watch one full battle between two players on a run's evaluation env: a text view every
+    --every decisions and the result; --save F writes it so that `replay F` re-simulates it."""
+    blue: str
+    """the blue player: snap:<id> (--run's ladder/snapshots), scripted:<name>, or checkpoint:<dir>
+    (runs/<id>/checkpoints/<step>; its run is the directory two levels up)"""
+    red: str
+    """the red player, as --blue"""
+    run: Optional[str] = None
+    """the run whose evaluation env and snapshots to use (default: a checkpoint: player's run, else
+    none, for two scripted players)"""
+    seed: int = 0
+    """the battle's seed: its start and both seats' streams are derived from it by name"""
+    every: int = 20
+    """show the battle every K decisions"""
+    save: Optional[str] = None
+    """write both seats' EpisodeRecords and the env to this file (check it with `replay F`)"""
+    viewer: bool = False
+    """also stream the battle to royalegym's viewer (RoyaleViser), at game speed while one watches"""
+    device: str = "cpu"
+    """where a neural player's network runs"""
+
+
+@dataclasses.dataclass(kw_only=True)
+class Bench:
+    """This machine's budget for a profile (design 1.2): the engine, the farm, codec.pack,
+    inference, the critic pass and the update, each timed alone (medians of 3, load average
+    beside), then real iterations beside the time the parts predict."""
+    profile: str = "cpu"
+    """the profile to measure (laptop, workstation, many_core, cpu, smoke)"""
+    iterations: int = 4
+    """real iterations to run; the first is a warm-up, the median of the rest is reported"""
+    write: bool = False
+    """append the table, dated, with the command and commit, to docs/throughput.md"""
+
+
 COMMANDS: dict[type, Callable[[Any], int]] = {Doctor: cmd_doctor, Identity: cmd_identity,
-                                              VerifyResume: cmd_verify_resume, Replay: cmd_replay}
+                                              VerifyResume: cmd_verify_resume, Replay: cmd_replay,
+                                              Play: cmd_play, Bench: cmd_bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cmd = tyro.cli(Union[Doctor, Identity, VerifyResume, Replay], args=argv, prog="checks.py",   # type: ignore[arg-type]
-                   description="Checks of a clash-ppo run: doctor, identity, verify-resume, replay.")
+    cmd = tyro.cli(Union[Doctor, Identity, VerifyResume, Replay, Play, Bench], args=argv,   # type: ignore[arg-type]
+                   prog="checks.py", description="Checks of a clash-ppo run: doctor, identity, verify-resume, "
+                   "replay, play, bench.")
     try:
         return COMMANDS[type(cmd)](cmd)
     except (CheckError, P.ConfigError, P.CheckpointFormatError, P.ArchMismatch) as exc:

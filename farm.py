@@ -1126,15 +1126,15 @@ def _wait_word(is_new: Callable[[], bool], sem: Any, spin_s: float, sleep_s: flo
 
 
 # --- 9. The shard runner: the worker's loop body (design 3.5), shared by both farms ---------------
-# A ShardRunner is one shard's vec env, composed of its _Seats (who acts in each slot) and its
-# _RunningEpisodes (which episode each battle plays and what it has counted); step() is STEP,
+# A ShardRunner is one shard's vec env, composed of its Seats (who acts in each slot) and its
+# RunningEpisodes (which episode each battle plays and what it has counted); step() is STEP,
 # apply_slot_plan() is PLAN.
 
 def _battle_seed(master_seed: int, base: int, game: int, ordinal: int) -> int:
     return derive_int(master_seed, f"env/battle/{base + game}/ordinal/{ordinal}")
 
 
-class _RunningEpisodes:
+class RunningEpisodes:
     """What the worker knows of each running episode of one shard: which one it is (its reset
     ordinal and seed; in the evaluation mode its plan index, popped from the shard's queue when
     the vec env resets the battle) and what it has counted for its EpisodeRecord (per battle
@@ -1227,7 +1227,7 @@ class _RunningEpisodes:
         self.played[g] = []
 
 
-def _transition_deploy_tick(info: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+def transition_deploy_tick(info: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     """Each slot's deploy_status and tick for the transition just taken. After an autoreset the
     flat info keys hold the NEW episode's reset info; the ended transition's own are in
     final_info."""
@@ -1255,7 +1255,7 @@ def _final_info_fields(fin: dict[str, Any], i: int) -> dict[str, Any]:
     }
 
 
-class _Seats:
+class Seats:
     """Who acts in each slot of one shard, on the worker's side: its group (learner, resident
     snapshot, scripted, dead, idle), its scripted opponent's index, and for a scripted seat the
     player and the generator of its running episode; per battle, the ordinal its seats were given
@@ -1354,7 +1354,7 @@ class ShardRunner:
         self.n = 2 * M
         self.slot0 = 2 * (w * cfg.shards_per_worker + s) * M
         self.plan = cfg.eval_plan                           # None: training
-        self.running = _RunningEpisodes(cfg, w, s, ordinals)
+        self.running = RunningEpisodes(cfg, w, s, ordinals)
         # design 3.8 step 11: exactly one vec env in the run carries the viewer's publisher (it
         # binds a UDP port per process): worker 0's first shard; every other shard gets None.
         viser = "env" if (cfg.viewer and w == 0 and s == 0) else None
@@ -1362,7 +1362,7 @@ class ShardRunner:
         self.vec.set_episode_ordinals(ordinals)
         self.packer = codec.Packer(table)
         self.row_bytes = table.row_bytes
-        self.seats = _Seats(cfg, self.vec, w, gen, self.slot0, self.n)
+        self.seats = Seats(cfg, self.vec, w, gen, self.slot0, self.n)
         self.gamma: float | None = None
         self.obs: dict[str, np.ndarray] | None = None
         self.steps_taken = 0
@@ -1460,7 +1460,7 @@ class ShardRunner:
         t0 = time.perf_counter_ns()
         obs, rew, term, trunc, info = self.vec.step(acts)
         io.control["t_env_ns"] = time.perf_counter_ns() - t0
-        deploy, tick = _transition_deploy_tick(info)
+        deploy, tick = transition_deploy_tick(info)
         self.running.count(rew, deploy)
         sc = np.zeros(self.n, SCALAR_DTYPE)
         sc["reward"] = rew
@@ -1571,7 +1571,7 @@ class RolloutRound:
         self.__dict__.update(kw)
 
 
-def _bucket(role: int) -> str:
+def bucket_of(role: int) -> str:
     return ("mirror", "pool", "scripted")[role]
 
 
@@ -1757,7 +1757,7 @@ class _AssignmentBook:
                 f"{self.replay.plan_index.get((raw['battle'], raw['ordinal']))}")
         a = self.assignment[raw["battle"]]
         pol, opp = self.policy_ids(a, raw["seat"], plan)
-        raw.update(policy_id=pol, opponent_id=opp, bucket=_bucket(a.role))
+        raw.update(policy_id=pol, opponent_id=opp, bucket=bucket_of(a.role))
         return msgspec.convert(raw, EpisodeRecord)
 
 

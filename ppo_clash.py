@@ -13,7 +13,8 @@ and ladder.py says, with an error bar, whether it is one.
 Reads:  the env's own spaces and layouts (farm.preflight, NetGeometry); codec.Obs minibatches;
         farm's name-addressed seeding; ladder's matchmaker, pool, gate, rater and probe.
 Writes: <runs_dir>/<run_name>-<run_id>/: config.json, identity.json, metrics.jsonl (one row an
-        iteration), episodes.jsonl, alarms.jsonl, bundles/<iteration>/ on a halt,
+        iteration), episodes.jsonl, alarms.jsonl (a resume moves rows written after its checkpoint
+        to <log>.after-iteration-<k>), bundles/<iteration>/ on a halt,
         checkpoints/<env_steps:012d>/ (safetensors and JSON with a sha256 manifest), and, through
         ladder.py, ladder/ (eval seeds, snapshots, pool, gates, ratings, games.jsonl). Nothing
         pickled. Section references ("design 6.3") are to docs/design.md.
@@ -38,6 +39,7 @@ stops after the loop has read the whole method. Sections 9-12 are the run's book
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import hashlib
@@ -49,7 +51,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Sequence
+from typing import Any, Iterator, Literal, NamedTuple, Sequence
 
 import msgspec
 import numpy as np
@@ -446,7 +448,7 @@ def profile_args(name: str) -> Args:
                      "timestep_limit": 3 * 256 if smoke else 100_000_000}.items():
             _set(a, k, v)
         return a
-    raise ConfigError(f"unknown profile {name!r}; valid: {', '.join(PROFILES)}" + _nearest(name, PROFILES))
+    raise ConfigError(f"--profile {name!r}: unknown profile; must be one of {', '.join(PROFILES)}" + _nearest(name, PROFILES))
 
 
 PROFILES = ("laptop", "workstation", "many_core", "cpu", "smoke")
@@ -505,8 +507,26 @@ def config_json(args: Args) -> bytes:
     return canonical_json(args)
 
 
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A --config file's JSON object; anything else is refused naming the file, and for JSON that
+    does not parse, the line and column, so the message is the remedy (design 1.3)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot be read ({e.strerror}); pass a JSON file such as a run's "
+                          "config.json") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--config {path}: line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}); "
+                          "fix that line (a trailing comma or a comment is the usual cause)") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"--config {path}: holds a JSON {type(d).__name__}, not an object of fields")
+    return d
+
+
 def load_config_file(path: str | Path, base: Args | None = None) -> Args:
-    d = json.loads(Path(path).read_text())
+    d = read_config_file(path)
     prof = d.get("profile", base.profile if base else "laptop")
     args = base if base is not None else profile_args(prof)
     try:
@@ -569,7 +589,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Args:
             if name not in flags:
                 raise ConfigError(f"unknown argument {name!r}" + _nearest(name, list(flags) + ["--profile", "--config"]))
     if profile is None:  # a config file names its own profile; the flag wins over it
-        profile = json.loads(Path(config).read_text()).get("profile", "laptop") if config else "laptop"
+        profile = read_config_file(config).get("profile", "laptop") if config else "laptop"
     base = profile_args(profile)
     if config is not None:
         base = load_config_file(config, base)
@@ -579,27 +599,138 @@ def parse_args(argv: Sequence[str] | None = None) -> Args:
     return args
 
 
+def flag(path: str) -> str:
+    """A field as the command line spells it: ppo.lr_backoff.kl_threshold -> --ppo.lr-backoff.kl-threshold."""
+    return "--" + path.replace("_", "-")
+
+
+def field_value(args: Args, path: str) -> Any:
+    obj: Any = args
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def config_rules(args: Args) -> list[tuple[str, bool, str]]:
+    """Every size, count, fraction and divisibility the code relies on, one rule a line: (field,
+    holds, what it must be). All in one place so a bad value stops before a run directory exists
+    (design 1.3); each `holds` guards its own arithmetic, so one bad value never raises in another's."""
+    o, r, n, p, A, L, G = args.obs, args.rollout, args.net, args.ppo, args.advantage, args.ladder, args.ladder.gate
+    battles = r.workers * r.games_per_worker
+    mix_ok = len(L.mix) == 3 and min(L.mix) >= 0 and abs(sum(L.mix) - 1.0) <= 1e-9
+    # one cycle's learner seats: every battle's learner seat plus the second seat of a mirror battle
+    seats = battles + ladder.role_counts(L.mix, battles)[0] if mix_ok and battles >= 1 else 1
+    twice = 2 * L.eval_seed_count
+    paired = f"be even, at least 2 and at most 2 x --ladder.eval-seed-count = {twice} (a seed plays from both sides)"
+    pos, nonneg, frac = "be > 0", "be >= 0", "be in [0, 1]"
+    return [
+        ("master_seed", 0 <= args.master_seed < 2 ** 63, "be in [0, 2**63): every stream derives from it"),
+        ("timestep_limit", args.timestep_limit >= 1, "be >= 1"),
+        ("obs.frame_stack", o.frame_stack >= 1, "be >= 1"),
+        ("obs.decision_ms", o.decision_ms >= 1, "be >= 1 (game milliseconds per decision)"),
+        ("obs.reveal", set(o.reveal) <= {"enemy_spell_aim"}, "name only enemy_spell_aim (the flag read_env wires)"),
+        ("obs.max_steps", o.max_steps >= 0, "be >= 0 (0 plays whole battles)"),
+        ("rollout.workers", r.workers >= 1, "be >= 1"),
+        ("rollout.games_per_worker", r.games_per_worker >= 1, "be >= 1"),
+        ("rollout.shards_per_worker", r.shards_per_worker >= 1, "be >= 1"),
+        ("rollout.games_per_worker", r.shards_per_worker < 1 or r.games_per_worker % r.shards_per_worker == 0,
+         f"be a multiple of --rollout.shards-per-worker = {r.shards_per_worker} (each shard holds the same battles)"),
+        ("rollout.spin_us", r.spin_us >= 0, nonneg),
+        ("rollout.round_timeout_s", r.round_timeout_s > 0, pos),
+        ("rollout.max_restarts_per_worker", r.max_restarts_per_worker >= 0, nonneg),
+        ("rollout.launch_delay_s", r.launch_delay_s >= 0, nonneg),
+        ("rollout.overlap", not r.overlap, "be false: lag-1 collection is not built (design 10.1)"),
+        ("rollout.eval_workers", r.eval_workers >= 1, "be >= 1"),
+        ("rollout.eval_games_per_worker", r.eval_games_per_worker >= 1, "be >= 1"),
+        ("net.channels", n.channels >= 1, "be >= 1"),
+        ("net.blocks", n.blocks >= 0, nonneg),
+        ("net.norm_groups", n.norm_groups >= 1 and n.channels % n.norm_groups == 0,
+         f"be >= 1 and divide --net.channels = {n.channels} (GroupNorm splits the channels evenly)"),
+        ("net.vector_embed", n.vector_embed >= 1, "be >= 1"),
+        ("net.value_hidden", n.value_hidden >= 1, "be >= 1"),
+        ("net.noop_bias", math.isfinite(n.noop_bias), "be finite"),
+        ("net.device", n.device.split(":")[0] in ("cpu", "cuda", "mps"), "be cpu, cuda, cuda:N or mps"),
+        ("ppo.n_epochs", p.n_epochs >= 1, "be >= 1"),
+        ("ppo.timesteps_per_iteration", p.timesteps_per_iteration >= seats,
+         f"be at least one cycle's learner seats ({seats} from --rollout.workers x --rollout.games-per-worker "
+         "and --ladder.mix): an iteration collects whole cycles"),
+        ("ppo.batch_size", p.batch_size >= 1, "be >= 1"),
+        ("ppo.minibatch_size", 1 <= p.minibatch_size <= p.batch_size, f"be in [1, --ppo.batch-size = {p.batch_size}]"),
+        ("ppo.clip_range", 0 < p.clip_range < 1, "be in (0, 1)"),
+        ("ppo.dual_clip_c", p.dual_clip_c > 1, "be > 1: the floor c * A must lie below the clipped objective"),
+        ("ppo.vf_coef", p.vf_coef > 0, pos),
+        ("ppo.ent_coef.start", p.ent_coef.start >= 0, nonneg),
+        ("ppo.ent_coef.end", p.ent_coef.end >= 0 and (p.ent_coef.kind != "geometric"
+                                                      or min(p.ent_coef.start, p.ent_coef.end) > 0),
+         "be >= 0, and start and end > 0 under a geometric schedule"),
+        ("ppo.ent_coef.over_env_steps", p.ent_coef.over_env_steps > 0, pos),
+        ("ppo.ent_coef_noop.start", p.ent_coef_noop.start >= 0, nonneg),
+        ("ppo.ent_coef_noop.end", p.ent_coef_noop.end >= 0 and (p.ent_coef_noop.kind != "geometric"
+                                                                or min(p.ent_coef_noop.start, p.ent_coef_noop.end) > 0),
+         "be >= 0, and start and end > 0 under a geometric schedule"),
+        ("ppo.ent_coef_noop.over_env_steps", p.ent_coef_noop.over_env_steps > 0, pos),
+        ("ppo.max_grad_norm", p.max_grad_norm > 0, pos),
+        ("ppo.lr_actor", p.lr_actor > 0, pos),
+        ("ppo.lr_critic", p.lr_critic > 0, pos),
+        ("ppo.adam_eps", p.adam_eps > 0, pos),
+        ("ppo.lr_backoff.kl_threshold", p.lr_backoff.kl_threshold > 0, pos),
+        ("ppo.lr_backoff.patience", p.lr_backoff.patience >= 1, "be >= 1"),
+        ("ppo.lr_backoff.factor", 0 < p.lr_backoff.factor <= 1, "be in (0, 1]"),
+        ("ppo.lr_backoff.lr_min", p.lr_backoff.lr_min >= 0, nonneg),
+        ("ppo.critic_chunk", p.critic_chunk >= 1, "be >= 1"),
+        ("ppo.debug_assert_iterations", p.debug_assert_iterations >= 0, nonneg),
+        ("ppo.check_ratio_invariant_every", p.check_ratio_invariant_every >= 1, "be >= 1 (iterations apart)"),
+        ("ppo.ratio_atol_fp32", p.ratio_atol_fp32 > 0, pos),
+        ("ppo.ratio_atol_bf16", p.ratio_atol_bf16 > 0, pos),
+        ("ppo.forced_rows", p.forced_rows == "all" or n.separate_trunks,
+         "be all under --net.no-separate-trunks: one trunk's critic forward IS the actor's (design 6.5)"),
+        ("advantage.gamma.start", 0 < A.gamma.start <= 1, "be in (0, 1]"),
+        ("advantage.gamma.end", 0 < A.gamma.end <= 1, "be in (0, 1]"),
+        ("advantage.gamma.over_env_steps", A.gamma.over_env_steps > 0, pos),
+        ("advantage.gae_lambda", 0 <= A.gae_lambda <= 1, frac),
+        ("advantage.reward_clip", A.reward_clip > 0, pos),
+        ("ladder.mix", len(L.mix) == 3 and min(L.mix) >= 0, "be three shares (mirror pool scripted), each >= 0"),
+        ("ladder.mix", mix_ok, "sum to 1"),
+        ("ladder.max_resident_opponents", 0 <= L.max_resident_opponents <= 63,
+         "be in [0, 63]: old and new residents share 127 int8 group ids"),
+        ("ladder.pfsp_power", L.pfsp_power >= 0, nonneg),
+        ("ladder.pfsp_uniform_floor", 0 <= L.pfsp_uniform_floor <= 1, frac),
+        ("ladder.candidate_every_env_steps", L.candidate_every_env_steps >= 1, "be >= 1"),
+        ("ladder.floor_admit_every_env_steps", L.floor_admit_every_env_steps >= 1, "be >= 1"),
+        ("ladder.pool_working_size", L.pool_working_size >= 1, "be >= 1"),
+        ("ladder.eval_seed_count", L.eval_seed_count >= 1, "be >= 1"),
+        ("ladder.refit_every_iterations", L.refit_every_iterations >= 0, "be >= 0 (0 is off)"),
+        ("ladder.probe_every_iterations", L.probe_every_iterations >= 0, "be >= 0 (0 is off)"),
+        ("ladder.probe_games", L.probe_games % 2 == 0 and 2 <= L.probe_games <= twice, paired),
+        ("ladder.scripted_opponents", all(s.startswith("scripted:") and s[9:] in farm.SCRIPTED_NAMES
+                                          for s in L.scripted_opponents),
+         f"name scripted:<name> players, <name> one of {', '.join(farm.SCRIPTED_NAMES)}"),
+        ("ladder.scripted_opponents", bool(L.scripted_opponents) or tuple(L.mix) == (1.0, 0.0, 0.0),
+         "name a player unless --ladder.mix is all mirror (a pool battle with nothing resident plays one)"),
+        ("ladder.gate.champion_games", G.champion_games % 2 == 0 and 2 <= G.champion_games <= twice, paired),
+        ("ladder.gate.champion_lower_bound", 0 < G.champion_lower_bound < 1, "be in (0, 1)"),
+        ("ladder.gate.anchor_games", G.anchor_games % 2 == 0 and 2 <= G.anchor_games <= twice, paired),
+        ("ladder.gate.anchor_tolerance_pp", 0 <= G.anchor_tolerance_pp <= 100, "be in [0, 100] percentage points"),
+        ("ladder.gate.stratified_snapshots", G.stratified_snapshots >= 0, nonneg),
+        ("ladder.gate.stratified_games", G.stratified_games % 2 == 0 and 2 <= G.stratified_games <= twice, paired),
+        ("ladder.gate.bootstrap_resamples", G.bootstrap_resamples >= 1, "be >= 1"),
+        ("checkpoint.every_env_steps", args.checkpoint.every_env_steps >= 1, "be >= 1"),
+        ("checkpoint.keep", args.checkpoint.keep >= 1, "be >= 1"),
+        ("alarms.ev_negative_patience", args.alarms.ev_negative_patience >= 1, "be >= 1"),
+        ("determinism.torch_threads", args.determinism.torch_threads >= 1, "be >= 1"),
+        ("doctor.ram_budget_mb", args.doctor.ram_budget_mb >= 1, "be >= 1"),
+        ("doctor.vram_headroom_mb", args.doctor.vram_headroom_mb >= 0, "be >= 0 (0 turns the gate off)"),
+    ]
+
+
 def check_consistency(args: Args) -> None:
-    """Refusals that need two fields to see (design 1.3, 10.1, 6.5). Each names the fix."""
-    p, n = args.ppo, args.net
-    if args.profile not in PROFILES:
-        raise ConfigError(f"profile {args.profile!r} is not one of {PROFILES}")
-    if args.rollout.overlap:
-        raise ConfigError("rollout.overlap=true is not built (design 10.1): set --rollout.no-overlap")
-    if p.forced_rows not in FORCED_ROWS:
-        raise ConfigError(f"ppo.forced_rows {p.forced_rows!r} is not one of {FORCED_ROWS}")
-    if p.forced_rows != "all" and not n.separate_trunks:
-        raise ConfigError(f"ppo.forced_rows={p.forced_rows} needs net.separate_trunks: under one trunk the "
-                          "critic's forward IS the actor's, so skipping a row saves nothing (design 6.5). "
-                          "Use --ppo.forced-rows all with a shared trunk")
-    if n.channels % n.norm_groups:
-        raise ConfigError(f"net.norm_groups {n.norm_groups} must divide net.channels {n.channels}")
-    if p.minibatch_size > p.batch_size:
-        raise ConfigError(f"ppo.minibatch_size {p.minibatch_size} exceeds ppo.batch_size {p.batch_size}")
-    if min(p.minibatch_size, p.batch_size, p.n_epochs, args.obs.frame_stack) < 1:
-        raise ConfigError("ppo.minibatch_size, ppo.batch_size, ppo.n_epochs and obs.frame_stack must be >= 1")
-    if abs(sum(args.ladder.mix) - 1.0) > 1e-9:
-        raise ConfigError(f"ladder.mix {args.ladder.mix} must sum to 1")
+    """Refuse the first broken rule of config_rules as one line: the field as the command line
+    spells it, its value, and what it must be (the remedy). main turns it into exit 2."""
+    for path, holds, rule in config_rules(args):
+        if not holds:
+            value = field_value(args, path)
+            shown = (" ".join(map(str, value)) or "(none)") if isinstance(value, tuple) else repr(value)
+            raise ConfigError(f"{flag(path)} {shown}: must {rule}")
 
 
 def resolve_device(args: Args) -> torch.device:
@@ -710,9 +841,8 @@ class MaskedCategorical:
             raise TypeError(f"MaskedCategorical needs float32 logits (design 5.2), got {logits.dtype}")
         if mask.dtype != torch.bool or mask.shape != logits.shape:
             raise TypeError(f"mask must be bool of shape {tuple(logits.shape)}, got {mask.dtype} {tuple(mask.shape)}")
-        if check_noop and not bool(mask[:, 0].all()):
-            rows = torch.nonzero(~mask[:, 0]).flatten()[:16].tolist()
-            raise ValueError(f"mask[NOOP] must be True (royalegym action.py sets it always); rows {rows} have it clear")
+        if check_noop:
+            refuse_clear_noop(mask)
         self.mask = mask
         self.logp = torch.log_softmax(logits.masked_fill(~mask, torch.finfo(torch.float32).min), -1)
 
@@ -743,6 +873,20 @@ class MaskedCategorical:
     def n_legal(self) -> torch.Tensor:
         return self.mask.sum(-1)
 
+
+def refuse_clear_noop(mask: torch.Tensor) -> None:
+    """The no-op is always legal, so a row without it is a bug upstream: refused by row number."""
+    if not bool(mask[:, 0].all()):
+        rows = torch.nonzero(~mask[:, 0]).flatten()[:16].tolist()
+        raise ValueError(f"mask[NOOP] must be True (royalegym action.py sets it always); rows {rows} have it clear")
+
+
+def forced_rows(mask: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: the rows whose mask allows the no-op alone (design 6.5's forced rows). Whatever
+    the logits, such a row's action is the no-op at log-prob exactly 0 and p(no-op) exactly 1
+    (a log-softmax over one entry is 0), so acting writes those without a forward (design 3.6).
+    A row with the no-op bit clear is not forced: it goes to the forward, which refuses it."""
+    return mask[:, 0] & ~mask[:, 1:].any(-1)
 
 
 # --- 4. Networks (design 5.1, 5.2, 5.4) ----------------------------------------------------------
@@ -779,6 +923,39 @@ def legal_frac(mask: torch.Tensor, geo: NetGeometry) -> torch.Tensor:
     return mask[:, 1:1 + P * H * W].reshape(-1, P, H * W).float().mean(-1)
 
 
+class Rows(NamedTuple):
+    """The rows a subset forward computes: `idx`, ascending, of a batch of `n` (actor_rows)."""
+    idx: torch.Tensor
+    n: int
+
+
+def at_batch_shape(layer: nn.Module, x: torch.Tensor, rows: Rows | None) -> torch.Tensor:
+    """layer(x), where x holds rows.idx of a batch of rows.n, computed at the whole batch's shape
+    (the other rows zero) and those rows returned. A CPU gemm's result for a row depends on the
+    batch's row count and the row's place in it (MKL picks its kernel by shape), never on the
+    other rows' values, so this is the whole batch's Linear bit for bit [M: docs/throughput.md];
+    the zero rows are cheap next to the convolutions. rows None: layer(x)."""
+    if rows is None:
+        return layer(x)
+    full = x.new_zeros((rows.n, *x.shape[1:]))
+    full[rows.idx] = x
+    return layer(full)[rows.idx]
+
+
+def actor_rows(forced: torch.Tensor) -> Rows | None:
+    """The rows the actor runs on when acting: every row with a choice, ascending; None if none.
+    A lone choice row in a batch of more rides with one forced row: PyTorch runs a one-row 3x3
+    convolution of at most 20,480 input values on its native CPU path rather than oneDNN, whose
+    sums differ in the last bit [M: docs/throughput.md], so the actor never runs on one row where
+    the whole batch had more."""
+    idx = torch.nonzero(~forced).flatten()
+    if idx.numel() == 0:
+        return None
+    if idx.numel() == 1 and forced.numel() > 1:
+        idx = torch.sort(torch.cat([idx, torch.nonzero(forced).flatten()[:1]])).values
+    return Rows(idx, int(forced.numel()))
+
+
 class Trunk(nn.Module):
     """cat[spatial, mask_planes, coords, broadcast vector embedding, card-id embedding]
     -> Conv3x3 GN ReLU -> N residual blocks  ->  (B, C, H, W)."""
@@ -800,20 +977,23 @@ class Trunk(nn.Module):
         self.body = nn.Sequential(*[ResBlock(net.channels, net.norm_groups) for _ in range(net.blocks)])
         self.in_channels = in_ch
 
-    def forward(self, obs: Any) -> torch.Tensor:
+    def forward(self, obs: Any, rows: Rows | None = None) -> torch.Tensor:
+        """rows: compute those rows of obs only, bit for bit what the whole batch gives them."""
         geo = self.geo
-        B = obs.vector.shape[0]
         H, W = geo.tiles
         G = 1 + geo.hand_size * H * W
+        vin = obs.vector
+        if geo.n_buttons:  # the ability buttons' readiness rides with the vector (design 5.1)
+            vin = torch.cat([vin, obs.mask[:, G:G + geo.n_buttons].to(vin.dtype)], -1)
+        v = self.vemb(vin)   # on every row: a Linear's rows depend on the batch's shape (at_batch_shape)
+        if rows is not None:
+            obs, v = obs_rows(obs, rows.idx), v[rows.idx]
+        B = obs.vector.shape[0]
         planes = obs.mask_planes
         if planes is None:  # derived from the mask: a reshape of bytes the row already carries
             if geo.frame_stack != 1:
                 raise ValueError("frame_stack > 1 needs stacked mask_planes from codec.unpack; got None")
             planes = obs.mask[:, 1:G].reshape(B, geo.hand_size, H, W).float()
-        vin = obs.vector
-        if geo.n_buttons:  # the ability buttons' readiness rides with the vector (design 5.1)
-            vin = torch.cat([vin, obs.mask[:, G:G + geo.n_buttons].to(vin.dtype)], -1)
-        v = self.vemb(vin)
         parts = [obs.spatial, planes.to(obs.spatial.dtype)]
         if self.coord_conv:
             parts.append(self.coords.to(obs.spatial.dtype).unsqueeze(0).expand(B, -1, -1, -1))
@@ -843,16 +1023,20 @@ class PointerHead(nn.Module):
         self.scale = C ** -0.5          # logit_scale "rsqrt_c"
         self.noop_bias = float(net.noop_bias)
 
-    def forward(self, x: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, vector: torch.Tensor, rows: Rows | None = None) -> torch.Tensor:
+        """x: the trunk's rows; vector: the whole batch's, of which `rows` are x's (None: all)."""
         B, P = x.shape[0], self.geo.hand_size
+        if rows is not None:
+            vector = vector[rows.idx]
         fp = self.fp(x)
         card_id = vector[:, self.cards_at].reshape(B, P, self.K).argmax(-1)
         q_in = torch.cat([self.card(card_id), vector[:, self.cost_at, None], vector[:, self.afford_at, None]], -1).to(fp.dtype)
-        tiles = torch.einsum("bcyx,bkc->bkyx", fp, self.q(q_in)) * self.scale + self.qb(q_in)[..., None]
+        tiles = (torch.einsum("bcyx,bkc->bkyx", fp, at_batch_shape(self.q, q_in, rows)) * self.scale
+                 + at_batch_shape(self.qb, q_in, rows)[..., None])
         pooled = torch.cat([fp.mean((2, 3)), fp.amax((2, 3))], 1)
-        parts = [self.noop(pooled).float() + self.noop_bias, tiles.reshape(B, -1).float()]
+        parts = [at_batch_shape(self.noop, pooled, rows).float() + self.noop_bias, tiles.reshape(B, -1).float()]
         if self.buttons is not None:
-            parts.append(self.buttons(pooled).float())
+            parts.append(at_batch_shape(self.buttons, pooled, rows).float())
         return torch.cat(parts, -1)  # float32 always (design 5.2)
 
 
@@ -869,6 +1053,15 @@ class ValueHead(nn.Module):
         pooled = torch.cat([x.mean((2, 3)), x.amax((2, 3))], 1)
         feat = torch.cat([pooled, self.vfeat(obs.vector).to(pooled.dtype), legal_frac(obs.mask, self.geo).to(pooled.dtype)], 1)
         return self.mlp(feat).squeeze(-1).float()
+
+
+class Acted(NamedTuple):
+    """What acting on a batch gives: (B,) actions, their log-probs and p(no-op), and how many rows
+    the actor ran on (the rest were forced rows, written without a forward)."""
+    action: torch.Tensor
+    log_prob: torch.Tensor
+    p_noop: torch.Tensor
+    forwarded: int
 
 
 class ActorCritic(nn.Module):
@@ -897,31 +1090,53 @@ class ActorCritic(nn.Module):
         on = self.autocast == "bfloat16"
         return torch.autocast(device_type, dtype=torch.bfloat16, enabled=on)
 
-    def logits(self, obs: Any) -> torch.Tensor:
+    def logits(self, obs: Any, rows: Rows | None = None) -> torch.Tensor:
         with self._ctx(obs.vector.device.type):
-            return self.policy(self.actor_trunk(obs), obs.vector).float()
+            return self.policy(self.actor_trunk(obs, rows), obs.vector, rows).float()
 
     def value(self, obs: Any) -> torch.Tensor:
         with self._ctx(obs.vector.device.type):
             trunk = self.critic_trunk if self.critic_trunk is not None else self.actor_trunk
             return self.value_head(trunk(obs), obs).float()
 
-    def dist(self, obs: Any, check_noop: bool = True) -> MaskedCategorical:
-        return MaskedCategorical(self.logits(obs), obs.mask, check_noop=check_noop)
+    def dist(self, obs: Any, check_noop: bool = True, rows: Rows | None = None) -> MaskedCategorical:
+        """rows: the distribution of those rows of obs alone (a subset forward, at_batch_shape)."""
+        mask = obs.mask if rows is None else obs.mask[rows.idx]
+        return MaskedCategorical(self.logits(obs, rows), mask, check_noop=check_noop)
 
     @torch.no_grad()
     def act(self, obs: Any, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rollout inference: actions from the caller's uniforms, and their log-probs to store."""
-        a, lp, _ = self.act_and_hold(obs, u)
+        a, lp, _, _ = self.act_and_hold(obs, u)
         return a, lp
 
     @torch.no_grad()
-    def act_and_hold(self, obs: Any, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def act_and_hold(self, obs: Any, u: torch.Tensor, greedy: bool = False) -> Acted:
         """act, plus each row's p(no-op): the rollout's own hold probability (design 9.2's
-        policy/rollout_hold_*, measured on the policy that chose, not the one the update moved)."""
-        d = self.dist(obs)
-        a = d.sample(u)
-        return a, d.log_prob(a), d.logp[:, 0].exp()
+        policy/rollout_hold_*, measured on the policy that chose, not the one the update moved).
+        A forced row is written without a forward: the no-op, log-prob 0, p(no-op) 1, exactly what
+        its forward would give (forced_rows). The actor runs on the other rows alone (actor_rows),
+        bit for bit what the whole batch's forward gives them (design 3.6). greedy: the mode, not
+        a sample (ladder.release_mode "argmax"; u unused)."""
+        forced = forced_rows(obs.mask)
+        if not bool(forced.any()):
+            d = self.dist(obs)
+            a = d.mode() if greedy else d.sample(u)
+            return Acted(a, d.log_prob(a), d.logp[:, 0].exp(), len(a))
+        refuse_clear_noop(obs.mask)   # numbered in the whole batch, as the plain forward would
+        n = int(forced.numel())
+        a = torch.zeros(n, dtype=torch.int64, device=obs.mask.device)
+        lp = torch.zeros(n, dtype=torch.float32, device=obs.mask.device)
+        p0 = torch.ones(n, dtype=torch.float32, device=obs.mask.device)
+        rows = actor_rows(forced)
+        if rows is None:
+            return Acted(a, lp, p0, 0)
+        d = self.dist(obs, check_noop=False, rows=rows)
+        ar = d.mode() if greedy else d.sample(u[rows.idx])
+        keep = ~forced[rows.idx]     # a forced row that rode along keeps its exact values
+        at = rows.idx[keep]
+        a[at], lp[at], p0[at] = ar[keep], d.log_prob(ar)[keep], d.logp[keep, 0].exp()
+        return Acted(a, lp, p0, len(rows.idx))
 
 
 def init_weights(model: ActorCritic, gen: torch.Generator) -> None:
@@ -1443,26 +1658,15 @@ def train(args: Args, *, max_iterations: int | None = None, quiet: bool = False,
     identity must equal the checkpoint's field for field (design 2.4), and the learner, the RNG,
     the farm's episode ordinals and the ladder are restored. The process-wide determinism settings
     are put back on the way out, so a caller in the same process (a test, checks.py) keeps its own."""
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
-    try:
+    check_consistency(args)   # design 1.3: an Args built in code is held to the rules the command line is
+    with process_settings_kept():
         return _train(args, max_iterations, quiet, resume, allow_identity_drift)
-    finally:
-        torch.use_deterministic_algorithms(saved[0])
-        torch.set_num_threads(saved[1])
 
 
 def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | None, allow_drift: bool) -> Path:
     t_start = time.perf_counter()
-    # -- set up, once --
-    apply_determinism(args)                   # design 2.1: before the first tensor exists
-    env = read_env(args)                      # geometry, codec table and T x R, read off a reset env
-    learner = Learner(args, env)              # the network, its optimizers, scaler, backoff, positions
-    env.mask_disagreements = run_startup_gates(args, env, learner.model, quiet)   # design 3.8: refuse
-    run = open_run(args, env, learner, resume, allow_drift, quiet, t_start)   # identity; a resume restores
-    lad = LadderLoop(args, run.path, run.rid, args.master_seed, env.n_battles, env.spec, env.table, env.device)
-    opening = start_ladder(lad, run, learner, env)   # v0 admitted free, or the checkpoint's pool
-    source = open_farm(args, env, run.start_ordinals, lad.assign)
-    view = RectView(source.rect, env, args.obs.frame_stack)
+    # -- set up, once: the env read, the network, the gates, the run directory, the ladder, the farm --
+    env, learner, run, lad, opening, source, view = set_up(args, quiet, resume, allow_drift, t_start)
     first = learner.iteration
     run.announce(env)
     try:
@@ -1511,7 +1715,45 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
     return run.path
 
 
-# The set-up steps, in the order train() calls them.
+# The set-up, once: set_up() and the steps it calls, in order.
+
+@contextlib.contextmanager
+def process_settings_kept() -> Iterator[None]:
+    """Put the process-wide torch settings apply_determinism changes back on the way out, so a
+    caller in the same process (a test, checks.py) keeps its own."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads())
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0])
+        torch.set_num_threads(saved[1])
+
+
+class Setup(NamedTuple):
+    """What train() builds once, before its first iteration, and the loop reads."""
+    env: Env
+    learner: Learner
+    run: Run
+    lad: LadderLoop
+    opening: list[Any] | None    # the farm's opening assignment table (a resume's), else None
+    source: Any                  # the farm: farm.ProcessFarm or farm.InlineFarm
+    view: RectView
+
+
+def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: bool = False,
+           t_start: float | None = None) -> Setup:
+    """Everything train() does once, in order (design 10.1); checks.py bench builds its rig with it."""
+    apply_determinism(args)                   # design 2.1: before the first tensor exists
+    env = read_env(args)                      # geometry, codec table and T x R, read off a reset env
+    learner = Learner(args, env)              # the network, its optimizers, scaler, backoff, positions
+    env.mask_disagreements = run_startup_gates(args, env, learner.model, quiet)   # design 3.8: refuse
+    run = open_run(args, env, learner, resume, allow_drift, quiet,            # identity; a resume restores
+                   time.perf_counter() if t_start is None else t_start)
+    lad = LadderLoop(args, run.path, run.rid, args.master_seed, env.n_battles, env.spec, env.table, env.device)
+    opening = start_ladder(lad, run, learner, env)   # v0 admitted free, or the checkpoint's pool
+    source = open_farm(args, env, run.start_ordinals, lad.assign)
+    return Setup(env, learner, run, lad, opening, source, RectView(source.rect, env, args.obs.frame_stack))
+
 
 def apply_determinism(args: Args) -> None:
     """Determinism tier run_exact (design 2.1): deterministic kernels, no tf32, fixed thread count."""
@@ -1735,6 +1977,8 @@ class Rollout:
     engine_ticks: int = 0
     t_collect: float = 0.0
     t_inference: float = 0.0
+    rows_forward: int = 0     # rows the parent's actors ran on (learner and pool seats)
+    rows_skipped: int = 0     # forced rows acted without a forward (forced_rows)
     scalars: Any = None
     stats: dict[str, Any] = field(default_factory=dict)
     failures: list[Any] = field(default_factory=list)
@@ -1796,7 +2040,8 @@ def collect(source: Any, view: RectView, model: ActorCritic, lad: LadderLoop, en
 def act_round(rnd: Any, t: int, u: torch.Tensor, view: RectView, model: ActorCritic, lad: LadderLoop,
               geo: NetGeometry, roll: Rollout) -> np.ndarray:
     """One shard-round's actions. Pool seats: one forward per resident group, groups ascending,
-    not trainable and so no log-prob. Learner seats: sample, and store what the update needs."""
+    not trainable and so no log-prob. Learner seats: sample, and store what the update needs.
+    Either way a forced row takes no forward (ActorCritic.act_and_hold, design 3.6)."""
     sl = rnd.slots
     acts = np.zeros(len(sl), np.int64)
     roll.group[t, sl] = rnd.group
@@ -1804,13 +2049,18 @@ def act_round(rnd: Any, t: int, u: torch.Tensor, view: RectView, model: ActorCri
         prow = np.flatnonzero(rnd.group == g)
         ps = sl[prow].astype(np.int64)
         with torch.inference_mode():
-            acts[prow] = lad.policy(g).dist(view.obs(np.full(prow.size, t), ps)).sample(u[ps]).cpu().numpy()
+            out = lad.policy(g).act_and_hold(view.obs(np.full(prow.size, t), ps), u[ps])
+        acts[prow] = out.action.cpu().numpy()
+        roll.rows_forward += out.forwarded
+        roll.rows_skipped += prow.size - out.forwarded
         roll.action[t, ps] = acts[prow]
     rows = np.flatnonzero(rnd.group == farm.GROUP_LEARNER)   # ascending slot order
     if rows.size:
         ss = sl[rows].astype(np.int64)
         o = view.obs(np.full(rows.size, t), ss)
-        a, lp, p0 = model.act_and_hold(o, u[ss])
+        a, lp, p0, fwd = model.act_and_hold(o, u[ss])
+        roll.rows_forward += fwd
+        roll.rows_skipped += rows.size - fwd
         cd, el = decision_facts(o.vector, a, geo)
         roll.card[t, ss] = cd
         if el is not None:
@@ -2422,12 +2672,107 @@ class IdentityMismatch(ValueError):
     """A resume whose identity differs from the checkpoint's: every differing field is named."""
 
 
+def config_diff(saved: dict[str, Any], args: Args) -> list[str]:
+    """The config fields a resume changes, both sides in their JSON form: the manifest's config
+    went through JSON, so a tuple there is a list, and a list against a tuple is no difference."""
+    return dict_diff(json.loads(canonical_json(saved)), json.loads(config_json(args)))
+
+
+# The run's append-only logs, relative to the run directory. A checkpoint records how many lines
+# of each it covers (Manifest.rows); a resume moves what was written after that aside (cut_back),
+# so every iteration and every battle is in each log once (design 2.4, 8.1).
+RUN_LOGS = ("metrics.jsonl", "episodes.jsonl", "alarms.jsonl", "ladder/games.jsonl")
+
+
+def count_lines(path: Path) -> int:
+    """Complete lines: a last line a crash tore (no newline) is not one."""
+    if not path.exists():
+        return 0
+    with open(path, "rb") as f:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+
+
+def written_by(rel: str, iteration: int, ordinals: Sequence[int]) -> Any:
+    """For a checkpoint that records no row counts: whether a row of log `rel` was written by the
+    time the checkpoint was, read off the row. An episode was if its ordinal is below its battle's
+    ordinal in the checkpoint (the episode each battle was playing); the rest carry an iteration."""
+    if rel == "episodes.jsonl":
+        return lambda row: row["ordinal"] < ordinals[row["battle"]]
+    key = "run/iteration" if rel == "metrics.jsonl" else "iteration"
+    return lambda row: row[key] <= iteration
+
+
+def _row_holds(line: bytes, test: Any) -> bool:
+    """test(row) for a complete JSON line; a torn or undecodable line holds nothing."""
+    try:
+        return line.endswith(b"\n") and bool(test(json.loads(line)))
+    except (ValueError, KeyError, IndexError, TypeError):
+        return False
+
+
+def move_after(path: Path, keep: int | None, covered: Any, stays: Any, side: Path) -> tuple[int, int]:
+    """Keep the first `keep` lines of `path` (None: the leading lines `covered` holds for) and move
+    every later line to `side`, except those `stays` holds for, which stay in order. The side file
+    is written and fsynced before the log is cut, so a crash between leaves a row twice, never
+    none. Returns (lines kept at the head, lines moved)."""
+    if not path.exists():
+        return 0, 0
+    with open(path, "rb+") as f:
+        head, pos = 0, 0
+        while keep is None or head < keep:
+            line = f.readline()
+            if not line.endswith(b"\n") or (keep is None and not _row_holds(line, covered)):
+                break
+            head, pos = head + 1, pos + len(line)
+        f.seek(pos)
+        tail = f.read().splitlines(keepends=True)
+        hold = [stays is not None and _row_holds(x, stays) for x in tail]
+        kept, moved = [x for x, h in zip(tail, hold) if h], [x for x, h in zip(tail, hold) if not h]
+        if moved:
+            ladder.write_atomic(side, b"".join(moved))
+            f.seek(pos)
+            f.truncate()
+            f.write(b"".join(kept))
+            f.flush()
+            os.fsync(f.fileno())
+    return head, len(moved)
+
+
+def cut_back(run: Path, man: Manifest, ordinals: Sequence[int]) -> list[str]:
+    """Put each run log back to what checkpoint `man` covers before the resumed run appends to it
+    (design 2.4): the rows after it move to <log>.after-iteration-<k> beside the log (.2, .3, ...
+    when a resume from that iteration already made one), never deleted. A game of iteration -1
+    stays: `ladder.py eval|gate` played it, and no resumed run plays it again. The rater's cache,
+    ladder/aggregate.json, is rebuilt from the cut log. Returns one line per log for the console."""
+    k, out = man.iteration, []
+    for rel in RUN_LOGS:
+        p = run / rel
+        side, n = p.with_name(f"{p.name}.after-iteration-{k}"), 1
+        while side.exists():
+            n += 1
+            side = p.with_name(f"{p.name}.after-iteration-{k}.{n}")
+        keep = (man.rows or {}).get(rel)   # None: an older checkpoint, cut by what the rows say
+        how = "" if keep is not None else " (by iteration: the checkpoint records no row count)"
+        stays = (lambda row: row["iteration"] < 0) if rel == "ladder/games.jsonl" else None
+        head, moved = move_after(p, keep, written_by(rel, k, ordinals), stays, side)
+        line = (f"resume: {rel}: moved {moved} row(s) written after iteration {k} to {side.relative_to(run)}{how}"
+                if moved else f"resume: {rel}: no row after iteration {k}{how}")
+        if keep is not None and head < keep:
+            line += f"; it holds {head} of the {keep} rows the checkpoint covers (lost before this resume)"
+        out.append(line)
+    log = ladder.ResultLog(run)
+    if log.path.exists():
+        ladder.write_atomic(log.aggregate_path, msgspec.json.encode(ladder.rebuild_aggregate(log.read().games)))
+    return out
+
+
 def open_run(args: Args, env: Env, learner: Learner, resume: Path | None, allow_drift: bool, quiet: bool,
              t_start: float) -> Run:
     """The run's identity (design 2.3) and its directory. A new run writes config.json and
     identity.json. A resume (design 2.4) refuses an identity that differs from the checkpoint's,
     naming every field, unless allowed (drift.json then records what changed), prints every
-    config difference the identity excludes, and restores the learner."""
+    config difference the identity excludes, restores the learner, and then cuts the run's logs
+    back to what the checkpoint covers (cut_back), saying per log how many rows it moved."""
     identity = compute_identity(args, env)
     if resume is None:
         rid = run_id(identity)
@@ -2445,13 +2790,16 @@ def open_run(args: Args, env: Env, learner: Learner, resume: Path | None, allow_
                                "(writes drift.json and marks every later row).")
     if diff:
         (path / "drift.json").write_bytes(canonical_json({"checkpoint": str(resume), "differences": diff}))
-    for line in dict_diff(man.config, args_to_dict(args)):   # the excluded fields: printed, allowed
+    for line in config_diff(man.config, args):   # the excluded fields: printed, allowed
         print(f"resume: config differs from the checkpoint's: {line}")
     learner.restore(files)
     if not quiet:
         print(f"resumed {resume} at iteration {learner.iteration}; state_digest {man.state_digest[:16]}")
+    ordinals = json.loads(files["rollout/state.json"])["ordinals"]
+    for line in cut_back(path, man, ordinals):   # after every refusal above: a refused resume moves nothing
+        print(line)
     return Run(args, path, identity, man.run_id, quiet, t_start, drifted=(path / "drift.json").exists(),
-               start_ordinals=json.loads(files["rollout/state.json"])["ordinals"],
+               start_ordinals=ordinals,
                ladder_saved=json.loads(files["ladder/state.json"]) if "ladder/state.json" in files else None,
                last_saved=learner.env_steps)
 
@@ -2467,6 +2815,9 @@ class Run:
         self.args, self.path, self.identity, self.rid, self.quiet, self.t_start = args, path, identity, rid, quiet, t_start
         self.drifted, self.start_ordinals, self.ladder_saved, self.last_saved = drifted, start_ordinals, ladder_saved, last_saved
         self.files = {name: open(path / f"{name}.jsonl", "ab") for name in ("metrics", "episodes", "alarms")}
+        # lines in each log, kept as rows are written, so a checkpoint records what it covers without
+        # rereading the logs (design 8.1)
+        self.lines = {name: count_lines(path / f"{name}.jsonl") for name in self.files}
         self.alarms = AlarmSet(alarm_table(args))
         self.viser = ViserSink.from_env() if args.metrics.viser else None
         self.wandb = (WandbSink(args.metrics.wandb_project, path, json.loads(config_json(args)),
@@ -2474,6 +2825,13 @@ class Run:
         self.tail: list[dict[str, Any]] = []      # the last fifty rows
         self.ep_tail: list[Any] = []              # the last twenty EpisodeRecords
         self.alarm_rows: list[dict[str, Any]] = []   # this iteration's alarms
+        if self.lines["metrics"]:
+            # a resume: the rows on disk are the checkpoint's (cut_back ran), so replaying them
+            # gives each alarm the patience count the unbroken run had, and a halt's bundle its tail
+            rows = [json.loads(x) for x in (path / "metrics.jsonl").read_bytes().splitlines()]
+            for row in rows:
+                self.alarms.evaluate(row)
+            self.tail = rows[-50:]
         self.phase, self.boundary = "boundary", Boundary([], {})
         self.progress = not quiet and sys.stdout.isatty()   # a log file gets no progress lines
         # time/iteration runs row to row, so the checkpoint written after a row lands in the next
@@ -2502,6 +2860,8 @@ class Run:
         self.files["metrics"].flush()
         self.files["episodes"].write(b"".join(msgspec.json.encode(e) + b"\n" for e in episodes))
         self.files["episodes"].flush()
+        self.lines["metrics"] += 1
+        self.lines["episodes"] += len(episodes)
         if self.viser is not None:
             self.viser.write(row, self.path.name)
         if self.wandb is not None:
@@ -2521,7 +2881,14 @@ class Run:
                 print(f"ALARM {a.severity} {a.name}: {a.key} = {v:.4g} {a.op} {a.threshold:g} -- {a.meaning}")
         self.files["alarms"].write(b"".join(msgspec.json.encode(x) + b"\n" for x in self.alarm_rows))
         self.files["alarms"].flush()
+        self.lines["alarms"] += len(self.alarm_rows)
         return fired
+
+    def rows_covered(self) -> dict[str, int]:
+        """The lines of each run log a checkpoint saved now covers (Manifest.rows). games.jsonl is
+        counted on disk: `ladder.py eval|gate` may append to it too."""
+        return {**{f"{name}.jsonl": n for name, n in self.lines.items()},
+                "ladder/games.jsonl": count_lines(ladder.ResultLog(self.path).path)}
 
     def timed_save(self, learner: Learner, boundary: Boundary) -> None:
         """A checkpoint on the cadence, then pruning; its time goes into the next row."""
@@ -2580,6 +2947,7 @@ class Manifest(msgspec.Struct):
     last_checkpoint_step: int | None = None
     last_candidate_step: int | None = None
     last_floor_step: int | None = None
+    rows: dict[str, int] | None = None   # lines of each RUN_LOGS file it covers; None: not recorded
 
 
 def save_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -2784,7 +3152,8 @@ def save_checkpoint(run: Run, learner: Learner, boundary: Boundary) -> Path:
         config=msgspec.to_builtins(args), config_hash=sha256_hex(config_json(args)), iteration=learner.iteration,
         cumulative_env_steps=learner.env_steps, cumulative_timesteps=learner.timesteps,
         cumulative_model_updates=learner.updates, wall_seconds=time.perf_counter() - run.t_start,
-        created_unix_ns=time.time_ns(), state_digest=digest, component_versions={"learner": 1, "rollout": 1, "ladder": 1}))
+        created_unix_ns=time.time_ns(), state_digest=digest, component_versions={"learner": 1, "rollout": 1, "ladder": 1},
+        rows=run.rows_covered()))
     return d
 
 
@@ -2947,6 +3316,10 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "throughput/engine_ticks_per_second": ("ticks/s", "engine ticks advanced by the battles (the tick scalar's per-cycle deltas) over collection time", None, False),
     "throughput/discarded_rows_frac": ("", "valid cells that are not trainable (opponent seats): (n_battles - mirror) / (2 n_battles) by construction (design 7.3)", None, False),
     "throughput/inference_ms_per_round": ("ms", "time/inference per shard-round", None, False),
+    # how the work was done, not what the run computed: counted with the clock, so a build that
+    # skips forward rows compares equal to one that does not
+    "throughput/inference_rows_forward": ("rows", "rows the parent's actors ran on while collecting (learner and pool seats)", None, False),
+    "throughput/inference_rows_skipped": ("rows", "forced rows acted without a forward: the no-op at log-prob 0 (design 3.6)", None, False),
     "policy/forced_noop_frac": ("", "learner rollout cells with exactly one legal action (zero policy gradient); read against ppo/forced_frac", None, True),
     "policy/rollout_choice_frac": ("", "learner rollout cells with more than the no-op legal: 1 - forced_noop_frac", None, True),
     "policy/legal_actions_p05": ("actions", "legal actions per learner cell, 5th percentile", None, True),
@@ -3385,6 +3758,7 @@ def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: LadderLoop
         "throughput/engine_ticks_per_second": roll.engine_ticks / max(roll.t_collect, 1e-9),
         "throughput/discarded_rows_frac": 1.0 - float(trainable.sum()) / max(int(valid.sum()), 1),
         "throughput/inference_ms_per_round": 1e3 * roll.t_inference / max(roll.rounds, 1),
+        "throughput/inference_rows_forward": roll.rows_forward, "throughput/inference_rows_skipped": roll.rows_skipped,
         "health/rss_peak_mb": rss_peak_mb(), **pol, **episode_metrics(roll.episodes, args.obs.max_steps),
         "time/critic_pass": crit.seconds, "time/gae": adv.seconds, "time/update": upd["time/update"],
         "throughput/collected_steps_per_second": T * env.n_battles / max(roll.t_collect, 1e-9),
@@ -3541,9 +3915,8 @@ def raw_obs_act(model: ActorCritic, table: Any, device: torch.device | str,
         with torch.inference_mode():
             o = codec.unpack(table, torch.as_tensor(rows, device=device), statics,
                              torch.arange(B, device=device), None)
-            d = model.dist(o)
-            a = (d.mode() if release_mode == "argmax" else
-                 d.sample(torch.as_tensor(np.asarray(u), dtype=torch.float32, device=device)))
+            a = model.act_and_hold(o, torch.as_tensor(np.asarray(u), dtype=torch.float32, device=device),
+                                   greedy=release_mode == "argmax").action   # forced rows: no forward
         return a.cpu().numpy()
     return act
 
@@ -3572,6 +3945,46 @@ def snapshot_policy_builder(run_dir: str | Path, device: str = "cpu", table: Any
         spec, tensors = store.load(snapshot_id, {"codec_table_digest": tab.digest()})
         return raw_obs_act(actor_from_snapshot(spec, tensors, device), tab, device, release_mode)
     return build
+
+
+def checkpoint_policy_act(ckpt_dir: str | Path, device: str = "cpu", table: Any = None,
+                          obs_digest: str | None = None, release_mode: str | None = None) -> Any:
+    """A ladder.ActFn over raw env observations from a checkpoint's actor (runs/<id>/checkpoints/
+    <step>/), as snapshot_policy_builder makes one from a snapshot, for a player that was never
+    snapshotted (`checks.py play checkpoint:<dir>`). Every file is verified against the manifest
+    (read_checkpoint), the network is rebuilt from the saved arch.json and the run's net section
+    and refused by field if they disagree (check_arch), and the actor is refused, naming both
+    values, unless it saw what the evaluation env shows: one frame (frame_stack 1, as
+    EvalPlayers.check_pair asks of a snapshot), the run's codec table (`table`: the evaluation
+    env's, read off the run, directory two levels up, when None), and, given `obs_digest`, the
+    evaluation env's observation. release_mode: None reads the run's ladder.release_mode."""
+    ckpt = Path(ckpt_dir)
+    man, files = read_checkpoint(ckpt)
+    arch_path = ckpt / "actor_critic" / "arch.json"
+    saved = json.loads(files["actor_critic/arch.json"])
+    geo = msgspec.convert(saved["geometry"], NetGeometry)
+    if geo.frame_stack != 1:
+        raise ladder.SnapshotMismatch(
+            f"{ckpt}: frame_stack is {geo.frame_stack}; a player is handed one frame per decision, "
+            f"so a stacked network cannot play yet (frame_stack 1 only)")
+    model = ActorCritic(geo, msgspec.convert(man.config["net"], NetArgs), 0)
+    check_arch(saved, model, str(arch_path))
+    actor = load_tensors(files["actor_critic/actor.safetensors"])
+    want = {k for k in model.state_dict() if k.startswith(ACTOR_PREFIXES)}
+    if set(actor) != want:
+        raise CheckpointFormatError(f"{ckpt / 'actor_critic/actor.safetensors'}: holds other tensors than the "
+                                    f"actor's (missing {sorted(want - set(actor))[:4]}, unexpected "
+                                    f"{sorted(set(actor) - want)[:4]})")
+    model.load_state_dict({**model.state_dict(), **actor})
+    tab = table if table is not None else run_codec_table(ckpt.parent.parent)
+    for field, need in [("codec_table_digest", tab.digest())] + ([("obs_digest", obs_digest)] if obs_digest else []):
+        have = man.identity.get(field)
+        if have != need:
+            raise ladder.SnapshotMismatch(f"{ckpt}: the run trained with {field} {have}, the evaluation env "
+                                          f"has {need}: the actor would see another observation; refused")
+    if release_mode is None:
+        release_mode = str((man.config.get("ladder") or {}).get("release_mode", "stochastic"))
+    return raw_obs_act(model.to(device).eval(), tab, device, release_mode)
 
 
 def match_config(L: LadderArgs) -> Any:
@@ -3772,6 +4185,7 @@ class LadderLoop:
         """Restore; returns the saved assignment table (the resumed farm's opening plan)."""
         self.mm = ladder.Matchmaker.from_state(msgspec.convert(st["matchmaker"], ladder.MatchmakerState))
         self.pool = msgspec.convert(st["pool"], ladder.Pool)
+        ladder.write_pool(self.run, self.pool)   # pool.json follows the checkpoint, not admits made after it
         self.ratings = msgspec.convert(st["ratings"], ladder.RatingTable) if st["ratings"] is not None else None
         self.slots = list(st["slots"])
         self.gate_attempts, self.gate_passes, self.evictions = st["gate_attempts"], st["gate_passes"], st["evictions"]

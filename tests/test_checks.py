@@ -1,6 +1,7 @@
-"""Tests for checks.py: identity, verify-resume and replay (issue 10's Tests paragraph, the parts
-built). The fast tests compute identities off a real env and exercise the comparison and the
-errors on small planted files; the slow ones train smoke runs and check the commands on them."""
+"""Tests for checks.py: doctor, identity, verify-resume, replay, play and bench (issue 10's Tests
+paragraph). The fast tests compute identities off a real env and exercise the comparison, the
+bench's arithmetic and the errors on small planted files; the slow ones train smoke runs and
+check the commands on them."""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +9,7 @@ import io
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +55,8 @@ def test_the_cli_lists_exactly_the_built_commands():
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
         checks.main(["--help"])
     listed = set(re.findall(r"\b(identity|verify-resume|replay|doctor|bench|play)\b", out.getvalue()))
-    assert listed == {"doctor", "identity", "verify-resume", "replay"}
-    assert "bench" in checks.__doc__ and "Not built yet" in checks.__doc__
+    assert listed == {"doctor", "identity", "verify-resume", "replay", "play", "bench"}
+    assert "Not built yet" not in checks.__doc__
 
 
 def test_bad_input_exits_2_with_one_line_naming_the_thing(tmp_path):
@@ -306,3 +308,169 @@ def test_doctor_names_the_rebuild_command_for_a_stale_engine_build(monkeypatch):
     assert "pip install --force-reinstall 'royalegym[sim]'" in err and err.count("\n") == 1 and "Traceback" not in err
     monkeypatch.undo()
     assert P.stale_build_refusal(RuntimeError("something else")) is None
+
+
+# --- play: one battle, watched, saved, replayed ------------------------------------------------------
+
+
+def test_play_refuses_bad_players_in_one_line(tmp_path):
+    """Bad input names the thing and exits 2 before anything is built: an unknown kind or scripted
+    name, a snap: player with no run to read it from, a checkpoint directory that is missing or
+    has no manifest, two runs at once; a file replay cannot read is refused the same way."""
+    bare = tmp_path / "run" / "checkpoints" / "000000000001"
+    bare.mkdir(parents=True)
+    cases = [(("scripted:nope", "scripted:push"), "scripted:nope: unknown scripted player; farm.SCRIPTED_NAMES = noop"),
+             (("pool:x", "scripted:push"), "player 'pool:x': not snap:<id>, scripted:<name> or checkpoint:<dir>"),
+             (("snap:0123456789abcdef", "scripted:push"), "a snap:<id> player needs --run RUN_DIR"),
+             (("scripted:push", f"checkpoint:{tmp_path / 'absent'}"), "absent: no such checkpoint directory"),
+             (("scripted:push", f"checkpoint:{bare}"), "000000000001/manifest.json is missing: not a checkpoint")]
+    for (blue, red), want in cases:
+        code, out, err = run_main("play", "--blue", blue, "--red", red)
+        assert code == 2 and want in err and err.count("\n") == 1 and out == "", (blue, red, err)
+    (tmp_path / "other").mkdir()
+    code, _, err = run_main("play", "--blue", f"checkpoint:{bare}", "--red", "scripted:push", "--run", str(tmp_path / "other"))
+    assert code == 2 and "manifest.json is missing" in err
+    code, _, err = run_main("play", "--blue", "scripted:push", "--red", "scripted:push", "--every", "0")
+    assert code == 2 and "--every 0" in err
+    (tmp_path / "f.json").write_text('{"format": "something else"}')
+    code, _, err = run_main("replay", str(tmp_path / "f.json"))
+    assert code == 2 and "f.json: not a battle saved by `checks.py play --save`" in err
+
+
+@pytest.fixture(scope="module")
+def saved_battle(smoke_run, tmp_path_factory):
+    """scripted:push (blue) against the smoke run's snapshot (red), a view every 10 decisions,
+    saved; played twice, so the second file shows a battle is a function of (seed, players)."""
+    (sid,) = [p.name for p in (smoke_run / "ladder" / "snapshots").iterdir()]
+    folder = tmp_path_factory.mktemp("play")
+    runs = []
+    for name in ("a.json", "b.json"):
+        runs.append(run_main("play", "--blue", "scripted:push", "--red", f"snap:{sid}", "--run", str(smoke_run),
+                             "--seed", "3", "--every", "10", "--save", str(folder / name)))
+    return runs, folder / "a.json", folder / "b.json", sid
+
+
+@pytest.mark.slow
+def test_play_shows_a_full_battle_saves_it_and_replay_matches(saved_battle, smoke_run):
+    (code, out, err), _ = saved_battle[0]
+    _, a, b, sid = saved_battle
+    assert code == 0, err
+    saved = checks.read_saved_battle(a)
+    blue, red = saved.records
+    assert (blue.policy_id, red.policy_id, blue.seat, red.seat) == ("scripted:push", f"snap:{sid}", 0, 1)
+    assert blue.winner in (0, 1, 2) and blue.played == red.played and blue.played   # a full battle, both seats acted
+    env, _ = checks.ladder.read_run_env(smoke_run)
+    assert saved.env == checks.ladder.eval_env_spec(env) and not saved.env.truncation
+    views = re.findall(r"^step (\d+) \((\d+) decisions\), \d+:\d\d\.\d of battle$", out, re.M)
+    assert [int(n) for _, n in views] == list(range(10, blue.episode_steps, 10))
+    assert len(re.findall(r"^  blue elixir +\d+\.\d  crowns \d  towers king \d+ left \d+ right \d+ ", out, re.M)) == len(views)
+    first = blue.played[0]
+    assert re.search(rf"^    {checks.SEATS[first[1]]} played: s{first[0]} \w+ at tile \(\d+, \d+\)", out, re.M)
+    who = {0: "blue wins", 1: "red wins", 2: "draw"}[blue.winner]
+    assert f"result: {who} (scripted:push blue, snap:{sid} red); crowns blue {blue.own_crowns} red {blue.enemy_crowns}" in out
+    assert f"{blue.episode_steps} decisions" in out
+    assert a.read_bytes() == b.read_bytes()           # same seed, same players: the same battle
+    code, out, _ = run_main("replay", str(a))
+    assert code == 0, out
+    assert out.count("MATCH: every field equal") == 2 and out.splitlines()[-1] == "2 of 2 records match"
+    code, out, _ = run_main("replay", str(a), "--episode", "1")
+    assert code == 0 and "seat 1 (red)" in out and out.splitlines()[-1] == "1 of 1 records match"
+
+
+@pytest.mark.slow
+def test_replay_of_an_edited_saved_battle_fails_naming_the_step(saved_battle, tmp_path):
+    """A played action changed, or played removed, in blue's record: replay exits 1 at the step
+    of the edit (the red record of the battle disagrees), as for a run's episodes.jsonl."""
+    _, a, _, _ = saved_battle
+    doc = json.loads(a.read_text())
+    played = doc["records"][0]["played"]
+    assert len(played) >= 2
+    cases = [("changed", change, f"DIVERGES at step {played[1][0]}: played[1]: record {[*played[1][:2], played[1][2] + 1]}"),
+             ("removed", remove, f"DIVERGES at step {played[0][0]}: played[0]: record '<absent>', replay '{played[0]}")]
+    for name, edit, want in cases:
+        edited = json.loads(a.read_text())
+        edit(edited["records"][0])
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps(edited))
+        code, out, _ = run_main("replay", str(f))
+        assert code == 1 and want in out and out.splitlines()[-1] == "0 of 2 records match", (name, out)
+    edited = json.loads(a.read_text())
+    edited["env"]["decision_ms"] += 1
+    (tmp_path / "env.json").write_text(json.dumps(edited))
+    code, _, err = run_main("replay", str(tmp_path / "env.json"))
+    assert code == 2 and "env.json: its env hashes to env_value_digest" in err
+
+
+@pytest.mark.slow
+def test_play_refuses_a_missing_or_stacked_snapshot_and_plays_a_checkpoint(smoke_run, tmp_path):
+    """A snapshot id the run lacks, and a frame_stack 2 snapshot (which the ladder refuses too),
+    exit 2 in one line; a checkpoint: player implies its run and plays."""
+    code, _, err = run_main("play", "--blue", "snap:0123456789abcdef", "--red", "scripted:push", "--run", str(smoke_run))
+    assert code == 2 and "snapshot 0123456789abcdef: no " in err and "known snapshots" in err and err.count("\n") == 1
+    run = tmp_path / smoke_run.name
+    shutil.copytree(smoke_run, run)
+    store = checks.ladder.SnapshotStore(run)
+    (sid,) = store.ids()
+    spec, tensors = store.load(sid)
+    stacked = store.save(tensors, msgspec.structs.replace(spec, frame_stack=2, actor_sha256=""))
+    code, _, err = run_main("play", "--blue", "scripted:push", "--red", f"snap:{stacked}", "--run", str(run))
+    assert code == 2 and f"snap:{stacked}: frame_stack is 2" in err and err.count("\n") == 1
+    (ck,) = (smoke_run / "checkpoints").iterdir()
+    code, out, err = run_main("play", "--blue", f"checkpoint:{ck}", "--red", "scripted:noop", "--every", "1000")
+    assert code == 0, err
+    assert f"env {smoke_run / 'ladder' / 'eval_env.json'}" in out and out.splitlines()[-1].startswith("result: ")
+
+
+@pytest.mark.slow
+def test_play_viewer_streams_when_royalegym_has_one_and_says_so_when_not(monkeypatch):
+    """Scripted against scripted needs no run. With royalegym's viewer publisher the battle is
+    streamed (an ephemeral port here: nobody attached, so no pacing); without it, one line says
+    so and how to get it, and the battle is still played."""
+    monkeypatch.setenv("ROYALEVISER", "127.0.0.1:0")
+    code, out, err = run_main("play", "--blue", "scripted:push", "--red", "scripted:defend", "--every", "1000", "--viewer")
+    assert code == 0, err
+    assert re.search(r"^--viewer: streaming to 127\.0\.0\.1:\d+; watch with python -m royaleviser --stream", out, re.M)
+    assert "farm.default_env_spec() (no run)" in out.splitlines()[0] and out.splitlines()[-1].startswith("result: ")
+    monkeypatch.setitem(sys.modules, "royalegym.viser", None)   # an import of it now fails
+    code, out2, _ = run_main("play", "--blue", "scripted:push", "--red", "scripted:defend", "--every", "1000", "--viewer")
+    lines = [x for x in out2.splitlines() if x.startswith("--viewer")]
+    assert code == 0 and lines == ["--viewer: this royalegym has no viewer (royalegym.viser); get one with pip install "
+                                   "-U 'royalegym[viser]'. Playing without it."]
+    assert out2.splitlines()[-1] == out.splitlines()[-1]   # the same battle, watched or not
+
+
+# --- bench -------------------------------------------------------------------------------------------
+
+
+def test_bench_predicts_an_iteration_from_its_parts_by_plain_arithmetic():
+    """[A] T=10 cycles, 4 battles, 2 shards, R=8: env 40 game-steps at 100/s = 0.4 s; 20 rounds at
+    5 ms = 0.1 s; 88 critic rows at 0.5 ms = 0.044 s; 30 learner rows at 2 ms = 0.06 s."""
+    env = type("E", (), {"T": 10, "n_battles": 4, "n_shards": 2, "R": 8})()
+    fig = lambda part, x: checks.BenchFigure(part, "u", [x - 1, x, x + 1], (0.0, 0.0))   # noqa: E731
+    figs = {f.part: f for f in (fig("process farm (1 worker(s) x 2 shard(s))", 100.0), fig("inference", 5.0),
+                                fig("critic pass", 0.5), fig("PPO update", 2.0))}
+    p = checks.predict(env, figs, learner_rows=30)
+    assert p == pytest.approx({"env": 0.4, "inference": 0.1, "critic": 0.044, "update": 0.06})
+    assert figs["inference"].median == 5.0
+
+
+@pytest.mark.slow
+def test_bench_on_smoke_prints_every_part_and_writes_the_table_dated(tmp_path, monkeypatch):
+    doc = tmp_path / "throughput.md"
+    doc.write_text("# throughput\n")
+    monkeypatch.setattr(checks, "THROUGHPUT_DOC", doc)
+    code, out, err = run_main("bench", "--profile", "smoke", "--iterations", "2", "--write")
+    assert code == 0, err
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    parts = [line.split(" | ")[0].lstrip("| ") for line in table[1:]]
+    assert parts == ["engine, one process, nothing else", "process farm (1 worker(s) x 1 shard(s))", "farm / raw loop",
+                     "codec.pack", "inference", "critic pass", "PPO update", "iteration, predicted by the parts",
+                     "iteration, measured", "measured / predicted"]
+    for line in table[1:8]:                      # every part: REPEATS positive runs, the median among them
+        cells = line.split(" | ")
+        runs = [float(x) for x in cells[3].split()]
+        assert len(runs) == checks.REPEATS and min(runs) > 0 and float(cells[1]) == pytest.approx(sorted(runs)[1], rel=1e-3)
+    written = doc.read_text()
+    assert written.startswith("# throughput\n\n### bench, ") and "`python checks.py bench --profile smoke`" in written
+    assert all(line in written for line in table)
+    assert run_main("bench", "--iterations", "1")[0] == 2

@@ -314,6 +314,87 @@ def test_loading_a_mismatched_architecture_is_refused_by_name():
         P.check_arch(P.arch_description(g2, tiny_net(channels=12)), ac, "checkpoint y")
 
 
+def _bits(t: torch.Tensor) -> bytes:
+    """A tensor's bytes: equal bits, not equal values (-0.0 and 0.0 differ here)."""
+    return t.detach().contiguous().cpu().numpy().tobytes()
+
+
+def test_a_forced_row_is_acted_without_a_forward_and_gets_exactly_what_the_forward_gave_it():
+    """design 3.6: a row whose mask allows the no-op alone gets the no-op, log-prob +0.0 and
+    p(no-op) 1.0 without reaching the actor; the choice rows' actions, log-probs and p(no-op)
+    are the whole batch's forward bit for bit (sampled and greedy); one choice row rides with
+    one forced row (actor_rows); a batch of forced rows runs no forward at all."""
+    geo, batches = env_sample("default")
+    obs = to_obs(batches[4:16])
+    B = obs.vector.shape[0]
+    forced = obs.mask[:, 0] & (obs.mask.sum(-1) == 1)
+    n_choice = int((~forced).sum())
+    assert 2 <= n_choice < B - 1   # the sample has both kinds
+    ac = P.ActorCritic(geo, tiny_net(), master_seed=4)
+    seen: list[int] = []
+    ac.actor_trunk.stem.register_forward_pre_hook(lambda mod, inp: seen.append(int(inp[0].shape[0])))
+    u = torch.as_tensor(np.random.default_rng(5).random(B), dtype=torch.float32)
+    out = ac.act_and_hold(obs, u)
+    assert seen == [n_choice] and out.forwarded == n_choice
+    assert (out.action[forced] == 0).all()
+    assert _bits(out.log_prob[forced]) == bytes(4 * int(forced.sum()))          # +0.0 exactly
+    assert _bits(out.p_noop[forced]) == _bits(torch.ones(int(forced.sum())))
+    with torch.no_grad():
+        d = ac.dist(obs)                                                           # every row, as before
+        a = d.sample(u)
+    assert _bits(out.action) == _bits(a) and _bits(out.log_prob) == _bits(d.log_prob(a))
+    assert _bits(out.p_noop) == _bits(d.logp[:, 0].exp())
+    assert _bits(ac.act_and_hold(obs, u, greedy=True).action) == _bits(d.mode())
+    # one choice row: it rides with the first forced row (no one-row conv batch), and still equals
+    one = torch.cat([torch.nonzero(forced).flatten()[:5], torch.nonzero(~forced).flatten()[:1]]).sort().values
+    o1 = P.obs_rows(obs, one)
+    seen.clear()
+    out1 = ac.act_and_hold(o1, u[one])
+    assert seen == [2] and out1.forwarded == 2
+    with torch.no_grad():
+        d1 = ac.dist(o1)
+        a1 = d1.sample(u[one])
+    assert _bits(out1.action) == _bits(a1)
+    assert _bits(out1.log_prob) == _bits(d1.log_prob(a1)) and _bits(out1.p_noop) == _bits(d1.logp[:, 0].exp())
+    seen.clear()
+    none = ac.act_and_hold(P.obs_rows(obs, torch.nonzero(forced).flatten()), u[forced])
+    assert seen == [] and none.forwarded == 0 and (none.action == 0).all()
+    # a clear no-op bit is still refused, numbered in the whole batch
+    bad = obs._replace(mask=obs.mask.clone())
+    bad.mask[7, 0] = False
+    with pytest.raises(ValueError, match=r"rows \[7\] have it clear"):
+        ac.act_and_hold(bad, u)
+
+
+@pytest.mark.parametrize("threads", [1, pytest.param(2, marks=pytest.mark.slow)])   # 2: OpenMP spins under load
+@pytest.mark.parametrize("profile", ["smoke", "cpu"])
+def test_a_subset_forward_gives_its_rows_the_whole_batchs_logits_bit_for_bit(profile, threads):
+    """The byte-identity the shortcut rests on (at_batch_shape, actor_rows), on random batches
+    of real rows and random choice subsets, at the profiles' widths and both thread counts. A
+    plain subset forward does not hold it on the CPU: MKL's gemm and the one-row convolution
+    backend change a row's last bits with the batch around it [M: docs/throughput.md]."""
+    geo, batches = env_sample("default")
+    obs = to_obs(batches)
+    n_all = obs.vector.shape[0]
+    ac = P.ActorCritic(geo, P.profile_args(profile).net, master_seed=6)
+    rng = np.random.default_rng(11)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            for B in (2, 3, 5, 8, 11, 16, 24, 40):
+                for _ in range(6):
+                    ob = P.obs_rows(obs, torch.as_tensor(np.sort(rng.choice(n_all, size=B, replace=False))))
+                    forced = torch.as_tensor(rng.random(B) < rng.random())
+                    rows = P.actor_rows(forced)
+                    if rows is None:
+                        continue
+                    assert rows.idx.numel() >= 2 and set((~forced).nonzero().flatten().tolist()) <= set(rows.idx.tolist())
+                    assert _bits(ac.logits(ob, rows)) == _bits(ac.logits(ob)[rows.idx]), (B, rows.idx.tolist())
+    finally:
+        torch.set_num_threads(before)
+
+
 # --- 5. GAE and the return scaler -----------------------------------------------------------------
 
 
@@ -687,13 +768,123 @@ def test_the_cpu_profiles_are_sized_so_the_actor_moves(name):
 
 
 def test_refusals_that_need_two_fields():
-    with pytest.raises(P.ConfigError, match="separate_trunks"):
+    with pytest.raises(P.ConfigError, match="--ppo.forced-rows 'critic_only'.*--net.no-separate-trunks"):
         P.parse_args(["--profile", "smoke", "--net.no-separate-trunks"])
     P.parse_args(["--profile", "smoke", "--net.no-separate-trunks", "--ppo.forced-rows", "all"])
-    with pytest.raises(P.ConfigError, match="overlap"):
+    with pytest.raises(P.ConfigError, match="--rollout.overlap True: must be false"):
         P.parse_args(["--profile", "smoke", "--rollout.overlap"])
-    with pytest.raises(P.ConfigError, match="unknown profile 'laptp'.*'laptop'"):
+    with pytest.raises(P.ConfigError, match="--profile 'laptp': unknown profile.*'laptop'"):
         P.parse_args(["--profile", "laptp"])
+
+
+# One bad value per rule of P.config_rules, on the smoke profile (8 channels, 4 norm groups, one
+# worker of 4 battles: 6 learner seats a cycle, 8 eval seeds): (field, bad value, context fields).
+BAD_VALUES = [
+    ("master_seed", -1, {}), ("timestep_limit", 0, {}), ("obs.frame_stack", 0, {}), ("obs.decision_ms", 0, {}),
+    ("obs.reveal", ["enemy_hand"], {}), ("obs.max_steps", -1, {}),
+    ("rollout.workers", 0, {}), ("rollout.games_per_worker", 0, {}), ("rollout.shards_per_worker", 0, {}),
+    ("rollout.games_per_worker", 15, {"rollout.shards_per_worker": 2}), ("rollout.spin_us", -1, {}),
+    ("rollout.round_timeout_s", 0, {}), ("rollout.max_restarts_per_worker", -1, {}),
+    ("rollout.launch_delay_s", -1, {}), ("rollout.overlap", True, {}), ("rollout.eval_workers", 0, {}),
+    ("rollout.eval_games_per_worker", 0, {}),
+    ("net.channels", 0, {}), ("net.blocks", -1, {}), ("net.norm_groups", 3, {}), ("net.vector_embed", 0, {}),
+    ("net.value_hidden", 0, {}), ("net.noop_bias", float("nan"), {}), ("net.device", "tpu", {}),
+    ("ppo.n_epochs", 0, {}), ("ppo.timesteps_per_iteration", 5, {}), ("ppo.batch_size", 0, {}),
+    ("ppo.minibatch_size", 128, {}), ("ppo.clip_range", 0, {}), ("ppo.dual_clip_c", 1, {}), ("ppo.vf_coef", 0, {}),
+    ("ppo.ent_coef.start", -0.1, {}), ("ppo.ent_coef.end", -1, {}),
+    ("ppo.ent_coef.end", 0, {"ppo.ent_coef.kind": "geometric"}), ("ppo.ent_coef.over_env_steps", 0, {}),
+    ("ppo.ent_coef_noop.start", -1, {}), ("ppo.ent_coef_noop.end", -1, {}),
+    ("ppo.ent_coef_noop.over_env_steps", 0, {}), ("ppo.max_grad_norm", 0, {}), ("ppo.lr_actor", 0, {}),
+    ("ppo.lr_critic", -1e-4, {}), ("ppo.adam_eps", 0, {}), ("ppo.lr_backoff.kl_threshold", 0, {}),
+    ("ppo.lr_backoff.patience", 0, {}), ("ppo.lr_backoff.factor", 1.5, {}), ("ppo.lr_backoff.lr_min", -1, {}),
+    ("ppo.critic_chunk", 0, {}), ("ppo.debug_assert_iterations", -1, {}), ("ppo.check_ratio_invariant_every", 0, {}),
+    ("ppo.ratio_atol_fp32", 0, {}), ("ppo.ratio_atol_bf16", 0, {}),
+    ("ppo.forced_rows", "critic_only", {"net.separate_trunks": False}),
+    ("advantage.gamma.start", 1.5, {}), ("advantage.gamma.end", 0, {}), ("advantage.gamma.over_env_steps", 0, {}),
+    ("advantage.gae_lambda", 1.5, {}), ("advantage.reward_clip", 0, {}),
+    ("ladder.mix", [1.2, -0.1, -0.1], {}), ("ladder.mix", [0.5, 0.5, 0.5], {}),
+    ("ladder.max_resident_opponents", 64, {}), ("ladder.pfsp_power", -1, {}), ("ladder.pfsp_uniform_floor", 1.5, {}),
+    ("ladder.candidate_every_env_steps", 0, {}), ("ladder.floor_admit_every_env_steps", 0, {}),
+    ("ladder.pool_working_size", 0, {}), ("ladder.eval_seed_count", 0, {}), ("ladder.refit_every_iterations", -1, {}),
+    ("ladder.probe_every_iterations", -1, {}), ("ladder.probe_games", 3, {}),
+    ("ladder.scripted_opponents", ["scripted:nope"], {}), ("ladder.scripted_opponents", [], {}),
+    ("ladder.gate.champion_games", 18, {}), ("ladder.gate.champion_lower_bound", 1.0, {}),
+    ("ladder.gate.anchor_games", 3, {}), ("ladder.gate.anchor_tolerance_pp", -1, {}),
+    ("ladder.gate.stratified_snapshots", -1, {}), ("ladder.gate.stratified_games", 0, {}),
+    ("ladder.gate.bootstrap_resamples", 0, {}), ("checkpoint.every_env_steps", 0, {}), ("checkpoint.keep", 0, {}),
+    ("alarms.ev_negative_patience", 0, {}), ("determinism.torch_threads", 0, {}), ("doctor.ram_budget_mb", 0, {}),
+    ("doctor.vram_headroom_mb", -1, {}),
+]
+
+
+def _tokens(path, value):
+    """A field and a value as the command line writes them (a bool is a flag, a tuple its items)."""
+    if isinstance(value, bool):
+        head, _, leaf = path.rpartition(".")
+        return [P.flag(path) if value else P.flag(f"{head}.no_{leaf}")]
+    return [P.flag(path), *(map(str, value) if isinstance(value, list) else [str(value)])]
+
+
+def _nested(flat):
+    out = {}
+    for path, v in flat.items():
+        *head, last = path.split(".")
+        d = out
+        for h in head:
+            d = d.setdefault(h, {})
+        d[last] = v
+    return out
+
+
+@pytest.mark.parametrize("path,value,context", BAD_VALUES, ids=[f"{p}={v}" for p, v, _ in BAD_VALUES])
+def test_a_bad_config_value_is_one_line_naming_the_field_and_exits_2_before_any_run_directory(
+        tmp_path, capsys, path, value, context):
+    """design 1.3: ppo_clash.main with the bad flag returns 2, prints one line naming the field as
+    the command line spells it and its rule, and nothing is written under --runs-dir."""
+    argv = ["--profile", "smoke", "--runs-dir", str(tmp_path / "runs")]
+    for p, v in context.items():
+        argv += _tokens(p, v)
+    rc = P.main(argv + _tokens(path, value))
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: {P.flag(path)} ") and ": must " in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_bad_values_cover_every_rule_and_every_profile_keeps_them(monkeypatch):
+    """Each BAD_VALUES entry breaks its own field's rule first, and together they break every rule
+    config_rules holds, so the test above runs each rule through main."""
+    n_rules = len(P.config_rules(P.profile_args("smoke")))
+    hit = set()
+    for path, value, context in BAD_VALUES:
+        a = P.profile_args("smoke")
+        P.apply_dict(a, _nested({**context, path: value}))
+        broken = [i for i, (_, holds, _) in enumerate(P.config_rules(a)) if not holds]
+        assert broken and P.config_rules(a)[broken[0]][0] == path, (path, value, broken)
+        hit.add(broken[0])
+    assert hit == set(range(n_rules)), sorted(set(range(n_rules)) - hit)
+    for name in P.PROFILES:
+        assert all(holds for _, holds, _ in P.config_rules(P.profile_args(name))), name
+
+
+def test_a_config_file_that_is_not_json_is_refused_naming_the_file_and_the_line(tmp_path, capsys):
+    f = tmp_path / "run.json"
+    f.write_text('{\n  "ppo": {\n    "n_epochs": 3,\n  }\n}\n')   # a trailing comma on line 3
+    rc = P.main(["--config", str(f), "--runs-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--config {f}: line 4, column 3: not valid JSON" in err and not (tmp_path / "runs").exists()
+    f.write_text("[1, 2]")
+    assert P.main(["--config", str(f)]) == 2 and "not an object" in capsys.readouterr().err
+    assert P.main(["--config", str(tmp_path / "absent.json")]) == 2
+    assert "absent.json: cannot be read" in capsys.readouterr().err
+
+
+def test_a_resume_reports_no_config_difference_for_a_tuple_read_back_as_a_list():
+    a = P.parse_args(["--profile", "smoke", "--timestep-limit", "99"])
+    saved = json.loads(P.canonical_json(P.msgspec.to_builtins(P.profile_args("smoke"))))   # a manifest's config
+    assert isinstance(saved["ladder"]["mix"], list)
+    assert P.config_diff(saved, a) == [f"timestep_limit: {P.profile_args('smoke').timestep_limit} -> 99"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
@@ -1128,6 +1319,41 @@ def test_a_smoke_run_of_three_iterations_end_to_end(tmp_path):
     assert rows[0]["policy/rollout_hold_lift"] == pytest.approx(1.0, abs=0.1)
 
 
+def _run_files(run: Path) -> dict[str, Any]:
+    """What a run computed, less the clock: metric rows without the wall-clock keys (as checks.py
+    compares a resume), the episode records, and games.jsonl without each game's `wall` stamp."""
+    skip = P.NONDETERMINISTIC + ("ladder/gate_seconds_frac", "ladder/probe_seconds_frac")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    games = [json.loads(x) for x in (run / "ladder" / "games.jsonl").read_text().splitlines()]
+    return {"rows": [{k: v for k, v in r.items() if not k.startswith(skip)} for r in rows],
+            "episodes": (run / "episodes.jsonl").read_bytes(),
+            "games": [{k: v for k, v in g.items() if k != "wall"} for g in games],
+            "counts": [(r["throughput/inference_rows_forward"], r["throughput/inference_rows_skipped"]) for r in rows]}
+
+
+@pytest.mark.slow
+def test_acting_forced_rows_without_a_forward_changes_nothing_the_run_computes(tmp_path):
+    """The differential test of design 3.6's shortcut: the same smoke run, with a gate and a probe
+    on iteration 3 so evaluation games are played through raw_obs_act, once as built and once with
+    forced_rows patched to call no row forced (every row through the actor, the plain forward):
+    identical metric rows (the wall-clock keys aside), state_digest included, identical
+    episodes.jsonl and games.jsonl (each game's wall stamp aside)."""
+    flags = ["--profile", "smoke", "--ladder.candidate-every-env-steps", "400", "--ladder.gate.champion-games", "4",
+             "--ladder.gate.anchor-games", "2", "--ladder.gate.bootstrap-resamples", "50",
+             "--ladder.probe-every-iterations", "3", "--ladder.probe-games", "2"]
+    shortcut = _run_files(P.train(P.parse_args([*flags, "--runs-dir", str(tmp_path / "on")]), quiet=True))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(P, "forced_rows", lambda mask: torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device))
+        plain = _run_files(P.train(P.parse_args([*flags, "--runs-dir", str(tmp_path / "off")]), quiet=True))
+    assert [r["run/iteration"] for r in shortcut["rows"]] == [1, 2, 3]
+    assert {g["kind"] for g in shortcut["games"]} == {"eval", "train", "probe"}
+    assert all(s > 0 for _, s in shortcut["counts"]) and all(s == 0 for _, s in plain["counts"])
+    assert [f + s for f, s in shortcut["counts"]] == [f for f, _ in plain["counts"]]
+    for r_on, r_off in zip(shortcut["rows"], plain["rows"]):
+        assert r_on == r_off, [k for k in r_on.keys() | r_off.keys() if r_on.get(k) != r_off.get(k)]
+    assert shortcut["episodes"] == plain["episodes"] and shortcut["games"] == plain["games"]
+
+
 def test_alarms_fire_after_exactly_patience_and_a_missing_key_counts_nothing():
     args = P.profile_args("smoke")
     aset = P.AlarmSet(P.alarm_table(args))
@@ -1196,9 +1422,11 @@ def test_a_resumed_run_reproduces_the_original_rows_in_a_fresh_process(tmp_path)
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     after = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["run/iteration"] for r in after] == [1, 2, 3, 4, 3, 4]
+    assert [r["run/iteration"] for r in after] == [1, 2, 3, 4]   # rows 3 and 4 moved aside, then written again
+    assert [json.loads(x) for x in (run / "metrics.jsonl.after-iteration-2").read_text().splitlines()] == rows[2:]
+    assert "resume: metrics.jsonl: moved 2 row(s) written after iteration 2" in proc.stdout
     assert all("ladder/elo_readout" in r for r in rows[2:])   # the Elo readout's state crosses the checkpoint
-    for orig, again in zip(rows[2:], after[4:]):
+    for orig, again in zip(rows[2:], after[2:]):
         keep = lambda r: {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)}  # noqa: E731
         assert keep(orig) == keep(again)
         assert orig["run/state_digest"] == again["run/state_digest"]
@@ -1206,15 +1434,77 @@ def test_a_resumed_run_reproduces_the_original_rows_in_a_fresh_process(tmp_path)
     proc = subprocess.run([sys.executable, str(ROOT / "ppo_clash.py"), "--resume", str(run), "--master-seed", "5"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "master_seed: 20260921 -> 5" in proc.stderr
-    # ... and accepted under --allow-identity-drift, which writes drift.json and marks later rows
+    # ... and accepted under --allow-identity-drift, which writes drift.json and marks later rows. The
+    # smoke policy plays under 3 cards a match, so iteration 5 would be noop_collapse_severe's fifth
+    # breach (the resume replays rows 1-4 into the alarms): its threshold, outside the identity, is lowered
     proc = subprocess.run([sys.executable, str(ROOT / "ppo_clash.py"), "--resume", str(run), "--master-seed", "5",
-                           "--allow-identity-drift", "--timestep-limit", "240"],
+                           "--allow-identity-drift", "--timestep-limit", "240", "--alarms.noop-collapse-severe", "-1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "master_seed: 20260921 -> 5" in (run / "drift.json").read_text()
     assert "resume: config differs from the checkpoint's: timestep_limit: 192 -> 240" in proc.stdout
+    assert "ladder.mix" not in proc.stdout   # a tuple read back from JSON as a list is no difference
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["run/iteration"] == 5 and last["run/resumed_with_drift"] is True
+
+
+def _unclocked(rel, lines):
+    """A run log's rows less what the clock writes (design 2.4 item 3's exception)."""
+    skip = P.NONDETERMINISTIC + ("ladder/gate_seconds_frac", "ladder/probe_seconds_frac", "wall")
+    return [{k: v for k, v in json.loads(x).items() if not k.startswith(skip)} for x in lines]
+
+
+@pytest.mark.slow
+def test_a_resume_moves_the_rows_after_its_checkpoint_aside_so_every_log_holds_each_iteration_once(tmp_path, capsys):
+    """design 2.4 / 8.1: a smoke run of four iterations with a checkpoint at iteration 2 is resumed
+    from it, as after a kill -9 between checkpoints. Each run log (metrics, episodes, alarms,
+    ladder/games) is cut back to the line count the manifest records; the rows after it are in
+    <log>.after-iteration-2, byte for byte; the resume prints one line per log. Episodes end every
+    T = 8 decisions, so battles are at episode boundaries and the resumed logs equal the straight
+    run's, the clock aside; --alarms.kl-high -1 makes iterations 3 and 4 write an alarm row, which
+    the resumed run writes again only because replaying rows 1-2 restored the alarm's patience count.
+    Then again from a manifest without row counts (an older checkpoint): the same cut, by iteration
+    and episode ordinal, into .2 side files."""
+    flags = ["--profile", "smoke", "--runs-dir", str(tmp_path), "--ppo.timesteps-per-iteration", "48",
+             "--obs.max-steps", "8", "--checkpoint.every-env-steps", "64", "--timestep-limit", "192",
+             "--alarms.kl-high", "-1"]
+    run = P.train(P.parse_args(flags), quiet=True)
+    straight = {rel: (run / rel).read_bytes().splitlines(keepends=True) for rel in P.RUN_LOGS}
+    ck = run / "checkpoints" / "000000000064"
+    man = P.read_checkpoint(ck)[0]
+    assert man.iteration == 2 and set(man.rows) == set(P.RUN_LOGS)
+    for rel in P.RUN_LOGS:   # the counts are the rows written by iteration 2, and rows follow it
+        k, before = man.rows[rel], P.written_by(rel, 2, json.loads((ck / "rollout" / "state.json").read_text())["ordinals"])
+        assert [before(json.loads(x)) for x in straight[rel]] == [True] * k + [False] * (len(straight[rel]) - k)
+        assert len(straight[rel]) > k or rel == "alarms.jsonl" and k == 0 and len(straight[rel]) == 2
+    capsys.readouterr()
+    P.train(P.parse_args(flags), resume=ck, quiet=True)
+    out = capsys.readouterr().out
+    for rel in P.RUN_LOGS:
+        k, now = man.rows[rel], (run / rel).read_bytes().splitlines(keepends=True)
+        assert (run / f"{rel}.after-iteration-2").read_bytes() == b"".join(straight[rel][k:])
+        assert f"resume: {rel}: moved {len(straight[rel]) - k} row(s) written after iteration 2 to " \
+               f"{rel}.after-iteration-2\n" in out
+        assert now[:k] == straight[rel][:k] and _unclocked(rel, now) == _unclocked(rel, straight[rel]), rel
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["run/iteration"] for r in metrics] == [1, 2, 3, 4]
+    assert [json.loads(x)["iteration"] for x in (run / "alarms.jsonl").read_text().splitlines()] == [3, 4]
+    log = P.ladder.ResultLog(run)   # the rater's cache follows the cut log
+    assert P.msgspec.json.decode(log.aggregate_path.read_bytes(), type=P.ladder.Aggregate) == \
+        P.ladder.rebuild_aggregate(log.read().games)
+    # an older checkpoint, whose manifest records no row counts (the manifest itself is not hashed)
+    doc = json.loads((ck / "manifest.json").read_text())
+    del doc["rows"]
+    (ck / "manifest.json").write_text(json.dumps(doc))
+    resumed = {rel: (run / rel).read_bytes().splitlines(keepends=True) for rel in P.RUN_LOGS}
+    P.train(P.parse_args(flags), resume=ck, quiet=True)
+    out = capsys.readouterr().out
+    for rel in P.RUN_LOGS:
+        k = man.rows[rel]
+        assert (run / f"{rel}.after-iteration-2.2").read_bytes() == b"".join(resumed[rel][k:])
+        assert f"resume: {rel}: moved {len(resumed[rel]) - k} row(s) written after iteration 2 to " \
+               f"{rel}.after-iteration-2.2 (by iteration: the checkpoint records no row count)" in out
+        assert _unclocked(rel, (run / rel).read_bytes().splitlines()) == _unclocked(rel, straight[rel]), rel
 
 
 def test_pruning_keeps_the_newest_by_manifest_and_leaves_strays(tmp_path):
@@ -1389,10 +1679,9 @@ def gated_run(tmp_path_factory):
         def __init__(self, sid, net):
             self.sid, self.net = sid, net
 
-        def dist(self, obs):
-            d = self.net.dist(obs)
-            seen["dists"].append((self.sid, obs, d.logp.detach().clone()))
-            return d
+        def act_and_hold(self, obs, u):
+            seen["dists"].append((self.sid, obs, self.net.dist(obs).logp.detach().clone()))
+            return self.net.act_and_hold(obs, u)
 
     def policy(self, g):
         return Rec(self.slots[g], real_policy(self, g))
