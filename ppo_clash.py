@@ -47,8 +47,11 @@ import json
 import math
 import os
 import platform
+import signal
 import sys
+import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, NamedTuple, Sequence
@@ -1699,16 +1702,19 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
             run.phase = "boundary"
             fired = run.record(row, roll.episodes)
             halt_if_asked(run, learner, source, lad, fired, upd["outliers"])
-            ctl = read_control(run.path, quiet)
+            ctl = read_control(run.path, quiet) or run.stop.asked   # Ctrl-C, SIGTERM: as "q"
             if checkpoint_due(learner, env, args, ctl, lad_row):
                 run.timed_save(learner, boundary_now(source, lad))
             if ctl == "q":
+                run.say_stopped(learner)   # where it stopped, and the resume command
                 break
         if run.last_saved != learner.env_steps:   # the limit: save on the way out unless the last save holds it
             save_checkpoint(run, learner, boundary_now(source, lad))
     except (Exception, KeyboardInterrupt) as exc:   # KeyboardInterrupt is named: it is not an Exception
-        emergency_save(run, learner, source, lad, exc)
-        raise
+        saved = emergency_save(run, learner, source, lad, exc)
+        if isinstance(exc, AlarmHalt):                 # its own row, checkpoint and bundle (design 9.4)
+            raise
+        raise RunCrashed(crash_line(run, learner, exc, saved), isinstance(exc, KeyboardInterrupt)) from exc
     finally:
         source.close()
         run.close()
@@ -2287,19 +2293,72 @@ def checkpoint_due(learner: Learner, env: Env, args: Args, ctl: str, lad_row: di
     return step // every > (step - env.T * env.n_battles) // every or ctl in ("c", "q") or "time/gate" in lad_row
 
 
-def emergency_save(run: Run, learner: Learner, source: Any, lad: LadderLoop, exc: BaseException) -> None:
-    """On a crash or Ctrl-C (design 10.3): only a learner on an iteration boundary can be resumed,
-    so save while collecting (the learner is still the last boundary's, and so is the saved
-    boundary) or after the row, never halfway through an update. The save must not hide the
-    original failure."""
+def emergency_save(run: Run, learner: Learner, source: Any, lad: LadderLoop, exc: BaseException) -> Path | None:
+    """On a crash or a second Ctrl-C (design 10.3): only a learner on an iteration boundary can be
+    resumed, so save while collecting (the learner is still the last boundary's, and so is the
+    saved boundary) or after the row, never halfway through an update. The save must not hide
+    the original failure. Returns the checkpoint written, or None."""
     if isinstance(exc, AlarmHalt) or learner.sched is None or run.phase == "learn" or run.last_saved == learner.env_steps:
-        return
+        return None
     try:
-        ck = save_checkpoint(run, learner, run.boundary if run.phase == "collect" else boundary_now(source, lad))
-        print(f"emergency checkpoint {ck} after {type(exc).__name__}; resume: python ppo_clash.py "
-              f"--resume {run.path} --checkpoint {ck}", file=sys.stderr)
+        return save_checkpoint(run, learner, run.boundary if run.phase == "collect" else boundary_now(source, lad))
     except Exception as e2:
         print(f"emergency checkpoint failed: {e2!r}", file=sys.stderr)
+        return None
+
+
+class RunCrashed(RuntimeError):
+    """The loop stopped on an exception or a second Ctrl-C: one line for the person (what, where,
+    the traceback's file, the resume command); the original is its __cause__."""
+
+    def __init__(self, line: str, interrupted: bool) -> None:
+        super().__init__(line)
+        self.interrupted = interrupted
+
+
+def crash_line(run: Run, learner: Learner, exc: BaseException, saved: Path | None) -> str:
+    """The full traceback appended to <run>/crash-iteration-<k>.txt (k the iteration in flight;
+    appended, so a second crash there loses nothing), and the one line that names it."""
+    k = learner.iteration + 1
+    path = run.path / f"crash-iteration-{k}.txt"
+    with path.open("a") as f:
+        f.write(f"--- {ladder.utc_now()} iteration {k}, phase {run.phase}\n"
+                + "".join(traceback.format_exception(exc)))
+    what = "interrupted (a second Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else "crashed"
+    said = (str(exc).strip().splitlines() or [""])[0]
+    kept = (f"emergency checkpoint {saved}" if saved is not None else
+            f"the last checkpoint is {latest_checkpoint(run.path)}" if latest_checkpoint(run.path) is not None else None)
+    resume = (f"{kept}; resume: python ppo_clash.py --resume {run.path}" if kept else
+              "no checkpoint yet: start the run again with the same command")
+    return (f"{what} in iteration {k} ({run.phase}): {type(exc).__name__}"
+            f"{': ' + said if said else ''}; full traceback in {path}; {resume}")
+
+
+class StopSignals:
+    """Ctrl-C and SIGTERM as the control file's quit (design 10.3): the first asks the loop to
+    checkpoint and stop at the end of the iteration in flight (`asked` reads "q" from then on);
+    a second stops now, as a KeyboardInterrupt, through the emergency path. The farm's workers
+    ignore SIGINT, so a terminal's Ctrl-C reaches the parent alone. Signals can be caught only
+    on the main thread; elsewhere (a run started from a thread) nothing is installed."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.asked, self.saved = "", {}
+        if threading.current_thread() is threading.main_thread():
+            self.saved = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.asked:
+            raise KeyboardInterrupt
+        self.asked = "q"
+        print(f"\n{signal.Signals(signum).name}: checkpoint and stop at the end of this iteration; "
+              "send it again to stop now", file=sys.stderr, flush=True)
+
+    def restore(self) -> None:
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+        self.saved = {}
 
 
 # --- 9. The run: its identity, its start-up gates, its directory (design 2.3, 3.8, 9) -------------
@@ -2833,6 +2892,7 @@ class Run:
                 self.alarms.evaluate(row)
             self.tail = rows[-50:]
         self.phase, self.boundary = "boundary", Boundary([], {})
+        self.stop: StopSignals | None = None   # installed when the loop starts (announce)
         self.progress = not quiet and sys.stdout.isatty()   # a log file gets no progress lines
         # time/iteration runs row to row, so the checkpoint written after a row lands in the next
         # row's split (t_ckpt)
@@ -2844,6 +2904,7 @@ class Run:
             horizon = credit_horizon_seconds(a.obs.decision_ms, a.advantage.gamma.value(0), a.advantage.gae_lambda)
             print(f"run {self.path}  T={env.T} R={env.R} learner_rows={env.learner_rows} device={env.device} "
                   f"credit_horizon={horizon:.1f}s")
+        self.stop = StopSignals()   # from here on a signal is a request, not an exit
         self.t_row = time.perf_counter()
 
     def between_cycles(self, iteration: int, t: int, T: int, rounds: int, seconds: float) -> None:
@@ -2897,7 +2958,13 @@ class Run:
         prune_checkpoints(self.path, self.args.checkpoint.keep)
         self.t_ckpt = time.perf_counter() - t0
 
+    def say_stopped(self, learner: Learner) -> None:
+        print(f"stopped after iteration {learner.iteration} as asked, checkpoint {latest_checkpoint(self.path)}; "
+              f"resume: python ppo_clash.py --resume {self.path}", file=sys.stderr)
+
     def close(self) -> None:
+        if self.stop is not None:
+            self.stop.restore()
         for f in self.files.values():
             f.close()
         if self.viser is not None:
@@ -4236,6 +4303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AlarmHalt as e:
         print(f"HALT: {e}", file=sys.stderr)
         return 3
+    except RunCrashed as e:   # one line; the traceback is in the run directory (design 10.3)
+        print(f"error: {e}", file=sys.stderr)
+        return 130 if e.interrupted else 1
     return 0
 
 

@@ -1540,8 +1540,9 @@ def test_ctrl_c_while_collecting_leaves_an_emergency_checkpoint_of_the_last_boun
 
     monkeypatch.setattr(farm.InlineFarm, "next_round", interrupted)
     args = P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path)])
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(P.RunCrashed) as ei:
         P.train(args, quiet=True)
+    assert ei.value.interrupted and isinstance(ei.value.__cause__, KeyboardInterrupt)
     (run,) = tmp_path.iterdir()
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["run/iteration"] for r in rows] == [1]
@@ -1549,6 +1550,77 @@ def test_ctrl_c_while_collecting_leaves_an_emergency_checkpoint_of_the_last_boun
     man, files = P.read_checkpoint(ck)
     assert man.iteration == 1 and man.state_digest == rows[0]["run/state_digest"]
     assert man.cumulative_env_steps == rows[0]["run/cumulative_env_steps"]
+    assert str(ei.value).startswith("interrupted (a second Ctrl-C) in iteration 2 (collect): KeyboardInterrupt; ")
+    assert f"emergency checkpoint {ck}; resume: python ppo_clash.py --resume {run}" in str(ei.value)
+
+
+@pytest.mark.slow
+def test_a_crash_in_the_loop_is_one_line_with_its_traceback_file_and_the_resume_command(tmp_path, monkeypatch, capsys):
+    """Design 10.3: a planted exception while collecting iteration 2 (process farm, so the
+    workers must be closed too): main returns 1 with one stderr line naming the exception, the
+    iteration and phase, the traceback's file and the resume command; the traceback is in the
+    file; the emergency checkpoint is iteration 1's, and the resume it names finishes the run."""
+    import farm
+    real = farm.ProcessFarm.next_round
+
+    def planted(self, *a, **kw):
+        if self.iteration == 1 and self._cycle == 3:
+            raise RuntimeError("planted fault\nsecond line")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(farm.ProcessFarm, "next_round", planted)
+    flags = ["--profile", "smoke", "--runs-dir", str(tmp_path), "--rollout.source", "process", "--timestep-limit", "512"]
+    assert P.main(flags) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    (run,) = tmp_path.iterdir()
+    (ck,) = (run / "checkpoints").iterdir()
+    tb = run / "crash-iteration-2.txt"
+    assert err == [f"error: crashed in iteration 2 (collect): RuntimeError: planted fault; full traceback in {tb}; "
+                   f"emergency checkpoint {ck}; resume: python ppo_clash.py --resume {run}"]
+    text = tb.read_text()
+    assert "Traceback (most recent call last)" in text and "RuntimeError: planted fault\nsecond line" in text
+    assert "iteration 2, phase collect" in text
+    monkeypatch.setattr(farm.ProcessFarm, "next_round", real)
+    assert P.main(["--resume", str(run)]) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["run/iteration"] for r in rows] == [1, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_is_the_control_files_quit_and_a_second_one_stops_now(tmp_path, monkeypatch, capsys, sig):
+    """Design 10.3: one SIGINT or SIGTERM during iteration 2's collection: the iteration finishes,
+    its row and a checkpoint of it are written, train returns (exit 0), and the handlers are
+    put back. Two: the run stops in that collection, as an interrupt, from iteration 1's save."""
+    import farm
+    import os
+    import signal
+    real = farm.InlineFarm.next_round
+    sends = {"n": 1}
+
+    def signalled(self, *a, **kw):
+        if self.iteration == 1 and self._cycle == 3:
+            for _ in range(sends["n"]):
+                os.kill(os.getpid(), getattr(signal, sig))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(farm.InlineFarm, "next_round", signalled)
+    before = signal.getsignal(getattr(signal, sig))
+    args = P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path / "once")])
+    run = P.train(args, quiet=True)
+    assert signal.getsignal(getattr(signal, sig)) is before
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["run/iteration"] for r in rows] == [1, 2]              # the limit is 3: it stopped as asked
+    man, _ = P.read_checkpoint(P.latest_checkpoint(run))
+    assert man.iteration == 2 and man.state_digest == rows[1]["run/state_digest"]
+    err = capsys.readouterr().err
+    assert f"{sig}: checkpoint and stop at the end of this iteration" in err
+    assert f"stopped after iteration 2 as asked, checkpoint {P.latest_checkpoint(run)}; resume: python ppo_clash.py --resume {run}" in err
+    sends["n"] = 2
+    with pytest.raises(P.RunCrashed) as ei:
+        P.train(P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path / "twice")]), quiet=True)
+    assert ei.value.interrupted and "in iteration 2 (collect)" in str(ei.value)
+    assert signal.getsignal(getattr(signal, sig)) is before
 
 
 @pytest.mark.slow
