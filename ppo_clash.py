@@ -2836,7 +2836,11 @@ def open_run(args: Args, env: Env, learner: Learner, resume: Path | None, allow_
     if resume is None:
         rid = run_id(identity)
         path = Path(args.runs_dir) / f"{args.run_name}-{rid}"
-        path.mkdir(parents=True, exist_ok=False)
+        if path.exists():   # the same identity, run before: never written over (design 2.3)
+            raise ConfigError(f"{path} exists: a run with this identity was started before. Continue it with "
+                              f"python ppo_clash.py --resume {path}, or start another with a new --run-name "
+                              "or --master-seed")
+        path.mkdir(parents=True)
         (path / "config.json").write_bytes(config_json(args))
         (path / "identity.json").write_bytes(msgspec.json.format(canonical_json(identity)))
         return Run(args, path, identity, rid, quiet, t_start)

@@ -880,6 +880,20 @@ def test_a_config_file_that_is_not_json_is_refused_naming_the_file_and_the_line(
     assert "absent.json: cannot be read" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_a_second_run_with_the_same_identity_is_refused_in_one_line_and_the_first_is_untouched(tmp_path, capsys):
+    flags = ["--profile", "smoke", "--runs-dir", str(tmp_path), "--timestep-limit", "256"]
+    assert P.main(flags) == 0
+    (run,) = tmp_path.iterdir()
+    before = (run / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert P.main(flags) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {run} exists: a run with this identity was started before. Continue it with python "
+                   f"ppo_clash.py --resume {run}, or start another with a new --run-name or --master-seed\n")
+    assert (run / "metrics.jsonl").read_bytes() == before and list(tmp_path.iterdir()) == [run]
+
+
 def test_a_resume_reports_no_config_difference_for_a_tuple_read_back_as_a_list():
     a = P.parse_args(["--profile", "smoke", "--timestep-limit", "99"])
     saved = json.loads(P.canonical_json(P.msgspec.to_builtins(P.profile_args("smoke"))))   # a manifest's config
