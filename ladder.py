@@ -17,6 +17,7 @@ Writes (same folder):
     games.jsonl, aggregate.json (a derived cache that always equals a rebuild of the log)
     gates/<candidate>.json      one GateDecision per candidate (section 5)
     ratings.json                the latest RatingTable (written by the trainer's refit)
+`plot` writes one picture, runs/<id>/strength.png unless told otherwise, and nothing else.
     eval_seeds.json, snapshots/<id>/, pool.json, eval_env.json
 Nothing is pickled: JSON (msgspec) and safetensors only. Never a checkpoint or a metric file.
 
@@ -38,8 +39,10 @@ Import rule: codec <- farm <- ladder. This module never imports torch, so
 the caller passes in (policy_builder); only the CLI's snapshot hook (_snapshot_builder) imports
 ppo_clash, lazily, for snap: players.
 
-CLI (section 11):
+CLI (section 12):
     python ladder.py rate runs/<id> [--context CTX]          the fitted table (torch-free)
+    python ladder.py plot runs/<id> [--out FILE.png]         strength over training (section 11;
+                                                             matplotlib, the [plot] extra)
     python ladder.py eval --run runs/<id> --a ID --b ID [--seeds N]
                                                              a paired comparison, appended
     python ladder.py gate --run runs/<id> --candidate ID [--champion ID]
@@ -56,7 +59,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Annotated, Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 if __name__ == "__main__":   # so ppo_clash's `import ladder` finds this module instead of running the file twice
     sys.modules["ladder"] = sys.modules[__name__]
@@ -1791,7 +1794,134 @@ def run_probe(runner: EvalRunner, learner_act: ActFn, env_steps: int, *,
     return games, metrics
 
 
-# --- 11. CLI --------------------------------------------------------------------------------------
+# --- 11. The picture: strength over training (design 7.8, 7.9, 9.2) ------------------------------
+# `python ladder.py plot runs/<id>` draws what the run's files say, read only: the fitted rating
+# of every snapshot against the game-steps it was taken at (the ladder's claim, with its 95%
+# interval; champions and gate outcomes marked; the scripted players as level lines, the
+# yardstick a reader knows), the probe's score per scripted rung against game-steps (the live
+# policy), and the learning signals of metrics.jsonl. A live run is drawn as far as it has got.
+# matplotlib is the optional extra [plot], imported here only, so `rate` stays dependency-free.
+
+PLOT_SIGNALS = (("ppo/kl", "kl (nats)"), ("ppo/clip_fraction", "clip fraction"),
+                ("ppo/entropy_normalised", "normalised entropy"), ("ppo/explained_variance", "explained variance"),
+                ("policy/cards_per_match", "cards per match"))
+"""The learning signals drawn under the strength panels: metric key, axis label (design 9.2)."""
+GATE_COLOURS = {"admit+promote": "tab:green", "admit-as-cycle": "tab:orange", "discard": "tab:gray"}
+
+
+class StrengthData(NamedTuple):
+    """What the picture draws, read off a run directory."""
+    context: str | None                          # the context rated (the one with the most eval games)
+    table: RatingTable | None                    # None before the first evaluation game
+    steps: dict[str, int]                        # snapshot player id -> env steps at the snapshot
+    champions: list[str]                         # the champion chain, in order
+    gates: dict[str, str]                        # candidate player id -> the gate's outcome
+    rows: list[dict[str, Any]]                   # metrics.jsonl
+
+
+def read_strength(run: Path) -> StrengthData:
+    """The run's games, snapshots, pool, gate decisions and metric rows; nothing is written."""
+    evals = [g for g in ResultLog(run).read().games if g.kind == "eval"]
+    ctxs = collections.Counter(g.context for g in evals)
+    context = ctxs.most_common(1)[0][0] if ctxs else None
+    table = fit_ratings(eval_view(evals, context)[1]) if context else None
+    store = SnapshotStore(run)
+    steps = {snapshot_player_id(s): store.spec(s).step for s in store.ids()} if store.root.is_dir() else {}
+    pool = read_pool(run)
+    gates = {}
+    for f in sorted((ladder_dir(run) / "gates").glob("*.json")):
+        d = msgspec.json.decode(f.read_bytes(), type=GateDecision)
+        gates[d.candidate] = d.outcome
+    metrics = Path(run) / "metrics.jsonl"
+    rows = [msgspec.json.decode(x) for x in metrics.read_bytes().splitlines() if x.strip()] if metrics.exists() else []
+    return StrengthData(context, table, steps, pool.champion_chain if pool else [], gates, rows)
+
+
+def draw_strength(data: StrengthData, title: str, out: Path) -> None:
+    """One figure: ratings over game-steps, probe scores over game-steps, the learning signals."""
+    import matplotlib
+    matplotlib.use("Agg")   # a file, never a window: this runs on servers and in tests
+    import matplotlib.pyplot as plt
+    fig = plt.figure(figsize=(14, 10), constrained_layout=True)
+    grid = fig.add_gridspec(3, len(PLOT_SIGNALS), height_ratios=(3, 2, 1.4))
+    _draw_ratings(fig.add_subplot(grid[0, :]), data)
+    _draw_probe(fig.add_subplot(grid[1, :]), data.rows)
+    for i, (key, label) in enumerate(PLOT_SIGNALS):
+        ax = fig.add_subplot(grid[2, i])
+        pts = [(r["run/cumulative_env_steps"], r[key]) for r in data.rows if isinstance(r.get(key), (int, float))]
+        if pts:
+            ax.plot(*zip(*pts), lw=0.8)
+        ax.set_title(label, fontsize=9)
+        ax.tick_params(labelsize=7)
+    fig.suptitle(title, fontsize=11)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+def _draw_ratings(ax: Any, data: StrengthData) -> None:
+    t = data.table
+    ax.set_title(f"rating (Elo-scale, anchor {ANCHOR} at 0) with 95% intervals; context {data.context}", fontsize=10)
+    ax.set_xlabel("game-steps at the snapshot")
+    if t is None:
+        ax.text(0.5, 0.5, "no evaluation games yet", ha="center", va="center", transform=ax.transAxes)
+        return
+    snaps = sorted((data.steps[p], p) for p in t.ids if p in data.steps)
+    if snaps:
+        x = [s for s, _ in snaps]
+        y = [t.rating[p] for _, p in snaps]
+        ax.errorbar(x, y, yerr=[Z95 * t.se[p] for _, p in snaps], fmt="o-", ms=4, lw=0.8, capsize=2, color="tab:blue")
+        for s, p in snaps:
+            if p in data.gates:
+                ax.scatter([s], [t.rating[p]], s=90, facecolors="none", edgecolors=GATE_COLOURS.get(data.gates[p], "k"))
+        champs = [(data.steps[p], t.rating[p]) for p in data.champions if p in data.steps and p in t.rating]
+        if champs:
+            ax.scatter(*zip(*champs), marker="*", s=160, color="gold", edgecolors="k", zorder=3, label="champion")
+    for p in sorted(q for q in t.ids if q.startswith("scripted:")):
+        ax.axhline(t.rating[p], ls="--", lw=0.7, color="tab:red", alpha=0.6)
+        ax.annotate(p.removeprefix("scripted:"), (1.0, t.rating[p]), xycoords=("axes fraction", "data"),
+                    fontsize=7, color="tab:red", ha="right", va="bottom")
+    for outcome, colour in GATE_COLOURS.items():
+        ax.scatter([], [], s=90, facecolors="none", edgecolors=colour, label=f"gate: {outcome}")
+    ax.legend(fontsize=7, loc="upper left")
+
+
+def _draw_probe(ax: Any, rows: Sequence[dict[str, Any]]) -> None:
+    ax.set_title("probe: the live policy's score against each scripted rung, 95% bootstrap interval", fontsize=10)
+    ax.set_xlabel("game-steps")
+    ax.set_ylim(-0.02, 1.02)
+    rungs = sorted({k.removeprefix("ladder/score_vs/") for r in rows for k in r if k.startswith("ladder/score_vs/")})
+    for rung in rungs:
+        pts = [(r["run/cumulative_env_steps"], r[f"ladder/score_vs/{rung}"], r[f"ladder/score_vs_ci95_lo/{rung}"],
+                r[f"ladder/score_vs_ci95_hi/{rung}"]) for r in rows if f"ladder/score_vs/{rung}" in r]
+        x, y, lo, hi = (list(c) for c in zip(*pts))
+        ax.errorbar(x, y, yerr=[[a - b for a, b in zip(y, lo)], [b - a for a, b in zip(y, hi)]], fmt="o-", ms=3,
+                    lw=0.8, capsize=2, label=rung)
+    if rungs:
+        ax.legend(fontsize=7, loc="lower right")
+    else:
+        ax.text(0.5, 0.5, "no probe yet (ladder.probe_every_iterations)", ha="center", va="center", transform=ax.transAxes)
+
+
+def cmd_plot(args: Any) -> int:
+    run = Path(args.run)
+    if not run.is_dir():
+        raise CliError(f"{run}: no such directory (pass a run directory, runs/<id>)")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CliError("plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)") from None
+    data = read_strength(run)
+    out = Path(args.out) if args.out else run / "strength.png"
+    draw_strength(data, f"{run.name}: {len(data.rows)} iterations, "
+                        f"{data.rows[-1]['run/cumulative_env_steps']:,} game-steps" if data.rows else run.name, out)
+    if data.table is None:
+        print(f"{run}: no evaluation games yet, so no ratings in the picture; {_first_due(run)}")
+    print(f"wrote {out}")
+    return 0
+
+
+# --- 12. CLI --------------------------------------------------------------------------------------
 
 def _format_table(run_dir: str, t: RatingTable, torn: bool) -> str:
     lines = [f"run {run_dir}  context {t.context}  eval games {t.n_total}  "
@@ -2049,11 +2179,20 @@ class Gate(_Runner):
     """default: ladder/pool.json's champion"""
 
 
-COMMANDS = {Rate: cmd_rate, Eval: cmd_eval, Gate: cmd_gate}
+@dataclasses.dataclass(kw_only=True)
+class Plot:
+    """Draw the run's strength over training (torch-free; needs matplotlib, the [plot] extra)."""
+    run: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN")]
+    """the run directory, runs/<id> (a live one is drawn as far as it has got)"""
+    out: Optional[str] = None
+    """the picture's path (default: runs/<id>/strength.png)"""
+
+
+COMMANDS = {Rate: cmd_rate, Plot: cmd_plot, Eval: cmd_eval, Gate: cmd_gate}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = tyro.cli(Union[Rate, Eval, Gate], args=argv, prog="ladder.py",   # type: ignore[arg-type]
+    args = tyro.cli(Union[Rate, Plot, Eval, Gate], args=argv, prog="ladder.py",   # type: ignore[arg-type]
                     description="The ladder of a clash-ppo run.")
     try:
         return COMMANDS[type(args)](args)

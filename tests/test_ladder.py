@@ -1073,3 +1073,75 @@ def test_eval_runner_on_a_process_farm_gives_the_inline_farms_results_byte_for_b
     assert msgspec.json.encode(out[:2]) == msgspec.json.encode(out[2:])
     assert [g.score_a for g in out[0]] and len(out[0]) == 6 and len(out[1]) == 4
     assert stats[1]["env_ms"] > 0 and stats[1]["bytes_out"] > 0
+
+
+# --- 11. The picture ------------------------------------------------------------------------------------
+
+def planted_strength_run(run: Path) -> dict[str, str]:
+    """A run directory as training leaves it: four snapshots (their ids' games simulated from
+    TRUE's p1..p4), a champion chain, gate decisions, metric rows with probe keys."""
+    store = L.SnapshotStore(run)
+    ids = {}
+    for k, p in enumerate(("p1", "p2", "p3", "p4")):
+        sid = store.save({"w": np.full(2, k, np.float16)}, snap_spec(step=1000 * (k + 1)))
+        ids[p] = L.snapshot_player_id(sid)
+    true = {ids.get(p, p): v for p, v in TRUE.items() if p != "p5"}
+    L.ResultLog(run).append(sim_games(np.random.default_rng(3), 20, true=true))
+    pool = L.Pool()
+    for k, p in enumerate(("p1", "p2", "p3", "p4")):
+        pool.admit(L.PoolMember(ids[p], 1000 * (k + 1)), promote=p in ("p1", "p3"))
+    L.write_pool(run, pool)
+    cond = {"champion": L.ConditionResult(passed=False, n=8, observed=0.5, bound=0.3, reference=0.5)}
+    for p, outcome in (("p2", "discard"), ("p3", "admit+promote"), ("p4", "admit-as-cycle")):
+        L.write_gate_decision(run, L.GateDecision(
+            candidate=ids[p], champion=ids["p1"], outcome=outcome, admit=outcome != "discard",
+            promote=outcome == "admit+promote", cycle=outcome == "admit-as-cycle", failed=[], conditions=cond,
+            eval_seed_set_sha="x", wall_seconds=1.0, wall="2026-12-01T00:00:00Z"))
+    rows = [{"run/iteration": i, "run/cumulative_env_steps": 500 * i, "ppo/kl": 0.01 / i, "ppo/clip_fraction": 0.1,
+             "ppo/entropy_normalised": 0.9, "ppo/explained_variance": 0.1 * i, "policy/cards_per_match": 10 + i,
+             **{k: v for r in ("scripted:noop", "scripted:push") if i % 2 == 0 for k, v in (
+                 (f"ladder/score_vs/{r}", 0.5), (f"ladder/score_vs_ci95_lo/{r}", 0.4),
+                 (f"ladder/score_vs_ci95_hi/{r}", 0.6), (f"ladder/score_vs_n/{r}", 20))}}
+            for i in range(1, 9)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ids
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def test_plot_draws_the_strength_of_a_run_without_torch_and_writes_nothing_else(tmp_path):
+    """matplotlib is the [plot] extra; `make test` installs it (pyproject's dev + plot)."""
+    ids = planted_strength_run(tmp_path)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    r = run_cli("plot", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines() == [f"wrote {tmp_path / 'strength.png'}"]
+    assert png_size(tmp_path / "strength.png") == (1260, 900)              # 14 x 10 inches at 90 dpi
+    assert (tmp_path / "strength.png").stat().st_size > 30_000             # four panels' worth, not a blank
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != "strength.png"}
+    assert after == before
+    data = L.read_strength(tmp_path)
+    assert data.steps[ids["p3"]] == 3000 and data.champions == [ids["p1"], ids["p3"]]
+    assert data.gates == {ids["p2"]: "discard", ids["p3"]: "admit+promote", ids["p4"]: "admit-as-cycle"}
+    assert data.table is not None and data.table.rating[ids["p4"]] > data.table.rating[ids["p1"]]
+    r = run_cli("plot", str(tmp_path), "--out", str(tmp_path / "pics" / "s.png"))
+    assert r.returncode == 0 and png_size(tmp_path / "pics" / "s.png") == (1260, 900)
+
+
+def test_plot_of_a_run_without_games_says_so_and_without_matplotlib_says_how_to_install_it(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"run/iteration": 1, "run/cumulative_env_steps": 10,
+                                                         "ppo/kl": 0.01}) + "\n")
+    r = run_cli("plot", str(tmp_path))
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 0 and len(lines) == 2 and lines[0].startswith(f"{tmp_path}: no evaluation games yet")
+    assert png_size(tmp_path / "strength.png") == (1260, 900)
+    blocked = NO_TORCH.replace("name == 'torch' or name.startswith('torch.')",
+                               "name.split('.')[0] in ('torch', 'matplotlib')")
+    r = subprocess.run([sys.executable, "-c", blocked, "plot", str(tmp_path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "ladder.py plot: plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)"]
