@@ -30,7 +30,7 @@ $(VENV)/.installed: pyproject.toml
 	echo "creating $(VENV) with $$py ($$("$$py" -V 2>&1))"; \
 	"$$py" -m venv $(VENV) && \
 	$(VPY) -m pip install -q --upgrade pip && \
-	$(VPY) -m pip install -q -e '.[dev,plot]' && \
+	$(VPY) -m pip install -q -e '.[dev,plot,tb]' && \
 	touch $@
 
 $(VENV): $(VENV)/.installed

@@ -47,6 +47,7 @@ same; ProcessFarm additionally takes env_spec= to refuse a worker on other space
     farm.ordinals    int64 (n_battles,): reset ordinal of the episode each battle is playing;
                      checkpoint it, restore through FarmConfig.start_ordinals
     farm.assignment  the Assignment each battle is playing; farm.generation, farm.restarts
+                     (checkpoint the generations, restore through FarmConfig.start_generations)
 
     for each iteration i:
         farm.begin_iteration(plan)           # SlotPlan. Iteration 0: the opening table. Later:
@@ -66,6 +67,9 @@ same; ProcessFarm additionally takes env_spec= to refuse a worker on other space
     rnd.timings["env_ms"].
     farm.drain_failures() -> [WorkerFailure]   # a dead worker's slots arrive valid=False,
     farm.restart(w)                            # group -3; restart rejoins at begin_iteration
+    farm.check_workers()                       # between iterations: a process that ended is a
+                                               # failure now (drain it, restart it); a training
+                                               # farm's hang is one too (kind "timeout")
     farm.close()                               # idempotent, registered atexit
     farm.spaces(w) -> dict                     # SPACES: worker w re-reads its spaces and engine
                                                # binary without stepping (the handshake report);
@@ -1067,7 +1071,11 @@ class FarmConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_restarts_per_worker: int = 3
     viewer: bool = True                     # worker 0's first shard gets viser="env"
     start_ordinals: list[int] | None = None  # per battle; a resume restores them
-    debug_fault: str = ""                   # tests only: "raise:<w>:<steps>", "hang:<w>:<steps>"
+    start_generations: list[int] | None = None  # per worker; a resume restores them, so a worker
+                                            # restarted before the checkpoint keeps its scripted
+                                            # seed paths (design 3.7); None: generation 0
+    debug_fault: str = ""                   # tests only: "raise:<w>:<steps>[:<gen>]",
+                                            # "hang:<w>:<steps>[:<gen>]" (gen: that generation only)
     eval_plan: list[EvalEpisode] | None = None  # the evaluation mode (section 6); None: training
     scripted_mask_only: bool = True         # training: a scripted seat's observations mask-only
                                             # (section 9); eval mode always does it. 1.13x
@@ -1096,6 +1104,9 @@ class FarmConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.start_ordinals is not None and len(self.start_ordinals) != self.n_battles:
             raise ValueError(f"start_ordinals has {len(self.start_ordinals)} entries; the farm "
                              f"has {self.n_battles} battles")
+        if self.start_generations is not None and len(self.start_generations) != self.workers:
+            raise ValueError(f"start_generations has {len(self.start_generations)} entries; the "
+                             f"farm has {self.workers} workers")
         if self.eval_plan is not None:
             if self.start_ordinals is not None:
                 raise ValueError("eval_plan with start_ordinals: an evaluation farm starts every "
@@ -1367,7 +1378,8 @@ class ShardRunner:
         self.obs: dict[str, np.ndarray] | None = None
         self.steps_taken = 0
         fault = cfg.debug_fault.split(":") if cfg.debug_fault else []
-        self.fault = (fault[0], int(fault[2])) if fault and int(fault[1]) == w and s == 0 else None
+        self.fault = (fault[0], int(fault[2])) if (fault and int(fault[1]) == w and s == 0 and
+                                                   (len(fault) < 4 or int(fault[3]) == gen)) else None
 
     # the seats, under the names a reader of one runner looks for
     group = property(lambda self: self.seats.group, doc="int8 (n,): each slot's group")
@@ -1694,9 +1706,10 @@ class _AssignmentBook:
         b0 = j * self.cfg.games_per_shard
         return [int(x) for x in self.ordinals[b0: b0 + self.cfg.games_per_shard]]
 
-    def reseat(self, sl: slice) -> None:
-        """A restarted worker's slots: all to be sent again, each battle's assignment redrawn for
-        the ordinal it moved to."""
+    def abandon(self, sl: slice) -> None:
+        """A restarted worker's slots: each battle moves to its next ordinal (its running
+        episode is abandoned), its assignment redrawn for it, all to be sent again."""
+        self.ordinals[sl.start // 2: sl.stop // 2] += 1
         self.unsent[sl] = True
         if self.assign_fn is not None:
             for b in range(sl.start // 2, sl.stop // 2):
@@ -1935,7 +1948,7 @@ class _WorkerHealth:
 
     def __init__(self, cfg: FarmConfig) -> None:
         self.cfg = cfg
-        self.generation = [0] * cfg.workers
+        self.generation = list(cfg.start_generations or [0] * cfg.workers)
         self.restarts = [0] * cfg.workers
         self.dead = [False] * cfg.workers
         self.pending: set[int] = set()
@@ -1949,14 +1962,18 @@ class _WorkerHealth:
         out, self.failures = self.failures, []
         return out
 
-    def request_restart(self, w: int) -> None:
+    def may_restart(self, w: int) -> None:
         if self.cfg.eval_plan is not None:
             raise FarmError(f"restart({w}) on an evaluation farm: close it and play the comparison "
                             "again on a new one")
-        self.restarts[w] += 1
-        if self.restarts[w] > self.cfg.max_restarts_per_worker:
-            raise FarmError(f"worker {w} has been restarted {self.restarts[w] - 1} times; "
+        if self.restarts[w] >= self.cfg.max_restarts_per_worker:
+            raise FarmError(f"worker {w} has been restarted {self.restarts[w]} times; "
                             f"max_restarts_per_worker={self.cfg.max_restarts_per_worker}")
+
+    def request_restart(self, w: int) -> None:
+        self.may_restart(w)
+        self.restarts[w] += 1
+        self.generation[w] += 1
         self.pending.add(w)
 
 
@@ -2149,18 +2166,27 @@ class _FarmCore:
         return self._health.drain()
 
     def restart(self, w: int) -> None:
-        """Restart worker w with the next generation's seed paths; it rejoins at the next
-        begin_iteration. Its battles' running episodes are abandoned: each moves to the next
-        ordinal, so no episode is played twice. An evaluation farm is not restarted: its caller
-        rebuilds it (a lost episode would silently leave a comparison short)."""
+        """Worker w restarts on its next generation's seed paths at the next begin_iteration; its
+        running episodes are abandoned (each battle moves to its next ordinal). Ordinals,
+        generation and assignments change now, so a checkpoint written before then holds what the
+        new worker plays (design 3.7): hence only a dead worker, or any between iterations."""
+        self._health.may_restart(w)
+        if not self.dead[w] and self.iteration >= 0 and (self._cycle, self._shard) != (self.T + 1, 0):
+            raise FarmError(f"restart({w}) of a live worker mid-iteration (cycle {self._cycle}): "
+                            "restart it once it failed, or after the cycle-T round was read")
         self._health.request_restart(w)
+        self._book.abandon(slice(2 * w * self.cfg.games_per_worker, 2 * (w + 1) * self.cfg.games_per_worker))
+
+    def check_workers(self) -> None:
+        """Between iterations: a worker whose process ended (killed during the update) fails now."""
+        for w in range(self.cfg.workers):
+            gone = None if self.dead[w] else self._exited(w)
+            if gone is not None:
+                self._fail(w, w * self.cfg.shards_per_worker, 0, *gone)
 
     def _do_restart(self, w: int) -> None:
         S = self.cfg.shards_per_worker
-        b0 = w * self.cfg.games_per_worker
-        self.ordinals[b0: b0 + self.cfg.games_per_worker] += 1   # abandon the running episodes
         self._metrics.restarted(range(w * S, (w + 1) * S))
-        self.generation[w] += 1
         self._stop_worker(w)
         self.dead[w] = False
         for j in range(w * S, (w + 1) * S):
@@ -2168,7 +2194,6 @@ class _FarmCore:
             self.rect[:, sl] = 0                 # history from the abandoned episodes
             self.first_obs[:, sl] = False
             self._fresh[j] = True
-            self._book.reseat(sl)
         self._start_worker(w)
 
     def _fail(self, w: int, j: int, c: int, kind: str, message: str) -> None:
@@ -2201,6 +2226,7 @@ class _FarmCore:
     def _wait(self, j: int, cycle: int, timeout_s: float) -> bool: ...
     def _start_worker(self, w: int) -> None: ...
     def _stop_worker(self, w: int) -> None: ...
+    def _exited(self, w: int) -> tuple[str, str] | None: ...   # (kind, message) once w's process ended
 
 
 def stack_valid(first_obs: np.ndarray, k: int) -> np.ndarray:
@@ -2436,6 +2462,20 @@ def _worker_entry(cfg_json: bytes, table_json: bytes, w: int, gen: int, ordinals
                 pass
 
 
+def _exit_report(w: int, p: Any, ios: list[ShardIO]) -> tuple[str, str] | None:
+    """(kind, message) once worker w's process p has ended: "exception" with the traceback it
+    wrote, else "crash" with its exit code; None while it runs."""
+    if p is not None and p.is_alive():
+        return None
+    text = ""
+    for io in ios:
+        if int(io.control["state"][0]) == ST_FAILED:
+            text = io.read_text() or text
+    if text:
+        return "exception", text
+    return "crash", f"worker {w} died with exit code {p.exitcode if p is not None else None}"
+
+
 class ProcessFarm(_FarmCore):
     """K spawned workers writing into shared memory. Same semantics and bytes as InlineFarm."""
 
@@ -2614,9 +2654,13 @@ class ProcessFarm(_FarmCore):
                 return False
             if time.monotonic() > deadline:
                 codes = {i: (q.exitcode if q is not None else None) for i, q in enumerate(self._procs)}
-                raise WorkerTimeout(
-                    f"worker {w} shard {s} (global shard {j}) did not answer {what} within "
-                    f"{timeout_s} s (round_timeout_s); alive={p.is_alive()}, exit codes {codes}")
+                msg = (f"worker {w} shard {s} (global shard {j}) did not answer {what} within "
+                       f"{timeout_s} s (round_timeout_s); alive={p.is_alive()}, exit codes {codes}")
+                if self.cfg.eval_plan is not None:
+                    raise WorkerTimeout(msg)     # never restarted: its caller rebuilds it
+                self._kill(w)                    # training: a failure like a crash (design 3.7)
+                self._fail(w, j, cycle, "timeout", msg + "; the worker was killed")
+                return False
         if int(ctl["state"][0]) == ST_FAILED or int(ctl["err_code"][0]) != ERR_NONE:
             text = ""
             for jj in self._shards(w):
@@ -2625,6 +2669,9 @@ class ProcessFarm(_FarmCore):
             self._fail(w, j, cycle, "exception", text)
             return False
         return True
+
+    def _exited(self, w: int) -> tuple[str, str] | None:
+        return _exit_report(w, self._procs[w], [self._ios[j] for j in self._shards(w)])
 
     def _kill(self, w: int) -> None:
         p = self._procs[w]

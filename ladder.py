@@ -47,6 +47,8 @@ CLI (section 12):
                                                              a paired comparison, appended
     python ladder.py gate --run runs/<id> --candidate ID [--champion ID]
                                                              the WilsonGate, its decision file
+    python ladder.py yardstick --run runs/<id> [--snapshot ID] [--seeds N]
+                                                             a snapshot against every scripted rung
 """
 
 import collections
@@ -2134,6 +2136,39 @@ def cmd_gate(args: Any) -> int:
     return 0
 
 
+YARDSTICK_SEEDS = 20
+"""yardstick's default seeds a rung: 40 battles, about 25 s a rung on the cpu profile's 2-core
+machine [A: 0.58 s a battle, docs/ladder.md section 9]; --seeds for more."""
+
+
+def cmd_yardstick(args: Any) -> int:
+    """A snapshot (the champion by default) against every scripted rung, paired on the frozen seeds,
+    one line a rung; the battles are kind="eval" games, so `rate` puts the rungs on the scale."""
+    run = Path(args.run)
+    pool = read_pool(run)
+    snap = args.snapshot or (pool.champion if pool is not None else None)
+    if snap is None:
+        raise CliError(f"{run}: no champion yet ({ladder_dir(run) / 'pool.json'} is absent or empty); "
+                       "pass --snapshot snap:<id>")
+    snap = snap if snap.startswith("snap:") else snapshot_player_id(snap)
+    rungs = [f"scripted:{n}" for n in farm.SCRIPTED_NAMES]
+    prior = collections.Counter(frozenset((g.a, g.b)) for g in ResultLog(run).read().games)
+    print(f"yardstick: {snap} against every scripted rung, both sides of each seed")
+    with _open_runner(args, (snap, *rungs)) as r:
+        n_seeds = min(args.seeds or YARDSTICK_SEEDS, len(r.seeds.seeds))
+        for rung in rungs:
+            # addressed by the games the pair already has: a second yardstick adds new streams
+            cid = f"yardstick/{snap}/vs/{rung}/after/{prior[frozenset((snap, rung))]}"
+            ps = paired_scores(r.play(snap, rung, 2 * n_seeds, comparison_id=cid), snap, rung)
+            lo, hi = bootstrap_interval(ps.x, r.seeds.master_seed, f"{cid}/summary", 10_000)
+            print(f"  vs {rung:<26} score {ps.mean:.3f}  95% [{lo:.3f}, {hi:.3f}]  over {len(ps.x)} seeds "
+                  f"({ps.n_battles} battles)")
+        secs = r.seconds
+    print(f"appended {len(rungs) * 2 * n_seeds} kind=eval games to {ResultLog(run).path} in {secs:.0f} s; "
+          f"`python ladder.py rate {run}` now places the scripted rungs on the same scale")
+    return 0
+
+
 # The commands as tyro dataclasses (the project's one way to take arguments): each field's
 # docstring is its --help. kw_only so that the shared runner fields can come first.
 
@@ -2188,11 +2223,20 @@ class Plot:
     """the picture's path (default: runs/<id>/strength.png)"""
 
 
-COMMANDS = {Rate: cmd_rate, Plot: cmd_plot, Eval: cmd_eval, Gate: cmd_gate}
+@dataclasses.dataclass(kw_only=True)
+class Yardstick(_Runner):
+    """A snapshot against every scripted rung on the frozen seeds, paired; appended as eval games."""
+    snapshot: Optional[str] = None
+    """snap:<id> (default: ladder/pool.json's champion)"""
+    seeds: Optional[int] = None
+    """seeds a rung, each from both sides (default 20, at most the frozen set)"""
+
+
+COMMANDS = {Rate: cmd_rate, Plot: cmd_plot, Eval: cmd_eval, Gate: cmd_gate, Yardstick: cmd_yardstick}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = tyro.cli(Union[Rate, Plot, Eval, Gate], args=argv, prog="ladder.py",   # type: ignore[arg-type]
+    args = tyro.cli(Union[Rate, Plot, Eval, Gate, Yardstick], args=argv, prog="ladder.py",   # type: ignore[arg-type]
                     description="The ladder of a clash-ppo run.")
     try:
         return COMMANDS[type(args)](args)

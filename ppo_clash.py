@@ -130,12 +130,14 @@ class RolloutArgs:
     spin_us: int = 100
     """microseconds to spin before sleeping on a round's semaphore (design 3.4)"""
     round_timeout_s: float = 30.0
-    """every wait has a timeout; a timeout is a typed WorkerFailure, never a block"""
+    """every wait has a timeout; a worker that runs past it is killed and failed (kind "timeout"),
+    never a block (design 3.7)"""
     restart_failed_workers: bool = True
-    """restart a dead worker and mark its rows invalid rather than end the run (not wired yet: the
-    reliability issue reads it; today a dead worker is always restarted up to the limit below)"""
+    """restart a worker that died, raised or hung, on its next generation, and keep its cells of
+    the iteration in flight dead (never trained on); false stops the run naming the worker and its
+    traceback file (design 3.7)"""
     max_restarts_per_worker: int = 3
-    """three restarts of one worker raises rather than silently degrading throughput"""
+    """a fourth failure of one worker stops the run rather than silently degrading throughput"""
     launch_delay_s: float = 0.5
     """stagger worker start: each RustEngine construction decodes its data files"""
     overlap: bool = False
@@ -289,6 +291,9 @@ class LadderArgs:
     """0 is off: a probe plays real battles in the parent (design 7.9)"""
     probe_games: int = 40
     """battles per rung, paired"""
+    probe_opponents: tuple[str, ...] = ladder.PROBE_RUNGS
+    """the scripted rungs the probe plays (design 7.9): any of farm.SCRIPTED_NAMES as scripted:<name>;
+    noop and random_legal also publish ladder/score_vs_noop and _random_legal"""
     scripted_opponents: tuple[str, ...] = ("scripted:noop", "scripted:random_legal")
     """who the scripted share trains against, drawn uniformly per episode"""
     gate: GateArgs = field(default_factory=GateArgs)
@@ -316,6 +321,9 @@ class MetricsArgs:
     """mirror rows to Weights & Biases (optional extra). Not in the identity"""
     wandb_project: str = "clash-ppo"
     """the wandb project"""
+    tensorboard: bool = False
+    """write every numeric key of the row to <run>/tb/ at its game-step count, for `tensorboard
+    --logdir runs` (optional extra [tb]). Not in the identity"""
     viser: bool = True
     """serve the viewer's learning-status datagram (nothing is sent before a hello)"""
 
@@ -443,6 +451,10 @@ def profile_args(name: str) -> Args:
                      "ladder.floor_admit_every_env_steps": 100_000_000 if smoke else 2_000_000,
                      "ladder.probe_every_iterations": 0 if smoke else 40,
                      "ladder.probe_games": 8 if smoke else 40,
+                     # the yardstick's rungs a reader knows: random_legal, and push and patient, strong
+                     # in royalegym's own round robin (docs/ladder.md section 7)
+                     "ladder.probe_opponents": ladder.PROBE_RUNGS if smoke else
+                     ("scripted:random_legal", "scripted:push", "scripted:patient"),
                      "ladder.eval_seed_count": 8 if smoke else 100,
                      "ladder.gate": GateArgs(champion_games=16 if smoke else 200, anchor_games=8 if smoke else 40,
                                              stratified_snapshots=1 if smoke else 2,
@@ -708,6 +720,9 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("ladder.scripted_opponents", all(s.startswith("scripted:") and s[9:] in farm.SCRIPTED_NAMES
                                           for s in L.scripted_opponents),
          f"name scripted:<name> players, <name> one of {', '.join(farm.SCRIPTED_NAMES)}"),
+        ("ladder.probe_opponents", bool(L.probe_opponents) and all(
+            s.startswith("scripted:") and s[9:] in farm.SCRIPTED_NAMES for s in L.probe_opponents),
+         f"name at least one scripted:<name> rung, <name> one of {', '.join(farm.SCRIPTED_NAMES)}"),
         ("ladder.scripted_opponents", bool(L.scripted_opponents) or tuple(L.mix) == (1.0, 0.0, 0.0),
          "name a player unless --ladder.mix is all mirror (a pool battle with nothing resident plays one)"),
         ("ladder.gate.champion_games", G.champion_games % 2 == 0 and 2 <= G.champion_games <= twice, paired),
@@ -959,9 +974,26 @@ def actor_rows(forced: torch.Tensor) -> Rows | None:
     return Rows(idx, int(forced.numel()))
 
 
+def edge_taps(H: int, W: int) -> torch.Tensor:
+    """(3, 3, H, W): 1 where a 3x3 zero-padded convolution's tap (i, j) at tile (y, x) lands on
+    the board. A plane constant over the board meets kernel w there as sum_ij w[i, j] * taps."""
+    d = torch.arange(3) - 1
+    on_y = ((torch.arange(H)[None] + d[:, None]) >= 0) & ((torch.arange(H)[None] + d[:, None]) < H)
+    on_x = ((torch.arange(W)[None] + d[:, None]) >= 0) & ((torch.arange(W)[None] + d[:, None]) < W)
+    return (on_y[:, None, :, None] & on_x[None, :, None, :]).float()
+
+
 class Trunk(nn.Module):
     """cat[spatial, mask_planes, coords, broadcast vector embedding, card-id embedding]
-    -> Conv3x3 GN ReLU -> N residual blocks  ->  (B, C, H, W)."""
+    -> Conv3x3 GN ReLU -> N residual blocks  ->  (B, C, H, W).
+
+    The stem is that one convolution, computed in parts: the board's own planes
+    (and card-id embeddings) through the convolution, the coordinate planes and the broadcast
+    vector embedding, constant over the board, as maps from their kernels' edge sums
+    (edge_taps, stem_conv). The same function to float rounding; the convolution reads k*(S+P) channels
+    rather than k*(S+P) + 2 + E, and the backward forms no gradient for its input, which the
+    broadcast embedding, the one input that needs one, made it form for every channel. It was
+    the update's largest single cost [M: docs/throughput.md]."""
 
     def __init__(self, geo: NetGeometry, net: "NetArgs") -> None:
         super().__init__()
@@ -976,6 +1008,8 @@ class Trunk(nn.Module):
         ys = torch.linspace(0.0, 1.0, H).view(H, 1).expand(H, W)
         xs = torch.linspace(0.0, 1.0, W).view(1, W).expand(H, W)
         self.register_buffer("coords", torch.stack([ys, xs]), persistent=False)
+        self.register_buffer("taps", edge_taps(H, W), persistent=False)
+        self.n_board = k * (S + P)      # the stem kernel's input channels, in parts' order
         self.stem = nn.Sequential(*_conv_gn(in_ch, net.channels, net.norm_groups), nn.ReLU())
         self.body = nn.Sequential(*[ResBlock(net.channels, net.norm_groups) for _ in range(net.blocks)])
         self.in_channels = in_ch
@@ -988,9 +1022,10 @@ class Trunk(nn.Module):
         vin = obs.vector
         if geo.n_buttons:  # the ability buttons' readiness rides with the vector (design 5.1)
             vin = torch.cat([vin, obs.mask[:, G:G + geo.n_buttons].to(vin.dtype)], -1)
-        v = self.vemb(vin)   # on every row: a Linear's rows depend on the batch's shape (at_batch_shape)
+        # on every row: a matmul's rows depend on the batch's shape (at_batch_shape)
+        vmap = self.vector_map(self.vemb(vin))
         if rows is not None:
-            obs, v = obs_rows(obs, rows.idx), v[rows.idx]
+            obs, vmap = obs_rows(obs, rows.idx), vmap[rows.idx]
         B = obs.vector.shape[0]
         planes = obs.mask_planes
         if planes is None:  # derived from the mask: a reshape of bytes the row already carries
@@ -998,13 +1033,37 @@ class Trunk(nn.Module):
                 raise ValueError("frame_stack > 1 needs stacked mask_planes from codec.unpack; got None")
             planes = obs.mask[:, 1:G].reshape(B, geo.hand_size, H, W).float()
         parts = [obs.spatial, planes.to(obs.spatial.dtype)]
-        if self.coord_conv:
-            parts.append(self.coords.to(obs.spatial.dtype).unsqueeze(0).expand(B, -1, -1, -1))
-        parts.append(v.view(B, -1, 1, 1).expand(-1, -1, H, W).to(obs.spatial.dtype))
         if geo.card_id_channels:
             e = self.card_ids(obs.card_ids)                      # (B, k*c, H, W, 8)
             parts.append(e.permute(0, 1, 4, 2, 3).reshape(B, -1, H, W).to(obs.spatial.dtype))
-        return self.body(self.stem(torch.cat(parts, 1)))
+        _, norm, relu = self.stem
+        return self.body(relu(norm(self.stem_conv(torch.cat(parts, 1), vmap))))
+
+    def _kernel(self, part: str) -> torch.Tensor:
+        """The stem kernel's slice for one part of cat[board, coords, vector, card ids]."""
+        w, nb = self.stem[0].weight, self.n_board
+        nc = nb + (2 if self.coord_conv else 0)
+        ne = nc + self.vemb.out_features
+        return {"board": w[:, :nb], "coords": w[:, nb:nc], "vector": w[:, nc:ne], "card_ids": w[:, ne:]}[part]
+
+    def vector_map(self, v: torch.Tensor) -> torch.Tensor:
+        """(B, E) -> (B, C, H, W): the stem convolution of v broadcast over the board, as one
+        matmul with the vector kernel's edge sums."""
+        H, W = self.geo.tiles
+        w = self._kernel("vector")
+        sums = torch.einsum("oeij,ijyx->eoyx", w, self.taps.to(w.dtype))
+        return (v @ sums.reshape(v.shape[-1], -1).to(v.dtype)).view(-1, w.shape[0], H, W)
+
+    def stem_conv(self, planes: torch.Tensor, vmap: torch.Tensor) -> torch.Tensor:
+        """The stem convolution of the whole input, from planes = cat[board, card ids] and
+        vmap = vector_map(v): planes convolved, plus the coordinates' and the vector's maps."""
+        w = self._kernel("board")
+        if self.geo.card_id_channels:
+            w = torch.cat([w, self._kernel("card_ids")], 1)
+        x = F.conv2d(planes, w, self.stem[0].bias, padding=1)
+        if self.coord_conv:
+            x = x + F.conv2d(self.coords.to(x.dtype).unsqueeze(0), self._kernel("coords"), None, padding=1)
+        return x + vmap.to(x.dtype)
 
 
 class PointerHead(nn.Module):
@@ -1488,20 +1547,27 @@ def _flat(params: Sequence[nn.Parameter]) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in params])
 
 
-def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer, data: Any,
-               ppo: "PPOArgs", *, ent_coef: float, ent_coef_noop: float, master_seed: int, iteration: int,
-               debug: bool, check_ratio: bool, ratio_atol: float,
-               ratio_outliers: list[dict[str, Any]] | None = None) -> dict[str, float]:
-    """n_epochs passes over data in batches of ppo.batch_size (the last one smaller, never
-    dropped), one optimizer step per batch, each optimizer's gradient clipped on its own.
-    The permutation comes from ppo/minibatch/iteration/{i}/epoch/{e} (design 2.2). ratio_outliers:
-    see ratio_invariant (filled only when given; nothing of it enters the returned row)."""
-    acc = _Acc(ppo.n_epochs)
+@contextlib.contextmanager
+def unfilled_empty_tensors() -> Iterator[None]:
+    """Under deterministic algorithms torch fills every new empty tensor with NaN, so that a
+    kernel reading memory it never wrote shows it. No kernel of the update does: a smoke run
+    without the fill writes the filled run's bytes (a differential test). The fill was a tenth
+    of the update's time on the cpu profile [M: docs/throughput.md]. Restored on exit."""
+    was = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = was
+
+
+def _epochs(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer, data: Any,
+            ppo: "PPOArgs", acc: _Acc, perm0: np.ndarray, *, ent_coef: float, ent_coef_noop: float,
+            master_seed: int, iteration: int, debug: bool) -> int:
+    """ppo_update's passes: each batch's summed gradient, clipped per optimizer, then one step of
+    each. Returns the steps taken."""
     pa, pc = ac.actor_parameters(), ac.critic_parameters()
-    before_a, before_c = _flat(pa), _flat(pc)
     steps = 0
-    perm0 = derive_generator(master_seed, f"ppo/minibatch/iteration/{iteration}/epoch/0").permutation(data.n)
-    acc.ratio_dev = ratio_invariant(ac, data, perm0, ppo.minibatch_size, check_ratio, ratio_atol, ratio_outliers)
     for e in range(ppo.n_epochs):
         perm = perm0 if e == 0 else \
             derive_generator(master_seed, f"ppo/minibatch/iteration/{iteration}/epoch/{e}").permutation(data.n)
@@ -1522,6 +1588,25 @@ def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: to
             opt_actor.step()
             opt_critic.step()
             steps += 1
+    return steps
+
+
+def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer, data: Any,
+               ppo: "PPOArgs", *, ent_coef: float, ent_coef_noop: float, master_seed: int, iteration: int,
+               debug: bool, check_ratio: bool, ratio_atol: float,
+               ratio_outliers: list[dict[str, Any]] | None = None) -> dict[str, float]:
+    """n_epochs passes over data in batches of ppo.batch_size (the last one smaller, never
+    dropped), one optimizer step per batch, each optimizer's gradient clipped on its own.
+    The permutation comes from ppo/minibatch/iteration/{i}/epoch/{e} (design 2.2). ratio_outliers:
+    see ratio_invariant (filled only when given; nothing of it enters the returned row)."""
+    acc = _Acc(ppo.n_epochs)
+    pa, pc = ac.actor_parameters(), ac.critic_parameters()
+    before_a, before_c = _flat(pa), _flat(pc)
+    perm0 = derive_generator(master_seed, f"ppo/minibatch/iteration/{iteration}/epoch/0").permutation(data.n)
+    with unfilled_empty_tensors():
+        acc.ratio_dev = ratio_invariant(ac, data, perm0, ppo.minibatch_size, check_ratio, ratio_atol, ratio_outliers)
+        steps = _epochs(ac, opt_actor, opt_critic, data, ppo, acc, perm0, ent_coef=ent_coef, ent_coef_noop=ent_coef_noop,
+                        master_seed=master_seed, iteration=iteration, debug=debug)
     s = {k: float(v) for k, v in acc.s.items()}
     nc = max(acc.choice_rows, 1)
     ga, gc = torch.stack(acc.grad_norm_actor), torch.stack(acc.grad_norm_critic)
@@ -1636,7 +1721,8 @@ def check_iteration(*, rounds: int, expected_rounds: int, trainable: np.ndarray,
         raise MixtureDrifted(f"discarded_rows_frac {discarded_rows_frac:.3f} vs {expected_discarded_frac:.3f} expected "
                              f"from ladder.mix: the matchmaker is not drawing the configured mixture")
     changed = np.zeros_like(group, dtype=bool)
-    changed[1:] = (group[1:] != group[:-1]) & ~episode_end[:-1].astype(bool)
+    # a worker's death turns its cells dead mid-episode: not a change of policy (design 3.7)
+    changed[1:] = (group[1:] != group[:-1]) & ~episode_end[:-1].astype(bool) & (group[1:] != farm.GROUP_DEAD)
     if changed.any():
         raise AssignmentInsideEpisode(f"a slot's policy group changed mid-episode at {_cells(changed)}")
     forced = trainable & (n_legal == 1)
@@ -1676,23 +1762,32 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
         while learner.timesteps < args.timestep_limit and (max_iterations is None or learner.iteration < max_iterations):
             iteration, t_it = learner.iteration, time.perf_counter()
             sched = learner.schedule_values(args)        # gamma and entropy coefficients at this env step
+            # 0. a worker that died since the last round (during the update) is restarted before the
+            #    plan, so the iteration does not lose its rows (design 3.7)
+            source.check_workers()
+            found = tend_workers(source, run, source.drain_failures())
             # 1. plan and collect. A battle mid-episode keeps its assignment (design 3.6); what the
             #    boundary held is kept so an emergency save can return to it (design 10.3)
             ordinals = [int(x) for x in source.ordinals]
             plan = lad.plan(iteration, source.ordinals, opening if iteration == first else source.assignment)
             view.new_iteration(renumber=iteration > first)
             source.begin_iteration(plan)
-            run.boundary, run.phase = Boundary(ordinals, lad.state(list(plan.assignment))), "collect"
+            run.boundary = Boundary(ordinals, lad.state(list(plan.assignment)), [int(g) for g in source.generation])
+            run.phase = "collect"
             roll = collect(source, view, learner.model, lad, env, run, iteration, first, sched["gamma"], t_it)
+            roll.failures = found + roll.failures
             # 2. the critic on every cell and the bootstrap row; it also reads each cell's legality
             crit = critic_pass(learner.model, view, source, roll.action, env, args.ppo.critic_chunk)
             # 3. judged on what collection wrote, before anything learns from it (design 10.1)
             check_rollout(roll, crit, env, args)
             # 4. advantages: scale the rewards, one GAE scan, standardise once (design 6.1, 6.2)
             run.phase = "learn"   # the scaler, the weights and the optimizers change from here on
-            adv = advantages(learner.scaler, roll, crit, sched["gamma"], args)
-            # 5. the PPO update over the trainable cells, then the kl backoff (design 6.3)
-            upd = update(learner, view, roll, crit, adv, sched, args)
+            if not roll.trainable.any():   # every learner cell lost to dead workers (design 3.7)
+                adv, upd = no_update(roll)
+            else:
+                adv = advantages(learner.scaler, roll, crit, sched["gamma"], args)
+                # 5. the PPO update over the trainable cells, then the kl backoff (design 6.3)
+                upd = update(learner, view, roll, crit, adv, sched, args)
             learner.advance(sched, env, roll, upd)
             # 6. the ladder's share: train results, gate, floor admit, refit, probe (design 7)
             lad_row = ladder_step(lad, learner, roll.episodes, env, args, quiet)
@@ -1757,7 +1852,7 @@ def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: boo
                    time.perf_counter() if t_start is None else t_start)
     lad = LadderLoop(args, run.path, run.rid, args.master_seed, env.n_battles, env.spec, env.table, env.device)
     opening = start_ladder(lad, run, learner, env)   # v0 admitted free, or the checkpoint's pool
-    source = open_farm(args, env, run.start_ordinals, lad.assign)
+    source = open_farm(args, env, run.start_ordinals, lad.assign, run.start_generations)
     return Setup(env, learner, run, lad, opening, source, RectView(source.rect, env, args.obs.frame_stack))
 
 
@@ -1877,15 +1972,18 @@ class Learner:
 
 
 class Boundary(NamedTuple):
-    """Where collection stood at an iteration boundary: each battle's episode ordinal and the
-    ladder's state. A checkpoint stores it beside the learner; a resume starts from it."""
+    """Where collection stood at an iteration boundary: each battle's episode ordinal, the
+    ladder's state and each worker's generation (a restart's, design 3.7: the scripted seats'
+    seed paths carry it). A checkpoint stores it beside the learner; a resume starts from it."""
     ordinals: list[int]
     ladder: dict[str, Any]
+    generations: list[int] | None = None
 
 
 def boundary_now(source: Any, lad: LadderLoop) -> Boundary:
     """The boundary the farm and the ladder stand on now (between iterations)."""
-    return Boundary([int(x) for x in source.ordinals], lad.state(list(source.assignment)))
+    return Boundary([int(x) for x in source.ordinals], lad.state(list(source.assignment)),
+                    [int(g) for g in source.generation])
 
 
 def start_ladder(lad: LadderLoop, run: Run, learner: Learner, env: Env) -> list[Any] | None:
@@ -1898,7 +1996,8 @@ def start_ladder(lad: LadderLoop, run: Run, learner: Learner, env: Env) -> list[
     return None
 
 
-def open_farm(args: Args, env: Env, start_ordinals: list[int] | None, assign: Any) -> Any:
+def open_farm(args: Args, env: Env, start_ordinals: list[int] | None, assign: Any,
+              start_generations: list[int] | None = None) -> Any:
     """The farm of workers (process) or its byte-identical reference (inline), T cycles deep."""
     r = args.rollout
     cfg = farm.FarmConfig(env=env.spec, master_seed=args.master_seed, workers=r.workers,
@@ -1906,7 +2005,8 @@ def open_farm(args: Args, env: Env, start_ordinals: list[int] | None, assign: An
                           cycles=env.T, frame_stack=args.obs.frame_stack, spin_us=r.spin_us,
                           round_timeout_s=r.round_timeout_s, launch_delay_s=r.launch_delay_s,
                           max_restarts_per_worker=r.max_restarts_per_worker,
-                          viewer=r.source == "process" and args.metrics.viser, start_ordinals=start_ordinals)
+                          viewer=r.source == "process" and args.metrics.viser, start_ordinals=start_ordinals,
+                          start_generations=start_generations)
     return (farm.InlineFarm if r.source == "inline" else farm.ProcessFarm)(cfg, env.table, assign)
 
 
@@ -2029,6 +2129,8 @@ def collect(source: Any, view: RectView, model: ActorCritic, lad: LadderLoop, en
             rnd = source.next_round()
             if t > 0 or iteration == first:   # later iterations carried cycle 0 over in new_iteration
                 view.mark_round(t, rnd.slots, rnd.new_episode)
+            elif rnd.new_episode.any():        # but a restarted worker's battles reset at cycle 0
+                view.mark_round(t, rnd.slots[rnd.new_episode], rnd.new_episode[rnd.new_episode])
             if t == T:
                 continue
             t0 = time.perf_counter()
@@ -2037,10 +2139,43 @@ def collect(source: Any, view: RectView, model: ActorCritic, lad: LadderLoop, en
             source.submit(acts, gamma)
             roll.rounds += 1
     roll.t_collect = time.perf_counter() - t_it
-    roll.stats, roll.failures = source.stats(), source.drain_failures()   # the farm's counters (design 3.7, 9.2)
+    # design 3.7: the iteration completes with a failed worker's cells dead; the worker restarts
+    # at the next begin_iteration, so the counters are read after tend_workers asked for it
+    roll.failures = tend_workers(source, run, source.drain_failures())
+    roll.stats = source.stats()   # the farm's counters (design 3.7, 9.2)
     roll.scalars, roll.episodes = source.scalars, source.episodes
     roll.engine_ticks = view.engine_ticks(roll.scalars["tick"], roll.valid)
     return roll
+
+
+class WorkerFailed(RuntimeError):
+    """A rollout worker failed and is not restarted (restarts off, or past the limit): names the
+    worker and the file holding its traceback (design 3.7)."""
+
+
+def tend_workers(source: Any, run: Run, failures: list[Any]) -> list[Any]:
+    """Design 3.7: each failure's message (the child's traceback, or what the parent saw) is
+    appended to <run>/worker-<w>-generation-<g>.txt, and the worker is restarted on its next
+    generation, rejoining at the next begin_iteration. With restarts off, or once a worker has
+    had max_restarts_per_worker, the run stops instead (WorkerFailed, through the crash path).
+    Returns the failures, for the row's count."""
+    r = run.args.rollout
+    for w in sorted({f.worker for f in failures}):
+        g, mine = int(source.generation[w]), [f for f in failures if f.worker == w]
+        path = run.path / f"worker-{w}-generation-{g}.txt"
+        with path.open("a") as fh:
+            for f in mine:
+                fh.write(f"--- {ladder.utc_now()} worker {w} generation {g}, shard {f.shard}, cycle {f.cycle}: "
+                         f"{f.kind}\n{f.message.rstrip()}\n")
+        if r.restart_failed_workers and source.restarts[w] < r.max_restarts_per_worker:
+            source.restart(w)
+            continue
+        why = ("restarts are off (--rollout.no-restart-failed-workers)" if not r.restart_failed_workers else
+               f"it was restarted {source.restarts[w]} times already (--rollout.max-restarts-per-worker "
+               f"{r.max_restarts_per_worker})")
+        raise WorkerFailed(f"rollout worker {w} (generation {g}) failed ({mine[0].kind}) and {why}; "
+                           f"its traceback is in {path}")
+    return failures
 
 
 def act_round(rnd: Any, t: int, u: torch.Tensor, view: RectView, model: ActorCritic, lad: LadderLoop,
@@ -2173,6 +2308,17 @@ def advantages(scaler: WelfordReturnScaler, roll: Rollout, crit: Critic, gamma: 
 
 
 # 5. The update.
+
+def no_update(roll: Rollout) -> tuple[Advantages, dict[str, Any]]:
+    """An iteration whose learner cells were all lost to dead workers (design 3.7): nothing to
+    scale or learn from, so the scaler and the weights stay as they were and the row says so
+    with ppo/optimizer_steps 0 and no loss keys."""
+    zero = np.zeros(roll.action.shape, np.float32)
+    adv = Advantages(zero, zero, {"ppo/advantage_std_choice_pre_norm": None, "ppo/advantage_mean_choice": None,
+                                  "ppo/explained_variance_choice": None}, None, 0.0, 0.0)
+    return adv, {"ppo/optimizer_steps": 0.0, "ppo/actor_rows_seen": 0.0, "run/lr_backoff": False,
+                 "time/update": 0.0, "outliers": []}
+
 
 def update(learner: Learner, view: RectView, roll: Rollout, crit: Critic, adv: Advantages,
            sched: dict[str, float], args: Args) -> dict[str, Any]:
@@ -2858,11 +3004,12 @@ def open_run(args: Args, env: Env, learner: Learner, resume: Path | None, allow_
     learner.restore(files)
     if not quiet:
         print(f"resumed {resume} at iteration {learner.iteration}; state_digest {man.state_digest[:16]}")
-    ordinals = json.loads(files["rollout/state.json"])["ordinals"]
+    rollout = json.loads(files["rollout/state.json"])
+    ordinals = rollout["ordinals"]
     for line in cut_back(path, man, ordinals):   # after every refusal above: a refused resume moves nothing
         print(line)
     return Run(args, path, identity, man.run_id, quiet, t_start, drifted=(path / "drift.json").exists(),
-               start_ordinals=ordinals,
+               start_ordinals=ordinals, start_generations=rollout.get("generations"),   # absent: generation 0
                ladder_saved=json.loads(files["ladder/state.json"]) if "ladder/state.json" in files else None,
                last_saved=learner.env_steps)
 
@@ -2874,9 +3021,11 @@ class Run:
 
     def __init__(self, args: Args, path: Path, identity: RunIdentity, rid: str, quiet: bool, t_start: float, *,
                  drifted: bool = False, start_ordinals: list[int] | None = None,
-                 ladder_saved: dict[str, Any] | None = None, last_saved: int = -1) -> None:
+                 ladder_saved: dict[str, Any] | None = None, last_saved: int = -1,
+                 start_generations: list[int] | None = None) -> None:
         self.args, self.path, self.identity, self.rid, self.quiet, self.t_start = args, path, identity, rid, quiet, t_start
         self.drifted, self.start_ordinals, self.ladder_saved, self.last_saved = drifted, start_ordinals, ladder_saved, last_saved
+        self.start_generations = start_generations
         self.files = {name: open(path / f"{name}.jsonl", "ab") for name in ("metrics", "episodes", "alarms")}
         # lines in each log, kept as rows are written, so a checkpoint records what it covers without
         # rereading the logs (design 8.1)
@@ -2885,6 +3034,7 @@ class Run:
         self.viser = ViserSink.from_env() if args.metrics.viser else None
         self.wandb = (WandbSink(args.metrics.wandb_project, path, json.loads(config_json(args)),
                                 msgspec.to_builtins(identity)) if args.metrics.wandb else None)
+        self.tb = TensorBoardSink(path) if args.metrics.tensorboard else None
         self.tail: list[dict[str, Any]] = []      # the last fifty rows
         self.ep_tail: list[Any] = []              # the last twenty EpisodeRecords
         self.alarm_rows: list[dict[str, Any]] = []   # this iteration's alarms
@@ -2931,6 +3081,8 @@ class Run:
             self.viser.write(row, self.path.name)
         if self.wandb is not None:
             self.wandb.write(row)
+        if self.tb is not None:
+            self.tb.write(row)
         if self.progress:
             print("\r\x1b[K", end="")   # clear the progress line before the block
         self.t_row, self.t_ckpt = self.t_row + row["time/iteration"], 0.0
@@ -2975,6 +3127,8 @@ class Run:
             self.viser.close()
         if self.wandb is not None:
             self.wandb.close()
+        if self.tb is not None:
+            self.tb.close()
 
 
 def _pkg_version(name: str) -> str:
@@ -3207,7 +3361,8 @@ def save_checkpoint(run: Run, learner: Learner, boundary: Boundary) -> Path:
     learner: the existing checkpoint is kept and the two state_digests compared."""
     args = run.args
     files = learner.files(args.master_seed)
-    files["rollout/state.json"] = canonical_json({"ordinals": [int(x) for x in boundary.ordinals]})
+    files["rollout/state.json"] = canonical_json({"ordinals": [int(x) for x in boundary.ordinals],
+                                                  "generations": boundary.generations})
     files["ladder/state.json"] = canonical_json(boundary.ladder)   # matchmaker, pool, ratings, resident table
     d = run.path / "checkpoints" / f"{learner.env_steps:012d}"
     digest = learner.digest()
@@ -3709,6 +3864,36 @@ class WandbSink:
         self._run.finish()
 
 
+class TensorBoardSink:
+    """Rows mirrored to TensorBoard event files under <run>/tb/ (design 9.1), the optional extra
+    `clash-ppo[tb]`, imported only when --metrics.tensorboard is set. Every finite number of the
+    row is a scalar tagged with its key at the row's run/cumulative_env_steps, the axis the
+    schedules and the ladder use, so `tensorboard --logdir runs` lines runs up by game-steps. A
+    resumed run purges the events at or after its first new step: the rows after the checkpoint
+    were moved aside (design 2.4), and their events go with them."""
+
+    def __init__(self, run: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ConfigError("--metrics.tensorboard needs the optional tensorboard extra: pip install "
+                              f"'clash-ppo[tb]' (or pip install tensorboard); or run without it ({e})") from None
+        metrics = run / "metrics.jsonl"
+        last = metrics.read_bytes().splitlines()[-1] if metrics.exists() and metrics.stat().st_size else b""
+        purge = json.loads(last)["run/cumulative_env_steps"] + 1 if last else None
+        self.writer = SummaryWriter(log_dir=str(run / "tb"), purge_step=purge)
+
+    def write(self, row: dict[str, Any]) -> None:
+        step = int(row["run/cumulative_env_steps"])
+        for k, v in row.items():
+            if isinstance(v, (int, float)) and math.isfinite(float(v)):
+                self.writer.add_scalar(k, float(v), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class ViserSink:
     """The viewer's learning-status datagram (design 9.1), about eighty lines of socket and msgpack;
     royaleviser is never imported (the viewer watches the learner, not the reverse). Binds the
@@ -3886,10 +4071,12 @@ def console_block(row: dict[str, Any], fired: Sequence[tuple[Alarm, float]] = ()
              f"  speed   {f('throughput/collected_steps_per_second', '{:.0f}')} env/s collecting, "
              f"{f('throughput/overall_steps_per_second', '{:.0f}')} overall, "
              f"{f('throughput/inference_ms_per_round', '{:.2f}')} ms inference/round   "
+             # the parts time/residual is taken from, so the line adds up to the iteration
              f"time {f('time/iteration', '{:.1f}')}s = collect {f('time/collection', '{:.1f}')} "
-             f"critic {f('time/critic_pass', '{:.1f}')} update {f('time/update', '{:.1f}')} "
-             f"gate {f('time/gate', '{:.1f}')} ckpt {f('time/checkpoint', '{:.1f}')} "
-             f"other {f('time/residual', '{:.1f}')}",
+             f"(inference {f('time/inference', '{:.1f}')}) + critic {f('time/critic_pass', '{:.1f}')} "
+             f"+ gae {f('time/gae', '{:.1f}')} + update {f('time/update', '{:.1f}')} + gate {f('time/gate', '{:.1f}')} "
+             f"+ probe {f('time/probe', '{:.1f}')} + ckpt {f('time/checkpoint', '{:.1f}')} "
+             f"+ other {f('time/residual', '{:.1f}')}",
              f"  learn   policy_loss {f('ppo/policy_loss')} value_loss {f('ppo/value_loss')} kl {f('ppo/kl')} "
              f"clip {f('ppo/clip_fraction', '{:.3f}')} ev {f('ppo/explained_variance', '{:.2f}')} "
              f"H_norm {f('ppo/entropy_normalised', '{:.3f}')} forced {f('ppo/forced_frac', '{:.2f}')}",
@@ -4223,7 +4410,7 @@ class LadderLoop:
         t0 = time.perf_counter()
         with self._runner(iteration) as r:
             _, m = ladder.run_probe(r, raw_obs_act(model, self.table, self.device, self.args.ladder.release_mode), env_steps,
-                                    probe_games=self.args.ladder.probe_games,
+                                    rungs=self.args.ladder.probe_opponents, probe_games=self.args.ladder.probe_games,
                                     resamples=self.args.ladder.gate.bootstrap_resamples)
         self.seconds_probe += time.perf_counter() - t0
         return m

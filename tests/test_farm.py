@@ -5,6 +5,7 @@ StepLimit truncation, so episodes end inside an iteration."""
 from __future__ import annotations
 
 import os
+import re
 import struct
 import time
 from types import SimpleNamespace
@@ -666,7 +667,10 @@ def test_a_worker_on_another_engine_binary_is_refused(short_env):
 
 
 @pytest.mark.slow
-def test_a_hung_worker_raises_worker_timeout(short_env):
+def test_a_hung_worker_is_killed_and_failed_in_training_and_raises_in_evaluation(short_env):
+    """Design 3.7: a training farm's hung worker is killed at round_timeout_s and reported as a
+    WorkerFailure of kind "timeout" (the loop restarts it); an evaluation farm, which is never
+    restarted, raises WorkerTimeout naming worker, shard and cycle."""
     spec, env_spec, table = short_env
     cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, games_per_worker=1,
                           cycles=4, viewer=False, debug_fault="hang:0:1", join_timeout_s=2)
@@ -676,13 +680,75 @@ def test_a_hung_worker_raises_worker_timeout(short_env):
         f.next_round(30)
         f.submit(np.zeros(2, np.int64), 0.99)
         t0 = time.monotonic()
-        with pytest.raises(farm.WorkerTimeout, match=r"worker 0 shard 0 .* cycle 1 within 1.5 s"):
-            f.next_round(1.5)
-        assert time.monotonic() - t0 < 3.0
+        rnd = f.next_round(1.5)
+        assert time.monotonic() - t0 < 5.0 and not rnd.valid.any() and f.dead[0]
+        (fail,) = f.drain_failures()
+        assert (fail.worker, fail.cycle, fail.kind) == (0, 1, "timeout")
+        assert re.search(r"worker 0 shard 0 .* cycle 1 within 1.5 s .*killed", fail.message)
     finally:
         t0 = time.monotonic()
         f.close()
         assert time.monotonic() - t0 < 10
+    ecfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, games_per_worker=1, cycles=4,
+                           viewer=False, debug_fault="hang:0:1", join_timeout_s=2,
+                           eval_plan=eval_plan(2))
+    e = farm.ProcessFarm(ecfg, table, env_spec=env_spec)
+    try:
+        e.begin_iteration(e.eval_slot_plan(0))
+        e.next_round(30)
+        e.submit(np.zeros(2, np.int64), 1.0)
+        with pytest.raises(farm.WorkerTimeout, match=r"worker 0 shard 0 .* cycle 1 within 1.5 s"):
+            e.next_round(1.5)
+    finally:
+        e.close()
+
+
+def test_a_restarted_worker_plays_what_a_resume_from_its_boundary_plays(short_env):
+    """Design 3.7, 2.4: restart() moves the ordinals, the generation and the assignments at
+    once, so a farm built from what a checkpoint then holds (start_ordinals and
+    start_generations) plays the restarted worker's next iteration byte for byte; restart() of
+    a live worker mid-iteration is refused. The fault fires in generation 0 only."""
+    spec, _, table = short_env
+    cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=2, games_per_worker=2, cycles=6,
+                          frame_stack=2, viewer=False, debug_fault="raise:1:2:0")
+    f = farm.InlineFarm(cfg, table, mixed_assign)
+    try:
+        drive(f, cfg, table, 1)
+        assert [(x.worker, x.kind) for x in f.drain_failures()] == [(1, "exception")]
+        ords = f.ordinals.copy()
+        f.restart(1)
+        assert f.generation == [0, 1] and f.ordinals.tolist() == [*ords[:2], *(ords[2:] + 1)]
+        start = dict(start_ordinals=f.ordinals.tolist(), start_generations=list(f.generation))
+        table_after = tuple(f.assignment)
+        a = drive_from(f, cfg, table, table_after, 1)
+        assert f.drain_failures() == [] and a["scalars"]["flags"][:, 4:].all()   # gen 1 is healthy
+        f.begin_iteration(farm.SlotPlan(2, cfg.n_battles, cfg.n_slots, tuple(f.assignment), ()))
+        f.next_round(30)
+        with pytest.raises(farm.FarmError, match=r"restart\(0\) of a live worker mid-iteration"):
+            f.restart(0)
+    finally:
+        f.close()
+    g = farm.InlineFarm(msgspec.structs.replace(cfg, **start), table, mixed_assign)
+    try:
+        b = drive_from(g, cfg, table, table_after, 1)
+    finally:
+        g.close()
+    sl = slice(4, 8)                              # worker 1's slots: the restarted generation
+    assert a["rect"][:, sl].tobytes() == b["rect"][:, sl].tobytes()
+    assert a["scalars"][:, sl].tobytes() == b["scalars"][:, sl].tobytes()
+
+
+def drive_from(f, cfg, table, assignment, it):
+    """One iteration from a given opening table, with drive's actions."""
+    f.begin_iteration(farm.SlotPlan(it, cfg.n_battles, cfg.n_slots, tuple(assignment), ()))
+    for c in range(cfg.cycles + 1):
+        for j in range(cfg.n_shards):
+            rnd = f.next_round(60)
+            if c < cfg.cycles:
+                acts = legal_actions(f, rnd, table, farm.derive_generator(MASTER, f"test/act/{it}/{c}/{j}"))
+                acts[rnd.group == farm.GROUP_SCRIPTED] = 0
+                f.submit(acts, 0.99)
+    return dict(rect=f.rect.copy(), scalars=f.scalars.copy())
 
 
 # --- 7. the evaluation mode, the farm's stats, the viewer rule, mask-only scripted seats ------

@@ -4,9 +4,11 @@ this file reaches). Shapes come from REAL RoyaleGym envs (RustEngine + SpatialOb
 geometries, never from literal widths. torch CPU, tiny networks."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
+import sys
 import re
 from pathlib import Path
 from typing import Any, Sequence
@@ -332,7 +334,7 @@ def test_a_forced_row_is_acted_without_a_forward_and_gets_exactly_what_the_forwa
     assert 2 <= n_choice < B - 1   # the sample has both kinds
     ac = P.ActorCritic(geo, tiny_net(), master_seed=4)
     seen: list[int] = []
-    ac.actor_trunk.stem.register_forward_pre_hook(lambda mod, inp: seen.append(int(inp[0].shape[0])))
+    ac.actor_trunk.body.register_forward_pre_hook(lambda mod, inp: seen.append(int(inp[0].shape[0])))
     u = torch.as_tensor(np.random.default_rng(5).random(B), dtype=torch.float32)
     out = ac.act_and_hold(obs, u)
     assert seen == [n_choice] and out.forwarded == n_choice
@@ -807,6 +809,7 @@ BAD_VALUES = [
     ("ladder.candidate_every_env_steps", 0, {}), ("ladder.floor_admit_every_env_steps", 0, {}),
     ("ladder.pool_working_size", 0, {}), ("ladder.eval_seed_count", 0, {}), ("ladder.refit_every_iterations", -1, {}),
     ("ladder.probe_every_iterations", -1, {}), ("ladder.probe_games", 3, {}),
+    ("ladder.probe_opponents", ["scripted:nope"], {}), ("ladder.probe_opponents", [], {}),
     ("ladder.scripted_opponents", ["scripted:nope"], {}), ("ladder.scripted_opponents", [], {}),
     ("ladder.gate.champion_games", 18, {}), ("ladder.gate.champion_lower_bound", 1.0, {}),
     ("ladder.gate.anchor_games", 3, {}), ("ladder.gate.anchor_tolerance_pp", -1, {}),
@@ -1368,6 +1371,27 @@ def test_acting_forced_rows_without_a_forward_changes_nothing_the_run_computes(t
     assert shortcut["episodes"] == plain["episodes"] and shortcut["games"] == plain["games"]
 
 
+@pytest.mark.slow
+def test_the_update_without_the_nan_fill_of_empty_tensors_changes_nothing_the_run_computes(tmp_path):
+    """The differential test of unfilled_empty_tensors: the same smoke run once as built and once
+    with torch's NaN fill of new tensors left on through the update, as before the lever: identical
+    metric rows (the wall-clock keys aside), state_digest included, and identical episodes.jsonl."""
+    flags = ["--profile", "smoke", "--ladder.candidate-every-env-steps", "400", "--ladder.gate.champion-games", "4",
+             "--ladder.gate.anchor-games", "2", "--ladder.gate.bootstrap-resamples", "50"]
+    was = torch.utils.deterministic.fill_uninitialized_memory
+    with P.unfilled_empty_tensors():
+        assert torch.utils.deterministic.fill_uninitialized_memory is False
+    assert torch.utils.deterministic.fill_uninitialized_memory is was
+    unfilled = _run_files(P.train(P.parse_args([*flags, "--runs-dir", str(tmp_path / "on")]), quiet=True))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(P, "unfilled_empty_tensors", contextlib.nullcontext)
+        filled = _run_files(P.train(P.parse_args([*flags, "--runs-dir", str(tmp_path / "off")]), quiet=True))
+    assert [r["run/iteration"] for r in unfilled["rows"]] == [1, 2, 3]
+    for r_on, r_off in zip(unfilled["rows"], filled["rows"]):
+        assert r_on == r_off, [k for k in r_on.keys() | r_off.keys() if r_on.get(k) != r_off.get(k)]
+    assert unfilled["episodes"] == filled["episodes"] and unfilled["games"] == filled["games"]
+
+
 def test_alarms_fire_after_exactly_patience_and_a_missing_key_counts_nothing():
     args = P.profile_args("smoke")
     aset = P.AlarmSet(P.alarm_table(args))
@@ -1665,6 +1689,30 @@ def _space_and_builder():
     return space, b
 
 
+@pytest.mark.slow
+def test_the_tensorboard_sink_writes_every_numeric_key_of_each_row_at_its_game_steps(tmp_path):
+    """Read back with tensorboard's own reader: one scalar tag per finite number of the row (a
+    bool as 0/1), at run/cumulative_env_steps, with the row's value; strings stay out."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    args = P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path), "--metrics.tensorboard"])
+    run = P.train(args, quiet=True)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    ea = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0})
+    ea.Reload()
+    nums = {k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+    assert set(ea.Tags()["scalars"]) == nums and "run/state_digest" not in nums
+    for key in ("ppo/kl", "run/iteration", "run/resumed_with_drift", "time/iteration"):
+        got = [(e.step, e.value) for e in ea.Scalars(key)]
+        assert got == [(r["run/cumulative_env_steps"], pytest.approx(float(r[key]), rel=1e-6)) for r in rows], key
+
+
+def test_tensorboard_without_its_extra_is_one_config_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)   # an import of it now fails
+    with pytest.raises(P.ConfigError, match=r"--metrics.tensorboard needs the optional tensorboard extra: "
+                                            r"pip install 'clash-ppo\[tb\]'"):
+        P.TensorBoardSink(tmp_path)
+
+
 def test_the_viewer_datagram_sends_nothing_before_a_hello_then_the_whole_status():
     """Plays the viewer with a plain socket (design 9.1); imports nothing from royaleviser."""
     import socket
@@ -1874,6 +1922,30 @@ def test_ladder_py_eval_plays_a_snapshot_through_snapshot_policy_builder(gated_r
     assert len(cli) == 4
 
 
+@pytest.mark.slow
+def test_ladder_py_yardstick_plays_the_champion_against_every_rung_and_rate_places_them(gated_run, tmp_path):
+    """The champion (v0 here) against each of farm.SCRIPTED_NAMES, one seed from both sides, one
+    line a rung; the games are kind=eval, so rate's table then holds every rung."""
+    import shutil
+    import subprocess
+    _, run, _ = gated_run
+    run = Path(shutil.copytree(run, tmp_path / run.name))   # the other tests read the fixture's games
+    champion = json.loads((run / "ladder" / "pool.json").read_text())["champion_chain"][-1]
+    before = len((run / "ladder" / "games.jsonl").read_text().splitlines())
+    cmd = [sys.executable, str(ROOT / "ladder.py"), "yardstick", "--run", str(run), "--seeds", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("  vs ")]
+    assert [x.split()[1] for x in lines] == [f"scripted:{n}" for n in P.farm.SCRIPTED_NAMES]
+    assert all(re.search(r"score \d\.\d{3}  95% \[\d\.\d{3}, \d\.\d{3}\]  over 1 seeds \(2 battles\)", x) for x in lines)
+    games = [json.loads(x) for x in (run / "ladder" / "games.jsonl").read_text().splitlines()][before:]
+    assert len(games) == 2 * len(lines) and {g["kind"] for g in games} == {"eval"}
+    assert {g["a"] for g in games} == {champion} and sorted({g["side_a"] for g in games}) == ["blue", "red"]
+    rate = subprocess.run([sys.executable, str(ROOT / "ladder.py"), "rate", str(run)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert all(f"\nscripted:{n} " in rate.stdout for n in P.farm.SCRIPTED_NAMES), rate.stdout
+
+
 def test_the_resident_table_keeps_a_live_episodes_group_and_reuses_only_free_slots():
     """Group ids index LadderLoop.slots for the run: a slot is reused only when no live assignment
     and no current resident points at it, so an episode's group means one snapshot to its end."""
@@ -1903,7 +1975,8 @@ def _planted_row(**kw):
     row = {"run/iteration": 7, "run/cumulative_timesteps": 28672, "run/cumulative_env_steps": 19152,
            "run/wall_seconds": 321.0, "throughput/collected_steps_per_second": 912.4,
            "throughput/overall_steps_per_second": 611.0, "throughput/inference_ms_per_round": 3.25,
-           "time/iteration": 44.4, "time/collection": 30.1, "time/critic_pass": 2.2, "time/update": 9.9,
+           "time/iteration": 44.4, "time/collection": 30.1, "time/inference": 12.0, "time/critic_pass": 2.2,
+           "time/gae": 0.1, "time/update": 9.8,
            "time/checkpoint": 0.3, "time/residual": 1.9, "ppo/policy_loss": -0.0123, "ppo/value_loss": 0.456,
            "ppo/kl": 0.00421, "ppo/clip_fraction": 0.0612, "ppo/explained_variance": 0.53,
            "ppo/entropy_normalised": 0.971, "ppo/forced_frac": 0.91, "policy/cards_per_match": 21.34,
@@ -1925,7 +1998,11 @@ def test_the_console_block_groups_the_numbers_a_person_watches_and_the_full_row_
     assert [ln.split()[0] for ln in lines[1:]] == ["speed", "learn", "play", "ladder", "alarms"]
     speed, learn, play, lad, alarms = lines[1:]
     assert "912 env/s collecting, 611 overall, 3.25 ms inference/round" in speed
-    assert "time 44.4s = collect 30.1 critic 2.2 update 9.9 gate - ckpt 0.3 other 1.9" in speed   # no gate: "-"
+    assert ("time 44.4s = collect 30.1 (inference 12.0) + critic 2.2 + gae 0.1 + update 9.8 + gate - + probe - "
+            "+ ckpt 0.3 + other 1.9") in speed   # no gate, no probe: "-"
+    terms = re.search(r"time ([\d.]+)s = collect ([\d.]+) \(inference [\d.]+\)((?: \+ \w+ (?:[\d.]+|-))+)", speed)
+    added = float(terms[2]) + sum(float(x) for x in re.findall(r"\+ \w+ ([\d.]+)", terms[3]))
+    assert added == pytest.approx(float(terms[1]), abs=0.05)   # the line adds up to the iteration
     assert "policy_loss -0.0123 value_loss 0.456 kl 0.00421 clip 0.061 ev 0.53 H_norm 0.971 forced 0.91" in learn
     assert "cards/match 21.3 win_vs_scripted 0.48 blue_mirror 0.51 draw 0.05 episodes 40 illegal 0" in play
     assert "champion snap:abc rating 123 +- 22 above_v0 - elo_readout 35 pool 2 last gate champion" in lad
@@ -2173,3 +2250,150 @@ def test_a_run_stopped_between_two_gates_continues_as_if_it_never_stopped(tmp_pa
         sorted(p.name for p in (run_a / "ladder" / "gates").iterdir())
     pool = lambda r: json.loads((r / "ladder" / "pool.json").read_text())  # noqa: E731
     assert pool(run_a) == pool(run_b)
+
+
+# --- worker failure during training (design 3.7; docs/reliability.md) ---------------------------
+
+FAILURE_FLAGS = ["--profile", "smoke", "--rollout.source", "process", "--rollout.workers", "2",
+                 "--rollout.games-per-worker", "2"]
+
+
+def _plant_fault(monkeypatch, kind: str, source: str = "ProcessFarm", worker: int = 1, after: int = 3) -> None:
+    """Worker `worker`'s generation 0 raises or hangs at its (T + after)-th step: cycle `after`
+    of iteration 2 (FarmConfig.debug_fault; the restarted generation is healthy)."""
+    import farm
+    import msgspec
+    cls = getattr(farm, source)
+    real = cls.__init__
+
+    def faulty(self, cfg, *a, **kw):
+        real(self, msgspec.structs.replace(cfg, debug_fault=f"{kind}:{worker}:{cfg.cycles + after}:0"), *a, **kw)
+
+    monkeypatch.setattr(cls, "__init__", faulty)
+
+
+def _rows_after_one_restart(run: Path, failed_iteration: int, traceback_has: str) -> list[dict[str, Any]]:
+    """What every recovered run shows: a row per iteration, one failure on the failed iteration
+    and one restart from it on (the worker_failures alarm fired there), every later row valid and
+    finite, and the worker's traceback file."""
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    # the limit counts trained timesteps: an iteration that lost cells is made up by a fourth
+    assert [r["run/iteration"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) in (3, 4)
+    assert [r["health/worker_failures"] for r in rows] == [int(r["run/iteration"] == failed_iteration) for r in rows]
+    assert [r["health/worker_restarts"] for r in rows] == [float(r["run/iteration"] >= failed_iteration) for r in rows]
+    for r in rows:
+        assert r["health/illegal_action_rate"] == 0.0
+        assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), r["run/iteration"]
+    assert rows[-1]["health/rows_dropped_dead_worker"] == 0 and rows[-1]["ppo/optimizer_steps"] > 0
+    alarms = [json.loads(x) for x in (run / "alarms.jsonl").read_text().splitlines()]
+    assert {"iteration": failed_iteration, "alarm": "worker_failures"}.items() <= \
+        next(a for a in alarms if a["alarm"] == "worker_failures").items()
+    text = (run / "worker-1-generation-0.txt").read_text()
+    assert traceback_has in text and "worker 1 generation 0" in text
+    state = json.loads((P.latest_checkpoint(run) / "rollout" / "state.json").read_text())
+    assert state["generations"] == [0, 1]
+    return rows
+
+
+@pytest.mark.slow
+def test_a_worker_that_raises_while_collecting_is_restarted_and_the_run_completes(tmp_path, monkeypatch):
+    """Design 3.7: a planted exception in worker 1 at cycle 3 of iteration 2: the iteration
+    completes with that worker's cells dead, the worker restarts on generation 1 at the next
+    boundary, and the run finishes its three iterations; the child's traceback is on disk."""
+    _plant_fault(monkeypatch, "raise")
+    assert P.main(FAILURE_FLAGS + ["--runs-dir", str(tmp_path)]) == 0
+    (run,) = tmp_path.iterdir()
+    rows = _rows_after_one_restart(run, 2, "RuntimeError: planted fault in worker 1")
+    assert rows[1]["health/rows_dropped_dead_worker"] > 0
+
+
+@pytest.mark.slow
+def test_a_worker_killed_while_collecting_is_restarted_and_the_run_completes(tmp_path, monkeypatch):
+    """Design 3.7: kill -9 of worker 1 at cycle 3 of iteration 2: reported as a crash, restarted."""
+    import farm
+    import os
+    import signal
+    real = farm.ProcessFarm.next_round
+
+    def killing(self, *a, **kw):
+        if self.iteration == 1 and (self._cycle, self._shard) == (3, 0) and self._procs[1] is not None \
+                and self.generation[1] == 0 and self._procs[1].is_alive():
+            os.kill(self._procs[1].pid, signal.SIGKILL)   # the worker this test's run started
+            self._procs[1].join(10)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(farm.ProcessFarm, "next_round", killing)
+    assert P.main(FAILURE_FLAGS + ["--runs-dir", str(tmp_path)]) == 0
+    (run,) = tmp_path.iterdir()
+    _rows_after_one_restart(run, 2, "died with exit code -9")
+
+
+@pytest.mark.slow
+def test_a_worker_killed_during_the_update_is_restarted_before_the_next_plan(tmp_path, monkeypatch):
+    """Design 3.7: kill -9 of worker 1 inside iteration 2's update: found at the boundary, before
+    the plan, and restarted then, so iteration 3 loses no rows (it counts the failure)."""
+    import farm
+    import os
+    import signal
+    seen: dict[str, Any] = {}
+    real_round, real_update = farm.ProcessFarm.next_round, P.update
+
+    def remember(self, *a, **kw):
+        seen["farm"] = self
+        return real_round(self, *a, **kw)
+
+    def killing_update(learner, *a, **kw):
+        f = seen["farm"]
+        if learner.iteration == 1:
+            os.kill(f._procs[1].pid, signal.SIGKILL)   # the worker this test's run started
+            f._procs[1].join(10)
+        return real_update(learner, *a, **kw)
+
+    monkeypatch.setattr(farm.ProcessFarm, "next_round", remember)
+    monkeypatch.setattr(P, "update", killing_update)
+    assert P.main(FAILURE_FLAGS + ["--runs-dir", str(tmp_path)]) == 0
+    (run,) = tmp_path.iterdir()
+    rows = _rows_after_one_restart(run, 3, "died with exit code -9")
+    assert rows[2]["health/rows_dropped_dead_worker"] == 0   # restarted before collection
+
+
+@pytest.mark.slow
+def test_a_hung_worker_is_killed_at_the_round_timeout_and_restarted(tmp_path, monkeypatch):
+    """Design 3.7: worker 1 hangs at cycle 3 of iteration 2; past --rollout.round-timeout-s it
+    is killed, failed as "timeout" (no WorkerTimeout traceback), and restarted."""
+    _plant_fault(monkeypatch, "hang")
+    assert P.main(FAILURE_FLAGS + ["--runs-dir", str(tmp_path), "--rollout.round-timeout-s", "3"]) == 0
+    (run,) = tmp_path.iterdir()
+    _rows_after_one_restart(run, 2, "did not answer cycle 3 within 3.0 s")
+
+
+@pytest.mark.slow
+def test_a_failed_worker_with_restarts_off_stops_the_run_in_one_line(tmp_path, monkeypatch, capsys):
+    """Design 3.7: under --rollout.no-restart-failed-workers the planted exception stops the run:
+    exit 1, one stderr line naming the worker, its traceback file and the resume command."""
+    _plant_fault(monkeypatch, "raise")
+    assert P.main(FAILURE_FLAGS + ["--runs-dir", str(tmp_path), "--rollout.no-restart-failed-workers"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    (run,) = tmp_path.iterdir()
+    tb = run / "worker-1-generation-0.txt"
+    assert len(err) == 1 and err[0].startswith("error: crashed in iteration 2 (collect): WorkerFailed: rollout worker 1 "
+                                               "(generation 0) failed (exception) and restarts are off")
+    assert f"its traceback is in {tb}" in err[0] and f"resume: python ppo_clash.py --resume {run}" in err[0]
+    assert "planted fault in worker 1" in tb.read_text()
+
+
+@pytest.mark.slow
+def test_an_iteration_with_every_learner_cell_lost_skips_the_update(tmp_path, monkeypatch):
+    """Design 3.7: the smoke profile's one (inline) worker raises at its first step of iteration 2,
+    so no cell of it is trainable: the update is skipped (ppo/optimizer_steps 0), the weights and
+    the scaler are kept, the worker restarts and iteration 3 trains."""
+    _plant_fault(monkeypatch, "raise", source="InlineFarm", worker=0, after=1)
+    assert P.main(["--profile", "smoke", "--runs-dir", str(tmp_path)]) == 0
+    (run,) = tmp_path.iterdir()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    # the limit counts trained timesteps, so a fourth iteration makes up the lost one
+    assert [r["run/cumulative_timesteps"] for r in rows][:2] == [rows[0]["run/cumulative_timesteps"]] * 2
+    assert [r["ppo/optimizer_steps"] for r in rows][1] == 0.0 and rows[2]["ppo/optimizer_steps"] > 0
+    assert "ppo/kl" not in rows[1] and rows[1]["health/worker_failures"] == 1
+    assert [r["health/worker_restarts"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
