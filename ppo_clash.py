@@ -2167,12 +2167,13 @@ def tend_workers(source: Any, run: Run, failures: list[Any]) -> list[Any]:
             for f in mine:
                 fh.write(f"--- {ladder.utc_now()} worker {w} generation {g}, shard {f.shard}, cycle {f.cycle}: "
                          f"{f.kind}\n{f.message.rstrip()}\n")
-        if r.restart_failed_workers and source.restarts[w] < r.max_restarts_per_worker:
-            source.restart(w)
-            continue
-        why = ("restarts are off (--rollout.no-restart-failed-workers)" if not r.restart_failed_workers else
-               f"it was restarted {source.restarts[w]} times already (--rollout.max-restarts-per-worker "
-               f"{r.max_restarts_per_worker})")
+        why = "restarts are off (--rollout.no-restart-failed-workers)"
+        if r.restart_failed_workers:
+            try:
+                source.restart(w)   # the farm holds the limit (max_restarts_per_worker) and refuses past it
+                continue
+            except farm.FarmError as e:
+                why = f"it cannot be restarted: {e} (--rollout.max-restarts-per-worker)"
         raise WorkerFailed(f"rollout worker {w} (generation {g}) failed ({mine[0].kind}) and {why}; "
                            f"its traceback is in {path}")
     return failures

@@ -2369,8 +2369,9 @@ def test_a_hung_worker_is_killed_at_the_round_timeout_and_restarted(tmp_path, mo
 
 @pytest.mark.slow
 def test_a_failed_worker_with_restarts_off_stops_the_run_in_one_line(tmp_path, monkeypatch, capsys):
-    """Design 3.7: under --rollout.no-restart-failed-workers the planted exception stops the run:
-    exit 1, one stderr line naming the worker, its traceback file and the resume command."""
+    """Design 3.7: under --rollout.no-restart-failed-workers, or past --rollout.max-restarts-per-worker
+    (the farm's limit), the planted exception stops the run: exit 1, one stderr line naming the
+    worker, its traceback file and the resume command."""
     _plant_fault(monkeypatch, "raise")
     assert P.main(FAILURE_FLAGS + ["--runs-dir", str(tmp_path), "--rollout.no-restart-failed-workers"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -2380,6 +2381,11 @@ def test_a_failed_worker_with_restarts_off_stops_the_run_in_one_line(tmp_path, m
                                                "(generation 0) failed (exception) and restarts are off")
     assert f"its traceback is in {tb}" in err[0] and f"resume: python ppo_clash.py --resume {run}" in err[0]
     assert "planted fault in worker 1" in tb.read_text()
+    capsys.readouterr()
+    assert P.main(FAILURE_FLAGS + ["--runs-dir", str(tmp_path / "capped"), "--rollout.max-restarts-per-worker", "0"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "rollout worker 1 (generation 0) failed (exception) and it cannot be restarted: worker 1 " \
+        "has been restarted 0 times; max_restarts_per_worker=0 (--rollout.max-restarts-per-worker)" in err[0], err
 
 
 @pytest.mark.slow
