@@ -332,6 +332,16 @@ class Packer:
             dst[:, self._o["card_ids"]] = np.asarray(obs["card_ids"], dtype=np.uint8).reshape(n, -1)
 
 
+def host_mask(table: CodecTable, rows: np.ndarray) -> np.ndarray:
+    """(B, A) bool, on the host: the action mask of stored rows, (B, row_bytes) or the newest frame
+    of (B, k, row_bytes); what `unpack` returns as Obs.mask, read without torch or a device. The
+    learner decides from it which rows need the actor before anything reaches the device, so that
+    choice costs no device-to-host round trip (design 3.6)."""
+    a, b = table.offsets["mask"]
+    newest = rows[:, -1] if rows.ndim == 3 else rows
+    return np.unpackbits(newest[:, a:b], axis=1, count=table.n_actions, bitorder="little").astype(bool)
+
+
 # --- 4. Unpacking, learner side (torch, imported lazily) ----------------------------------
 
 

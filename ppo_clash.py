@@ -899,11 +899,13 @@ def refuse_clear_noop(mask: torch.Tensor) -> None:
         raise ValueError(f"mask[NOOP] must be True (royalegym action.py sets it always); rows {rows} have it clear")
 
 
-def forced_rows(mask: torch.Tensor) -> torch.Tensor:
-    """(B,) bool: the rows whose mask allows the no-op alone (design 6.5's forced rows). Whatever
-    the logits, such a row's action is the no-op at log-prob exactly 0 and p(no-op) exactly 1
-    (a log-softmax over one entry is 0), so acting writes those without a forward (design 3.6).
-    A row with the no-op bit clear is not forced: it goes to the forward, which refuses it."""
+def forced_rows(mask: np.ndarray) -> np.ndarray:
+    """(B,) bool, on the host: the rows whose mask allows the no-op alone (design 6.5's forced rows).
+    Whatever the logits, such a row's action is the no-op at log-prob exactly 0 and p(no-op)
+    exactly 1 (a log-softmax over one entry is 0), so acting writes those without a forward
+    (design 3.6). Decided from the host's copy of the mask (codec.host_mask), so acting on a GPU
+    learns which rows to run without waiting on the device. A clear no-op bit is refused here."""
+    refuse_clear_noop(torch.from_numpy(mask))
     return mask[:, 0] & ~mask[:, 1:].any(-1)
 
 
@@ -942,7 +944,8 @@ def legal_frac(mask: torch.Tensor, geo: NetGeometry) -> torch.Tensor:
 
 
 class Rows(NamedTuple):
-    """The rows a subset forward computes: `idx`, ascending, of a batch of `n` (actor_rows)."""
+    """The rows a subset forward computes: `idx`, ascending, of a batch of `n` (actor_rows), on
+    the batch's device."""
     idx: torch.Tensor
     n: int
 
@@ -960,18 +963,16 @@ def at_batch_shape(layer: nn.Module, x: torch.Tensor, rows: Rows | None) -> torc
     return layer(full)[rows.idx]
 
 
-def actor_rows(forced: torch.Tensor) -> Rows | None:
-    """The rows the actor runs on when acting: every row with a choice, ascending; None if none.
+def actor_rows(forced: np.ndarray) -> np.ndarray:
+    """The rows the actor runs on when acting, on the host: every row with a choice, ascending.
     A lone choice row in a batch of more rides with one forced row: PyTorch runs a one-row 3x3
     convolution of at most 20,480 input values on its native CPU path rather than oneDNN, whose
     sums differ in the last bit [M: docs/throughput.md], so the actor never runs on one row where
     the whole batch had more."""
-    idx = torch.nonzero(~forced).flatten()
-    if idx.numel() == 0:
-        return None
-    if idx.numel() == 1 and forced.numel() > 1:
-        idx = torch.sort(torch.cat([idx, torch.nonzero(forced).flatten()[:1]])).values
-    return Rows(idx, int(forced.numel()))
+    idx = np.flatnonzero(~forced)
+    if idx.size == 1 and forced.size > 1:
+        idx = np.sort(np.append(idx, np.flatnonzero(forced)[0]))
+    return idx
 
 
 def edge_taps(H: int, W: int) -> torch.Tensor:
@@ -1167,38 +1168,33 @@ class ActorCritic(nn.Module):
         return MaskedCategorical(self.logits(obs, rows), mask, check_noop=check_noop)
 
     @torch.no_grad()
-    def act(self, obs: Any, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rollout inference: actions from the caller's uniforms, and their log-probs to store."""
-        a, lp, _, _ = self.act_and_hold(obs, u)
-        return a, lp
-
-    @torch.no_grad()
-    def act_and_hold(self, obs: Any, u: torch.Tensor, greedy: bool = False) -> Acted:
-        """act, plus each row's p(no-op): the rollout's own hold probability (design 9.2's
-        policy/rollout_hold_*, measured on the policy that chose, not the one the update moved).
-        A forced row is written without a forward: the no-op, log-prob 0, p(no-op) 1, exactly what
-        its forward would give (forced_rows). The actor runs on the other rows alone (actor_rows),
-        bit for bit what the whole batch's forward gives them (design 3.6). greedy: the mode, not
-        a sample (ladder.release_mode "argmax"; u unused)."""
-        forced = forced_rows(obs.mask)
-        if not bool(forced.any()):
-            d = self.dist(obs)
+    def act_and_hold(self, obs: Any, u: torch.Tensor, forced: np.ndarray, greedy: bool = False) -> Acted:
+        """Rollout inference: actions from the caller's uniforms, their log-probs to store, and
+        each row's p(no-op), the rollout's own hold probability (design 9.2's policy/rollout_hold_*,
+        measured on the policy that chose, not the one the update moved). forced: forced_rows of
+        the host's mask. A forced row is written without a forward: the no-op, log-prob 0, p(no-op)
+        1, exactly what its forward would give. The actor runs on the other rows alone
+        (actor_rows), bit for bit what the whole batch's forward gives them (design 3.6). Every
+        index is decided on the host and copied to the device, so nothing here waits on a GPU.
+        greedy: the mode, not a sample (ladder.release_mode "argmax"; u unused)."""
+        if not forced.any():   # forced_rows has refused a clear no-op bit already
+            d = self.dist(obs, check_noop=False)
             a = d.mode() if greedy else d.sample(u)
             return Acted(a, d.log_prob(a), d.logp[:, 0].exp(), len(a))
-        refuse_clear_noop(obs.mask)   # numbered in the whole batch, as the plain forward would
-        n = int(forced.numel())
-        a = torch.zeros(n, dtype=torch.int64, device=obs.mask.device)
-        lp = torch.zeros(n, dtype=torch.float32, device=obs.mask.device)
-        p0 = torch.ones(n, dtype=torch.float32, device=obs.mask.device)
-        rows = actor_rows(forced)
-        if rows is None:
+        dev, n = obs.mask.device, len(forced)
+        a = torch.zeros(n, dtype=torch.int64, device=dev)
+        lp = torch.zeros(n, dtype=torch.float32, device=dev)
+        p0 = torch.ones(n, dtype=torch.float32, device=dev)
+        idx = actor_rows(forced)
+        if idx.size == 0:
             return Acted(a, lp, p0, 0)
+        rows = Rows(torch.as_tensor(idx, device=dev), n)
         d = self.dist(obs, check_noop=False, rows=rows)
         ar = d.mode() if greedy else d.sample(u[rows.idx])
-        keep = ~forced[rows.idx]     # a forced row that rode along keeps its exact values
-        at = rows.idx[keep]
-        a[at], lp[at], p0[at] = ar[keep], d.log_prob(ar)[keep], d.logp[keep, 0].exp()
-        return Acted(a, lp, p0, len(rows.idx))
+        keep = np.flatnonzero(~forced[idx])    # a forced row that rode along keeps its exact values
+        at, keep_t = torch.as_tensor(idx[keep], device=dev), torch.as_tensor(keep, device=dev)
+        a[at], lp[at], p0[at] = ar[keep_t], d.log_prob(ar)[keep_t], d.logp[keep_t, 0].exp()
+        return Acted(a, lp, p0, len(idx))
 
 
 def init_weights(model: ActorCritic, gen: torch.Generator) -> None:
@@ -2059,6 +2055,11 @@ class RectView:
         self.prev_tick = tick[-1].copy()
         return int(np.clip(np.where(valid[:, 0::2], tick - before, 0), 0, None).sum())
 
+    def forced(self, t: int, r: np.ndarray) -> np.ndarray:
+        """forced_rows of slots r at cycle t, read from the host's rectangle (codec.host_mask):
+        cycle t's observation is row t+k-1 (frame_stack_rows)."""
+        return forced_rows(codec.host_mask(self.table, self.rect[t + self.k - 1, r]))
+
     def obs(self, t: np.ndarray, r: np.ndarray) -> Any:
         rows = self.rect[frame_stack_rows(t, self.k), r[:, None]]          # (n, k, row_bytes)
         fv = torch.as_tensor(frame_valid(self.last_start, t, r, self.k), device=self.device) if self.k > 1 else None
@@ -2191,7 +2192,7 @@ def act_round(rnd: Any, t: int, u: torch.Tensor, view: RectView, model: ActorCri
         prow = np.flatnonzero(rnd.group == g)
         ps = sl[prow].astype(np.int64)
         with torch.inference_mode():
-            out = lad.policy(g).act_and_hold(view.obs(np.full(prow.size, t), ps), u[ps])
+            out = lad.policy(g).act_and_hold(view.obs(np.full(prow.size, t), ps), u[ps], view.forced(t, ps))
         acts[prow] = out.action.cpu().numpy()
         roll.rows_forward += out.forwarded
         roll.rows_skipped += prow.size - out.forwarded
@@ -2200,7 +2201,7 @@ def act_round(rnd: Any, t: int, u: torch.Tensor, view: RectView, model: ActorCri
     if rows.size:
         ss = sl[rows].astype(np.int64)
         o = view.obs(np.full(rows.size, t), ss)
-        a, lp, p0, fwd = model.act_and_hold(o, u[ss])
+        a, lp, p0, fwd = model.act_and_hold(o, u[ss], view.forced(t, ss))
         roll.rows_forward += fwd
         roll.rows_skipped += rows.size - fwd
         cd, el = decision_facts(o.vector, a, geo)
@@ -4175,6 +4176,7 @@ def raw_obs_act(model: ActorCritic, table: Any, device: torch.device | str,
             o = codec.unpack(table, torch.as_tensor(rows, device=device), statics,
                              torch.arange(B, device=device), None)
             a = model.act_and_hold(o, torch.as_tensor(np.asarray(u), dtype=torch.float32, device=device),
+                                   forced_rows(codec.host_mask(table, rows)),
                                    greedy=release_mode == "argmax").action   # forced rows: no forward
         return a.cpu().numpy()
     return act

@@ -217,6 +217,20 @@ def test_a_single_row_unpacks_like_a_batch(played):
     assert torch.equal(one.mask[0], whole.mask[1])
 
 
+def test_the_host_mask_is_the_env_mask_and_what_unpack_decodes(played):
+    """host_mask reads the stored mask on the host, for one frame and for the newest of a stack,
+    on both geometries: the env's own action_mask bit for bit, and unpack's Obs.mask."""
+    _, _, _, sample, table = played
+    _, out = _pack_all(table, sample)
+    env_mask = _cat(sample, "action_mask") != 0
+    host = codec.host_mask(table, out)
+    assert host.dtype == np.bool_ and host.shape == env_mask.shape == (len(out), table.n_actions)
+    assert np.array_equal(host, env_mask) and env_mask[:, 1:].any() and not env_mask[:, 1:].all()
+    assert np.array_equal(host, _unpack_all(table, sample, out).mask.numpy())
+    stacked = np.stack([np.roll(out, 1, axis=0), out], axis=1)        # (B, k=2, row_bytes), newest last
+    assert np.array_equal(codec.host_mask(table, stacked), env_mask)
+
+
 # --- identity and refusals ---------------------------------------------------------------
 
 

@@ -230,7 +230,7 @@ def test_network_shapes_follow_the_env_on_two_geometries(kind):
     logits, value = ac.logits(obs), ac.value(obs)
     assert logits.shape == (B, geo.n_actions) and logits.dtype == torch.float32
     assert value.shape == (B,) and value.dtype == torch.float32
-    a, lp = ac.act(obs, torch.full((B,), 0.5))
+    a, lp, _, _ = ac.act_and_hold(obs, torch.full((B,), 0.5), P.forced_rows(obs.mask.numpy()))
     assert obs.mask.gather(1, a[:, None]).all() and torch.isfinite(lp).all()
     bf = P.ActorCritic(geo, tiny_net(autocast_dtype="bfloat16"), master_seed=1)   # the bf16 path, on CPU
     assert bf.logits(obs).dtype == torch.float32 and bf.value(obs).dtype == torch.float32
@@ -330,13 +330,14 @@ def test_a_forced_row_is_acted_without_a_forward_and_gets_exactly_what_the_forwa
     obs = to_obs(batches[4:16])
     B = obs.vector.shape[0]
     forced = obs.mask[:, 0] & (obs.mask.sum(-1) == 1)
+    assert P.forced_rows(obs.mask.numpy()).tolist() == forced.tolist()
     n_choice = int((~forced).sum())
     assert 2 <= n_choice < B - 1   # the sample has both kinds
     ac = P.ActorCritic(geo, tiny_net(), master_seed=4)
     seen: list[int] = []
     ac.actor_trunk.body.register_forward_pre_hook(lambda mod, inp: seen.append(int(inp[0].shape[0])))
     u = torch.as_tensor(np.random.default_rng(5).random(B), dtype=torch.float32)
-    out = ac.act_and_hold(obs, u)
+    out = ac.act_and_hold(obs, u, forced.numpy())
     assert seen == [n_choice] and out.forwarded == n_choice
     assert (out.action[forced] == 0).all()
     assert _bits(out.log_prob[forced]) == bytes(4 * int(forced.sum()))          # +0.0 exactly
@@ -346,12 +347,12 @@ def test_a_forced_row_is_acted_without_a_forward_and_gets_exactly_what_the_forwa
         a = d.sample(u)
     assert _bits(out.action) == _bits(a) and _bits(out.log_prob) == _bits(d.log_prob(a))
     assert _bits(out.p_noop) == _bits(d.logp[:, 0].exp())
-    assert _bits(ac.act_and_hold(obs, u, greedy=True).action) == _bits(d.mode())
+    assert _bits(ac.act_and_hold(obs, u, forced.numpy(), greedy=True).action) == _bits(d.mode())
     # one choice row: it rides with the first forced row (no one-row conv batch), and still equals
     one = torch.cat([torch.nonzero(forced).flatten()[:5], torch.nonzero(~forced).flatten()[:1]]).sort().values
     o1 = P.obs_rows(obs, one)
     seen.clear()
-    out1 = ac.act_and_hold(o1, u[one])
+    out1 = ac.act_and_hold(o1, u[one], forced[one].numpy())
     assert seen == [2] and out1.forwarded == 2
     with torch.no_grad():
         d1 = ac.dist(o1)
@@ -359,13 +360,13 @@ def test_a_forced_row_is_acted_without_a_forward_and_gets_exactly_what_the_forwa
     assert _bits(out1.action) == _bits(a1)
     assert _bits(out1.log_prob) == _bits(d1.log_prob(a1)) and _bits(out1.p_noop) == _bits(d1.logp[:, 0].exp())
     seen.clear()
-    none = ac.act_and_hold(P.obs_rows(obs, torch.nonzero(forced).flatten()), u[forced])
+    none = ac.act_and_hold(P.obs_rows(obs, torch.nonzero(forced).flatten()), u[forced], np.ones(int(forced.sum()), bool))
     assert seen == [] and none.forwarded == 0 and (none.action == 0).all()
     # a clear no-op bit is still refused, numbered in the whole batch
-    bad = obs._replace(mask=obs.mask.clone())
-    bad.mask[7, 0] = False
+    bad = obs.mask.numpy().copy()
+    bad[7, 0] = False
     with pytest.raises(ValueError, match=r"rows \[7\] have it clear"):
-        ac.act_and_hold(bad, u)
+        P.forced_rows(bad)
 
 
 @pytest.mark.parametrize("threads", [1, pytest.param(2, marks=pytest.mark.slow)])   # 2: OpenMP spins under load
@@ -387,12 +388,13 @@ def test_a_subset_forward_gives_its_rows_the_whole_batchs_logits_bit_for_bit(pro
             for B in (2, 3, 5, 8, 11, 16, 24, 40):
                 for _ in range(6):
                     ob = P.obs_rows(obs, torch.as_tensor(np.sort(rng.choice(n_all, size=B, replace=False))))
-                    forced = torch.as_tensor(rng.random(B) < rng.random())
-                    rows = P.actor_rows(forced)
-                    if rows is None:
+                    forced = rng.random(B) < rng.random()
+                    idx = P.actor_rows(forced)
+                    if idx.size == 0:
                         continue
-                    assert rows.idx.numel() >= 2 and set((~forced).nonzero().flatten().tolist()) <= set(rows.idx.tolist())
-                    assert _bits(ac.logits(ob, rows)) == _bits(ac.logits(ob)[rows.idx]), (B, rows.idx.tolist())
+                    assert idx.size >= 2 and set(np.flatnonzero(~forced)) <= set(idx) and (np.diff(idx) > 0).all()
+                    rows = P.Rows(torch.as_tensor(idx), B)
+                    assert _bits(ac.logits(ob, rows)) == _bits(ac.logits(ob)[rows.idx]), (B, idx.tolist())
     finally:
         torch.set_num_threads(before)
 
@@ -1360,7 +1362,7 @@ def test_acting_forced_rows_without_a_forward_changes_nothing_the_run_computes(t
              "--ladder.probe-every-iterations", "3", "--ladder.probe-games", "2"]
     shortcut = _run_files(P.train(P.parse_args([*flags, "--runs-dir", str(tmp_path / "on")]), quiet=True))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(P, "forced_rows", lambda mask: torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device))
+        mp.setattr(P, "forced_rows", lambda mask: np.zeros(mask.shape[0], bool))
         plain = _run_files(P.train(P.parse_args([*flags, "--runs-dir", str(tmp_path / "off")]), quiet=True))
     assert [r["run/iteration"] for r in shortcut["rows"]] == [1, 2, 3]
     assert {g["kind"] for g in shortcut["games"]} == {"eval", "train", "probe"}
@@ -1813,9 +1815,9 @@ def gated_run(tmp_path_factory):
         def __init__(self, sid, net):
             self.sid, self.net = sid, net
 
-        def act_and_hold(self, obs, u):
+        def act_and_hold(self, obs, u, forced):
             seen["dists"].append((self.sid, obs, self.net.dist(obs).logp.detach().clone()))
-            return self.net.act_and_hold(obs, u)
+            return self.net.act_and_hold(obs, u, forced)
 
     def policy(self, g):
         return Rec(self.slots[g], real_policy(self, g))
