@@ -1949,7 +1949,9 @@ class _WorkerHealth:
     def __init__(self, cfg: FarmConfig) -> None:
         self.cfg = cfg
         self.generation = list(cfg.start_generations or [0] * cfg.workers)
-        self.restarts = [0] * cfg.workers
+        # each restart is one generation, so the run's restarts come back with a resume: the limit
+        # and health/worker_restarts count over the run, as in the run that was never stopped
+        self.restarts = list(self.generation)
         self.dead = [False] * cfg.workers
         self.pending: set[int] = set()
         self.failures: list[WorkerFailure] = []

@@ -195,9 +195,10 @@ def rebuild_aggregate(games: Sequence[GameResult]) -> Aggregate:
     return Aggregate(lines=len(games), cells=dict(sorted(cells.items())))
 
 
-def _lock(f: Any) -> None:
-    """An exclusive advisory lock on an open file, held until it is closed. fcntl is POSIX; where
-    it is absent (Windows) a single writer per run is the caller's to keep."""
+def lock_file(f: Any) -> None:
+    """An exclusive advisory lock on an open file, held until it is closed: every writer of a run
+    log takes it (ResultLog.append, a resume's cut). fcntl is POSIX; where it is absent (Windows)
+    a single writer per run is the caller's to keep."""
     try:
         import fcntl
     except ImportError:
@@ -269,7 +270,7 @@ class ResultLog:
         enc = msgspec.json.Encoder()
         payload = b"".join(enc.encode(g) + b"\n" for g in games)
         with open(self.path, "ab") as f:
-            _lock(f)
+            lock_file(f)
             self._cut_torn_tail()
             f.write(payload)
             f.flush()
@@ -288,6 +289,14 @@ class ResultLog:
                 agg.lines += len(games)
             write_atomic(self.aggregate_path, msgspec.json.encode(agg))
             # the lock is released when f closes
+
+    def rebuild_cache(self) -> None:
+        """Rewrite ladder/aggregate.json from the log, under the writers' lock (a resume's cut)."""
+        if not self.path.exists():
+            return
+        with open(self.path, "ab") as f:
+            lock_file(f)
+            write_atomic(self.aggregate_path, msgspec.json.encode(rebuild_aggregate(self.read().games)))
 
     def _count_lines(self) -> int:
         return self.path.read_bytes().count(b"\n") if self.path.exists() else 0

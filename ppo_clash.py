@@ -137,7 +137,8 @@ class RolloutArgs:
     the iteration in flight dead (never trained on); false stops the run naming the worker and its
     traceback file (design 3.7)"""
     max_restarts_per_worker: int = 3
-    """a fourth failure of one worker stops the run rather than silently degrading throughput"""
+    """a fourth failure of one worker in the run (a resume included) stops it rather than silently
+    degrading throughput"""
     launch_delay_s: float = 0.5
     """stagger worker start: each RustEngine construction decodes its data files"""
     overlap: bool = False
@@ -2172,6 +2173,10 @@ def tend_workers(source: Any, run: Run, failures: list[Any]) -> list[Any]:
         if r.restart_failed_workers:
             try:
                 source.restart(w)   # the farm holds the limit (max_restarts_per_worker) and refuses past it
+                if not run.quiet:   # the worker_failures alarm points the reader at this line
+                    print(f"worker {w} (generation {g}) failed ({mine[0].kind}, shard {mine[0].shard}, cycle "
+                          f"{mine[0].cycle}): restarted as generation {g + 1}, its cells this iteration dropped; "
+                          f"what it said is in {path}", flush=True)
                 continue
             except farm.FarmError as e:
                 why = f"it cannot be restarted: {e} (--rollout.max-restarts-per-worker)"
@@ -2921,10 +2926,12 @@ def move_after(path: Path, keep: int | None, covered: Any, stays: Any, side: Pat
     """Keep the first `keep` lines of `path` (None: the leading lines `covered` holds for) and move
     every later line to `side`, except those `stays` holds for, which stay in order. The side file
     is written and fsynced before the log is cut, so a crash between leaves a row twice, never
-    none. Returns (lines kept at the head, lines moved)."""
+    none. The cut holds the log's writer lock: `ladder.py eval|gate` may be appending games to
+    this run. Returns (lines kept at the head, lines moved)."""
     if not path.exists():
         return 0, 0
     with open(path, "rb+") as f:
+        ladder.lock_file(f)
         head, pos = 0, 0
         while keep is None or head < keep:
             line = f.readline()
@@ -2967,9 +2974,7 @@ def cut_back(run: Path, man: Manifest, ordinals: Sequence[int]) -> list[str]:
         if keep is not None and head < keep:
             line += f"; it holds {head} of the {keep} rows the checkpoint covers (lost before this resume)"
         out.append(line)
-    log = ladder.ResultLog(run)
-    if log.path.exists():
-        ladder.write_atomic(log.aggregate_path, msgspec.json.encode(ladder.rebuild_aggregate(log.read().games)))
+    ladder.ResultLog(run).rebuild_cache()
     return out
 
 

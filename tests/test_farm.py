@@ -634,6 +634,24 @@ def test_worker_hygiene_failure_restart_and_idle(short_env):
         f.close()
 
 
+def test_the_restart_limit_counts_over_the_run_a_resume_included(short_env):
+    """A resumed farm restores a worker's restarts with its generation (one a restart), so a
+    resume does not reset max_restarts_per_worker, and health/worker_restarts reads what the run
+    that was never stopped reads."""
+    spec, _, table = short_env
+    cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, games_per_worker=1, cycles=4, viewer=False,
+                          frame_stack=2, max_restarts_per_worker=3, start_generations=[2])
+    f = farm.InlineFarm(cfg, table, farm.mirror_assignment)
+    try:
+        assert f.stats()["worker_restarts"] == 2.0
+        f.restart(0)
+        assert f.generation == [3] and f.stats()["worker_restarts"] == 3.0
+        with pytest.raises(farm.FarmError, match=r"worker 0 has been restarted 3 times; max_restarts_per_worker=3"):
+            f.restart(0)
+    finally:
+        f.close()
+
+
 @pytest.mark.slow
 def test_a_killed_worker_is_reported_as_a_crash(short_env):
     import signal

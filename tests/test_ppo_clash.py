@@ -1547,6 +1547,27 @@ def test_a_resume_moves_the_rows_after_its_checkpoint_aside_so_every_log_holds_e
         assert _unclocked(rel, (run / rel).read_bytes().splitlines()) == _unclocked(rel, straight[rel]), rel
 
 
+def test_a_resumes_cut_waits_for_a_writer_holding_the_games_log(tmp_path):
+    """`ladder.py eval|gate` may be appending to the run's games.jsonl (under ladder.lock_file)
+    when a resume cuts it: the cut waits for the lock, then moves exactly the rows after the
+    checkpoint, the appended batch included, and the rater's cache is rebuilt from the cut log."""
+    import fcntl
+    import threading
+    games = tmp_path / "games.jsonl"
+    games.write_bytes(b"".join(b'{"iteration": %d}\n' % i for i in (1, 2, 3)))
+    with open(games, "ab") as holder:
+        fcntl.flock(holder.fileno(), fcntl.LOCK_EX)
+        cut = threading.Thread(target=P.move_after, args=(games, 1, None, None, tmp_path / "side"))
+        cut.start()
+        cut.join(0.5)
+        assert cut.is_alive() and not (tmp_path / "side").exists()   # waiting on the writer
+        holder.write(b'{"iteration": 4}\n')
+        holder.flush()
+    cut.join(10)
+    assert games.read_bytes() == b'{"iteration": 1}\n'
+    assert (tmp_path / "side").read_bytes() == b"".join(b'{"iteration": %d}\n' % i for i in (2, 3, 4))
+
+
 def test_pruning_keeps_the_newest_by_manifest_and_leaves_strays(tmp_path):
     ck = tmp_path / "checkpoints"
     for steps in (64, 1280, 128, 640):
@@ -2298,15 +2319,20 @@ def _rows_after_one_restart(run: Path, failed_iteration: int, traceback_has: str
 
 
 @pytest.mark.slow
-def test_a_worker_that_raises_while_collecting_is_restarted_and_the_run_completes(tmp_path, monkeypatch):
+def test_a_worker_that_raises_while_collecting_is_restarted_and_the_run_completes(tmp_path, monkeypatch, capsys):
     """Design 3.7: a planted exception in worker 1 at cycle 3 of iteration 2: the iteration
     completes with that worker's cells dead, the worker restarts on generation 1 at the next
-    boundary, and the run finishes its three iterations; the child's traceback is on disk."""
+    boundary, and the run finishes its three iterations; the child's traceback is on disk, and
+    the console says so in one line, the one the worker_failures alarm points at."""
     _plant_fault(monkeypatch, "raise")
     assert P.main(FAILURE_FLAGS + ["--runs-dir", str(tmp_path)]) == 0
     (run,) = tmp_path.iterdir()
     rows = _rows_after_one_restart(run, 2, "RuntimeError: planted fault in worker 1")
     assert rows[1]["health/rows_dropped_dead_worker"] > 0
+    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("worker 1 ")]
+    assert len(said) == 1 and re.fullmatch(r"worker 1 \(generation 0\) failed \(exception, shard 1, cycle 3\): restarted as "
+                                           r"generation 1, its cells this iteration dropped; what it said is in "
+                                           + re.escape(str(run / "worker-1-generation-0.txt")), said[0]), said
 
 
 @pytest.mark.slow
