@@ -964,6 +964,15 @@ def at_batch_shape(layer: nn.Module, x: torch.Tensor, rows: Rows | None) -> torc
     return layer(full)[rows.idx]
 
 
+def host_index(idx: np.ndarray, dev: torch.device) -> torch.Tensor:
+    """Host indices as an index tensor on `dev`. A copy from pageable host memory makes the host
+    wait for every kernel already queued on the stream (the CUDA runtime's rule for pageable
+    transfers), so on CUDA the indices go through pinned memory, non_blocking, and the forward's
+    kernels queue behind the unpack's without a wait."""
+    t = torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64))
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+
 def actor_rows(forced: np.ndarray) -> np.ndarray:
     """The rows the actor runs on when acting, on the host: every row with a choice, ascending.
     A lone choice row in a batch of more rides with one forced row: PyTorch runs a one-row 3x3
@@ -1176,7 +1185,7 @@ class ActorCritic(nn.Module):
         the host's mask. A forced row is written without a forward: the no-op, log-prob 0, p(no-op)
         1, exactly what its forward would give. The actor runs on the other rows alone
         (actor_rows), bit for bit what the whole batch's forward gives them (design 3.6). Every
-        index is decided on the host and copied to the device, so nothing here waits on a GPU.
+        index is decided on the host and copied to the device without a wait (host_index).
         greedy: the mode, not a sample (ladder.release_mode "argmax"; u unused)."""
         if not forced.any():   # forced_rows has refused a clear no-op bit already
             d = self.dist(obs, check_noop=False)
@@ -1189,11 +1198,11 @@ class ActorCritic(nn.Module):
         idx = actor_rows(forced)
         if idx.size == 0:
             return Acted(a, lp, p0, 0)
-        rows = Rows(torch.as_tensor(idx, device=dev), n)
+        rows = Rows(host_index(idx, dev), n)
         d = self.dist(obs, check_noop=False, rows=rows)
         ar = d.mode() if greedy else d.sample(u[rows.idx])
         keep = np.flatnonzero(~forced[idx])    # a forced row that rode along keeps its exact values
-        at, keep_t = torch.as_tensor(idx[keep], device=dev), torch.as_tensor(keep, device=dev)
+        at, keep_t = host_index(idx[keep], dev), host_index(keep, dev)
         a[at], lp[at], p0[at] = ar[keep_t], d.log_prob(ar)[keep_t], d.logp[keep_t, 0].exp()
         return Acted(a, lp, p0, len(idx))
 
