@@ -1379,7 +1379,7 @@ def role_count_metrics(ended: Sequence[Assignment], roles: np.ndarray) -> dict[s
 # pairings refused), comparison_episodes (the schedule: which seed, which seat, which stream),
 # FarmComparison (the play: one comparison's rounds on its farm) and EvalRunner.play (the score:
 # one GameResult per battle, appended). Cost: a full scripted battle takes 0.10-0.16 s on a 2-core
-# machine (measurements: docs/ladder.md section 10).
+# machine (measurements: docs/ladder.md section 11).
 
 ActFn = Callable[[dict[str, np.ndarray], np.ndarray], np.ndarray]
 """A policy: act(obs_batch, uniforms) -> actions. obs_batch holds the env's observation keys
@@ -1431,7 +1431,7 @@ def _eval_preflight(env_json: bytes, master_seed: int) -> tuple[Any, Any, np.nda
     """farm.preflight of the evaluation env (EnvSpec, codec table, statics): a pure function of
     the spec and the seed, so runners opened one after another in a process (a gate, a probe,
     the next gate) share one instead of each building envs to read it again (an open costs
-    0.4-0.9 s on a 2-core machine: docs/ladder.md section 10)."""
+    0.4-0.9 s on a 2-core machine: docs/ladder.md section 11)."""
     side: dict[str, Any] = {}
     es, table = farm.preflight(msgspec.json.decode(env_json, type=EnvFactorySpec), frame_stack=1,
                                master_seed=master_seed, out=side)
@@ -1888,13 +1888,40 @@ def _draw_ratings(ax: Any, data: StrengthData) -> None:
         champs = [(data.steps[p], t.rating[p]) for p in data.champions if p in data.steps and p in t.rating]
         if champs:
             ax.scatter(*zip(*champs), marker="*", s=160, color="gold", edgecolors="k", zorder=3, label="champion")
-    for p in sorted(q for q in t.ids if q.startswith("scripted:")):
-        ax.axhline(t.rating[p], ls="--", lw=0.7, color="tab:red", alpha=0.6)
-        ax.annotate(p.removeprefix("scripted:"), (1.0, t.rating[p]), xycoords=("axes fraction", "data"),
+    ax.margins(x=0.12)   # room at the right edge for the rungs' labels beside the newest snapshot
+    levels = {p.removeprefix("scripted:"): t.rating[p] for p in t.ids if p.startswith("scripted:")}
+    if snaps:   # the axis spans the snapshots' intervals, not a rung far below them (noop's 0)
+        lo = min(t.rating[p] - Z95 * t.se[p] for _, p in snaps)
+        hi = max(t.rating[p] + Z95 * t.se[p] for _, p in snaps)
+        pad = 0.1 * max(hi - lo, 1.0)
+        ax.set_ylim(lo - pad, hi + pad)
+    on, off = level_labels(levels, *ax.get_ylim())
+    for name, y, y_label in on:
+        ax.axhline(y, ls="--", lw=0.7, color="tab:red", alpha=0.6)
+        ax.annotate(f"{name} {y:.0f}", (1.0, y_label), xycoords=("axes fraction", "data"),
                     fontsize=7, color="tab:red", ha="right", va="bottom")
+    if off:
+        ax.text(0.995, 0.02, "off the scale: " + ", ".join(f"{n} {v:.0f}" for n, v in off), transform=ax.transAxes,
+                fontsize=7, color="tab:red", ha="right", va="bottom")
     for outcome, colour in GATE_COLOURS.items():
         ax.scatter([], [], s=90, facecolors="none", edgecolors=colour, label=f"gate: {outcome}")
     ax.legend(fontsize=7, loc="upper left")
+
+
+def level_labels(levels: dict[str, float], lo: float, hi: float,
+                 gap_frac: float = 0.035) -> tuple[list[tuple[str, float, float]], list[tuple[str, float]]]:
+    """Where the scripted rungs' labels go on a rating axis from lo to hi: (name, rating, label y)
+    for each rung on the axis, ascending, each label at least gap_frac of the axis above the one
+    below it (about a 7-point label's height on the plot's top panel), so rungs a few Elo apart
+    do not print over each other; and (name, rating) for each rung off the axis."""
+    gap, on, off, last = gap_frac * (hi - lo), [], [], -math.inf
+    for name, y in sorted(levels.items(), key=lambda kv: (kv[1], kv[0])):
+        if lo <= y <= hi:
+            last = max(y, last + gap)
+            on.append((name, y, last))
+        else:
+            off.append((name, y))
+    return on, off
 
 
 def _draw_probe(ax: Any, rows: Sequence[dict[str, Any]]) -> None:

@@ -1132,6 +1132,21 @@ def test_plot_draws_the_strength_of_a_run_without_torch_and_writes_nothing_else(
     assert r.returncode == 0 and png_size(tmp_path / "pics" / "s.png") == (1260, 900)
 
 
+def test_rung_labels_a_few_elo_apart_are_stacked_and_a_rung_off_the_axis_is_named_not_drawn():
+    """A real cpu run's top panel: four rungs within 18 Elo printed over each other, and noop at 0
+    stretched the axis from the snapshots' 420-770 down to 0; level_labels places them."""
+    levels = {"noop": 0.0, "random_legal": 536.7, "random": 595.5, "defend": 595.5, "patient": 604.2,
+              "first-affordable": 613.0, "push": 675.3}
+    on, off = L.level_labels(levels, 400.0, 800.0)
+    assert off == [("noop", 0.0)]
+    assert [n for n, _, _ in on] == ["random_legal", "defend", "random", "patient", "first-affordable", "push"]
+    assert all(y == levels[n] for n, y, _ in on)                       # the lines stay at the ratings
+    ys = [yl for _, _, yl in on]
+    assert ys[0] == 536.7 and ys[-1] == 675.3                           # a label with room stays put
+    assert all(b - a >= 0.035 * 400 - 1e-9 for a, b in zip(ys, ys[1:]))  # 14 Elo apart at least
+    assert L.level_labels({}, 0.0, 1.0) == ([], [])
+
+
 def test_plot_of_a_run_without_games_says_so_and_without_matplotlib_says_how_to_install_it(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"run/iteration": 1, "run/cumulative_env_steps": 10,
                                                          "ppo/kl": 0.01}) + "\n")
