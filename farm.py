@@ -114,6 +114,7 @@ import importlib
 import inspect
 import json
 import os
+import signal
 import struct
 import sys
 import time
@@ -897,6 +898,8 @@ ST_STARTING, ST_READY, ST_FAILED, ST_CLOSED = 0, 1, 2, 3
 CMD_STEP, CMD_CLOSE, CMD_PLAN, CMD_SPACES = 1, 2, 3, 4
 # control.err_code (design 3.4)
 ERR_NONE, ERR_EXCEPTION, ERR_CRASH = 0, 1, 2
+STACK_SIGNAL = getattr(signal, "SIGUSR1", None)   # POSIX only; elsewhere a hang's file has no stack
+STACK_WAIT_S = 1.0   # how long a parent waits for a hung worker's stack before it kills it
 
 assert HEADER_DTYPE.itemsize == HEADER_BYTES and CONTROL_DTYPE.itemsize == CONTROL_BYTES
 assert SCALAR_DTYPE.itemsize == SCALAR_BYTES and ASSIGN_DTYPE.itemsize == ASSIGN_BYTES
@@ -2379,11 +2382,27 @@ def _write_handshake(hand: np.ndarray, runners: list[ShardRunner]) -> None:
     hand[:4] = np.frombuffer(struct.pack("<I", len(raw)), np.uint8)
 
 
+def where_it_stood(pid: int, ios: list[ShardIO]) -> str:
+    """Ask a hung worker for its stack (STACK_SIGNAL) and wait up to STACK_WAIT_S for it to land
+    in one of its shards' error areas, where a traceback goes (err_len is written after the text,
+    so a change means it is whole). One stuck outside Python (inside the engine) cannot answer."""
+    if STACK_SIGNAL is None:
+        return ""
+    before = [int(io.control["err_len"][0]) for io in ios]
+    os.kill(pid, STACK_SIGNAL)
+    deadline = time.monotonic() + STACK_WAIT_S
+    while time.monotonic() < deadline:
+        for io, n0 in zip(ios, before):
+            if int(io.control["err_len"][0]) != n0:
+                return "; where it stood (its main thread's stack, innermost last):\n" + io.read_text()
+        time.sleep(0.01)
+    return f"; it did not say where it stood within {STACK_WAIT_S} s (stuck outside Python?)"
+
+
 def _worker_entry(cfg_json: bytes, table_json: bytes, w: int, gen: int, ordinals: list[list[int]],
                   seg_a: str, seg_b: str, obs_sems: list[Any], act_sems: list[Any]) -> None:
     """The child. Its environment already carries the thread variables (set at exec by
     _SpawnEnv, before numpy loaded); Ctrl-C is the parent's business."""
-    import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from multiprocessing import shared_memory
     cfg = msgspec.json.decode(cfg_json, type=FarmConfig)
@@ -2397,6 +2416,14 @@ def _worker_entry(cfg_json: bytes, table_json: bytes, w: int, gen: int, ordinals
     ios = [shard_io(b.buf, n, S, rb, s) for s in range(S)]
     hand = np.ndarray((HANDSHAKE_BYTES,), np.uint8, buffer=b.buf, offset=0)
     cur = 0
+
+    def where_it_stands(signum: int, frame: Any) -> None:
+        """A parent whose wait ran out asks (STACK_SIGNAL) before it kills: this process's stack,
+        where a traceback goes, so the failure's file says where it hung (design 3.7)."""
+        ios[cur].write_text("".join(traceback.format_stack(frame)))   # its last 512 B: the innermost frames
+
+    if STACK_SIGNAL is not None:
+        signal.signal(STACK_SIGNAL, where_it_stands)
     try:
         runners = [ShardRunner(cfg, table, w, s, gen, ordinals[s]) for s in range(S)]
         for s, r in enumerate(runners):
@@ -2660,8 +2687,9 @@ class ProcessFarm(_FarmCore):
                        f"{timeout_s} s (round_timeout_s); alive={p.is_alive()}, exit codes {codes}")
                 if self.cfg.eval_plan is not None:
                     raise WorkerTimeout(msg)     # never restarted: its caller rebuilds it
+                stack = where_it_stood(self._procs[w].pid, [self._ios[x] for x in self._shards(w)])
                 self._kill(w)                    # training: a failure like a crash (design 3.7)
-                self._fail(w, j, cycle, "timeout", msg + "; the worker was killed")
+                self._fail(w, j, cycle, "timeout", msg + "; the worker was killed" + stack)
                 return False
         if int(ctl["state"][0]) == ST_FAILED or int(ctl["err_code"][0]) != ERR_NONE:
             text = ""

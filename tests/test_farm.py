@@ -702,7 +702,10 @@ def test_a_hung_worker_is_killed_and_failed_in_training_and_raises_in_evaluation
         assert time.monotonic() - t0 < 5.0 and not rnd.valid.any() and f.dead[0]
         (fail,) = f.drain_failures()
         assert (fail.worker, fail.cycle, fail.kind) == (0, 1, "timeout")
-        assert re.search(r"worker 0 shard 0 .* cycle 1 within 1.5 s .*killed", fail.message)
+        assert re.search(r"worker 0 shard 0 .* cycle 1 within 1.5 s .*killed", fail.message, re.S)
+        # asked before it was killed, the worker said where it hung: the planted sleep
+        assert "the worker was killed; where it stood (its main thread's stack, innermost last):\n" in fail.message
+        assert "in _planted_fault\n    time.sleep(3600)" in fail.message, fail.message
     finally:
         t0 = time.monotonic()
         f.close()

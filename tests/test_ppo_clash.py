@@ -2388,11 +2388,14 @@ def test_a_worker_killed_during_the_update_is_restarted_before_the_next_plan(tmp
 @pytest.mark.slow
 def test_a_hung_worker_is_killed_at_the_round_timeout_and_restarted(tmp_path, monkeypatch):
     """Design 3.7: worker 1 hangs at cycle 3 of iteration 2; past --rollout.round-timeout-s it
-    is killed, failed as "timeout" (no WorkerTimeout traceback), and restarted."""
+    is killed, failed as "timeout" (no WorkerTimeout traceback), and restarted; asked for its
+    stack before the kill, it said where it hung, and that is in its file."""
     _plant_fault(monkeypatch, "hang")
     assert P.main(FAILURE_FLAGS + ["--runs-dir", str(tmp_path), "--rollout.round-timeout-s", "3"]) == 0
     (run,) = tmp_path.iterdir()
     _rows_after_one_restart(run, 2, "did not answer cycle 3 within 3.0 s")
+    assert "where it stood (its main thread's stack, innermost last):" in (run / "worker-1-generation-0.txt").read_text()
+    assert "in _planted_fault\n    time.sleep(3600)" in (run / "worker-1-generation-0.txt").read_text()
 
 
 @pytest.mark.slow
