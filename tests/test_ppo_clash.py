@@ -1350,20 +1350,33 @@ def _run_files(run: Path) -> dict[str, Any]:
             "counts": [(r["throughput/inference_rows_forward"], r["throughput/inference_rows_skipped"]) for r in rows]}
 
 
+# The differential tests' smoke run: a gate and a probe on iteration 3, so evaluation games are
+# played through raw_obs_act too.
+DIFFERENTIAL_FLAGS = ["--profile", "smoke", "--ladder.candidate-every-env-steps", "400",
+                      "--ladder.gate.champion-games", "4", "--ladder.gate.anchor-games", "2",
+                      "--ladder.gate.bootstrap-resamples", "50", "--ladder.probe-every-iterations", "3",
+                      "--ladder.probe-games", "2"]
+
+
+@pytest.fixture(scope="module")
+def as_built(tmp_path_factory):
+    """The differential run as built: the one baseline both differential tests compare with."""
+    run = P.train(P.parse_args([*DIFFERENTIAL_FLAGS, "--runs-dir", str(tmp_path_factory.mktemp("as_built"))]),
+                  quiet=True)
+    return _run_files(run)
+
+
 @pytest.mark.slow
-def test_acting_forced_rows_without_a_forward_changes_nothing_the_run_computes(tmp_path):
-    """The differential test of design 3.6's shortcut: the same smoke run, with a gate and a probe
-    on iteration 3 so evaluation games are played through raw_obs_act, once as built and once with
+def test_acting_forced_rows_without_a_forward_changes_nothing_the_run_computes(tmp_path, as_built):
+    """The differential test of design 3.6's shortcut: the differential run as built and with
     forced_rows patched to call no row forced (every row through the actor, the plain forward):
     identical metric rows (the wall-clock keys aside), state_digest included, identical
     episodes.jsonl and games.jsonl (each game's wall stamp aside)."""
-    flags = ["--profile", "smoke", "--ladder.candidate-every-env-steps", "400", "--ladder.gate.champion-games", "4",
-             "--ladder.gate.anchor-games", "2", "--ladder.gate.bootstrap-resamples", "50",
-             "--ladder.probe-every-iterations", "3", "--ladder.probe-games", "2"]
-    shortcut = _run_files(P.train(P.parse_args([*flags, "--runs-dir", str(tmp_path / "on")]), quiet=True))
+    shortcut = as_built
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(P, "forced_rows", lambda mask: np.zeros(mask.shape[0], bool))
-        plain = _run_files(P.train(P.parse_args([*flags, "--runs-dir", str(tmp_path / "off")]), quiet=True))
+        plain = _run_files(P.train(P.parse_args([*DIFFERENTIAL_FLAGS, "--runs-dir", str(tmp_path / "off")]),
+                                   quiet=True))
     assert [r["run/iteration"] for r in shortcut["rows"]] == [1, 2, 3]
     assert {g["kind"] for g in shortcut["games"]} == {"eval", "train", "probe"}
     assert all(s > 0 for _, s in shortcut["counts"]) and all(s == 0 for _, s in plain["counts"])
@@ -1374,20 +1387,20 @@ def test_acting_forced_rows_without_a_forward_changes_nothing_the_run_computes(t
 
 
 @pytest.mark.slow
-def test_the_update_without_the_nan_fill_of_empty_tensors_changes_nothing_the_run_computes(tmp_path):
-    """The differential test of unfilled_empty_tensors: the same smoke run once as built and once
-    with torch's NaN fill of new tensors left on through the update, as before the lever: identical
-    metric rows (the wall-clock keys aside), state_digest included, and identical episodes.jsonl."""
-    flags = ["--profile", "smoke", "--ladder.candidate-every-env-steps", "400", "--ladder.gate.champion-games", "4",
-             "--ladder.gate.anchor-games", "2", "--ladder.gate.bootstrap-resamples", "50"]
+def test_the_update_without_the_nan_fill_of_empty_tensors_changes_nothing_the_run_computes(tmp_path, as_built):
+    """The differential test of unfilled_empty_tensors: the differential run as built and with
+    torch's NaN fill of new tensors left on through the update, as before the lever: identical
+    metric rows (the wall-clock keys aside), state_digest included, identical episodes.jsonl and
+    games.jsonl."""
     was = torch.utils.deterministic.fill_uninitialized_memory
     with P.unfilled_empty_tensors():
         assert torch.utils.deterministic.fill_uninitialized_memory is False
     assert torch.utils.deterministic.fill_uninitialized_memory is was
-    unfilled = _run_files(P.train(P.parse_args([*flags, "--runs-dir", str(tmp_path / "on")]), quiet=True))
+    unfilled = as_built
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(P, "unfilled_empty_tensors", contextlib.nullcontext)
-        filled = _run_files(P.train(P.parse_args([*flags, "--runs-dir", str(tmp_path / "off")]), quiet=True))
+        filled = _run_files(P.train(P.parse_args([*DIFFERENTIAL_FLAGS, "--runs-dir", str(tmp_path / "off")]),
+                                    quiet=True))
     assert [r["run/iteration"] for r in unfilled["rows"]] == [1, 2, 3]
     for r_on, r_off in zip(unfilled["rows"], filled["rows"]):
         assert r_on == r_off, [k for k in r_on.keys() | r_off.keys() if r_on.get(k) != r_off.get(k)]
