@@ -1401,7 +1401,7 @@ def test_the_update_without_the_nan_fill_of_empty_tensors_changes_nothing_the_ru
         mp.setattr(P, "unfilled_empty_tensors", contextlib.nullcontext)
         filled = _run_files(P.train(P.parse_args([*DIFFERENTIAL_FLAGS, "--runs-dir", str(tmp_path / "off")]),
                                     quiet=True))
-    assert [r["run/iteration"] for r in unfilled["rows"]] == [1, 2, 3]
+    assert [r["run/iteration"] for r in unfilled["rows"]] == [r["run/iteration"] for r in filled["rows"]] == [1, 2, 3]
     for r_on, r_off in zip(unfilled["rows"], filled["rows"]):
         assert r_on == r_off, [k for k in r_on.keys() | r_off.keys() if r_on.get(k) != r_off.get(k)]
     assert unfilled["episodes"] == filled["episodes"] and unfilled["games"] == filled["games"]
@@ -1563,7 +1563,7 @@ def test_a_resume_moves_the_rows_after_its_checkpoint_aside_so_every_log_holds_e
 def test_a_resumes_cut_waits_for_a_writer_holding_the_games_log(tmp_path):
     """`ladder.py eval|gate` may be appending to the run's games.jsonl (under ladder.lock_file)
     when a resume cuts it: the cut waits for the lock, then moves exactly the rows after the
-    checkpoint, the appended batch included, and the rater's cache is rebuilt from the cut log."""
+    checkpoint, the appended batch included (the cache's rebuild after a cut: the resume test)."""
     import fcntl
     import threading
     games = tmp_path / "games.jsonl"
@@ -1736,7 +1736,7 @@ def test_the_tensorboard_sink_writes_every_numeric_key_of_each_row_at_its_game_s
     ea = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0})
     ea.Reload()
     nums = {k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
-    assert set(ea.Tags()["scalars"]) == nums and "run/state_digest" not in nums
+    assert set(ea.Tags()["scalars"]) == nums
     for key in ("ppo/kl", "run/iteration", "run/resumed_with_drift", "time/iteration"):
         got = [(e.step, e.value) for e in ea.Scalars(key)]
         assert got == [(r["run/cumulative_env_steps"], pytest.approx(float(r[key]), rel=1e-6)) for r in rows], key
@@ -2035,10 +2035,7 @@ def test_the_console_block_groups_the_numbers_a_person_watches_and_the_full_row_
     speed, learn, play, lad, alarms = lines[1:]
     assert "912 env/s collecting, 611 overall, 3.25 ms inference/round" in speed
     assert ("time 44.4s = collect 30.1 (inference 12.0) + critic 2.2 + gae 0.1 + update 9.8 + gate - + probe - "
-            "+ ckpt 0.3 + other 1.9") in speed   # no gate, no probe: "-"
-    terms = re.search(r"time ([\d.]+)s = collect ([\d.]+) \(inference [\d.]+\)((?: \+ \w+ (?:[\d.]+|-))+)", speed)
-    added = float(terms[2]) + sum(float(x) for x in re.findall(r"\+ \w+ ([\d.]+)", terms[3]))
-    assert added == pytest.approx(float(terms[1]), abs=0.05)   # the line adds up to the iteration
+            "+ ckpt 0.3 + other 1.9") in speed   # no gate, no probe: "-"; a real row's terms add up (time/residual test)
     assert "policy_loss -0.0123 value_loss 0.456 kl 0.00421 clip 0.061 ev 0.53 H_norm 0.971 forced 0.91" in learn
     assert "cards/match 21.3 win_vs_scripted 0.48 blue_mirror 0.51 draw 0.05 episodes 40 illegal 0" in play
     assert "champion snap:abc rating 123 +- 22 above_v0 - elo_readout 35 pool 2 last gate champion" in lad
