@@ -182,28 +182,30 @@ def cmd_identity(cmd: "Identity") -> int:
 # --- 3. verify-resume (design 8.3, 2.4) -----------------------------------------------------------
 # Design 8.3 as a command on the user's machine and profile. Three directories under a scratch
 # folder:
-#   a/  the straight run: six iterations, a checkpoint after the third and the sixth;
-#   b/  the same configuration stopped at the third iteration, so its directory is the run as it
+#   a/  the straight run: four iterations, a checkpoint after the second and the fourth;
+#   b/  the same configuration stopped at the second iteration, so its directory is the run as it
 #       stood at that checkpoint, made by the code that writes it rather than by cutting a's
-#       files back (the ladder's files would each need their own rule). Its rows 1-3 must equal
-#       a's; then a's own iteration-3 checkpoint is copied over b's and resumed;
-#   the resume: `python ppo_clash.py --resume b --checkpoint <a's iteration-3 checkpoint>` in a
-#       fresh process, which runs iterations 4-6.
-# Episodes are truncated after T decisions (obs.max_steps = T), so every battle is at an episode
-# boundary at every iteration end, the promise of design 2.4 item 3. Then a and b are compared
+#       files back (the ladder's files would each need their own rule). Its rows 1-2 must equal
+#       a's; then a's own iteration-2 checkpoint is copied over b's and resumed;
+#   the resume: `python ppo_clash.py --resume b --checkpoint <a's iteration-2 checkpoint>` in a
+#       fresh process, which runs iterations 3-4. On smoke, battles last ~100 decisions (T = 43), so
+#       the split finds them mid-episode and some finish in iteration 3.
+# Battles are played whole: the checkpoint finds them mid-episode, and the resume re-simulates each
+# to where it stood (design 3.9), so the promise of design 2.4 item 3 holds at any iteration
+# boundary. Then a and b are compared
 # file by file, row by row, field by field: metrics.jsonl (wall-clock keys aside), every
 # checkpoint's state_digest, episodes.jsonl, ladder/games.jsonl (its "wall" stamp aside).
 
-SPLIT, TOTAL = 3, 6
+SPLIT, TOTAL = 2, 4
 WALL_CLOCK = P.NONDETERMINISTIC + ("ladder/gate_seconds_frac", "ladder/probe_seconds_frac")
 _ABSENT = "<absent>"
 
 
 def resume_flags(profile: str, runs_dir: Path) -> list[str]:
-    """The profile with episodes cut at T decisions and a checkpoint every SPLIT iterations; the
-    limit sits at TOTAL iterations, so the resumed process stops where the straight run did."""
+    """The profile with a checkpoint every SPLIT iterations; the limit sits at TOTAL iterations,
+    so the resumed process stops where the straight run did."""
     env = P.read_env(P.profile_args(profile))
-    return ["--profile", profile, "--runs-dir", str(runs_dir), "--obs.max-steps", str(env.T),
+    return ["--profile", profile, "--runs-dir", str(runs_dir),
             "--checkpoint.every-env-steps", str(SPLIT * env.T * env.n_battles),
             "--timestep-limit", str(TOTAL * env.T * env.learner_rows)]
 
@@ -1143,10 +1145,10 @@ class Identity:
 
 @dataclasses.dataclass(kw_only=True)
 class VerifyResume:
-    """Prove resume on this machine (design 8.3): six iterations straight, against three, a
-    checkpoint, and three more in a fresh process; compared file, row and field."""
+    """Prove resume on this machine (design 8.3): four iterations straight, against two, a
+    checkpoint, and two more in a fresh process; compared file, row and field."""
     profile: str = "smoke"
-    """the profile to prove (episodes are cut at T decisions so checkpoints fall on episode ends)"""
+    """the profile to prove (battles are played whole: the checkpoint finds them mid-episode)"""
     work_dir: Optional[str] = None
     """an empty folder for the two runs (default: a new temporary one)"""
     keep: bool = False

@@ -48,6 +48,9 @@ same; ProcessFarm additionally takes env_spec= to refuse a worker on other space
                      checkpoint it, restore through FarmConfig.start_ordinals
     farm.assignment  the Assignment each battle is playing; farm.generation, farm.restarts
                      (checkpoint the generations, restore through FarmConfig.start_generations)
+    farm.in_flight() [InFlight]: each battle mid-episode, its actions and gammas so far; checkpoint
+                     it, restore through FarmConfig.start_in_flight: the first PLAN re-simulates
+                     those battles to where they stood (design 3.9)
 
     for each iteration i:
         farm.begin_iteration(plan)           # SlotPlan. Iteration 0: the opening table. Later:
@@ -103,7 +106,8 @@ Without an assign_fn the caller passes submit(actions, gamma, assignments=[...])
 Assignment (ordinal = farm.ordinals[b]) per battle in rnd.ended_battles. The worker never draws.
 
 bench_farm(...) -> dict measures the farm against the direct loop; `python farm.py mask-only`
-runs bench_mask_only(). Their numbers, dated, are in docs/throughput.md.
+runs bench_mask_only(), `python farm.py replay` bench_replay() (a resume's re-simulation).
+Their numbers, dated, are in docs/throughput.md.
 """
 from __future__ import annotations
 
@@ -174,6 +178,19 @@ class SlotPlan(msgspec.Struct, frozen=True):
     n_slots: int                            # 2 * n_battles
     assignment: tuple[Assignment, ...]      # one per battle, in battle order
     resident_snapshots: tuple[str, ...]     # len <= ladder.max_resident_opponents
+
+
+class InFlight(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One battle's running episode as the parent drove it (design 3.9): its reset ordinal and,
+    per decision so far, the action the parent submitted for each seat (a scripted seat's is
+    ignored: on replay its player acts again, from the same generator, on the same observation)
+    and the gamma that step was taken under (the potential reward reads it). A checkpoint stores
+    one per battle that is mid-episode; a resume re-simulates each from its reset to where it
+    stood. The engine is deterministic, so the state it reaches is the state that was left."""
+    battle: int
+    ordinal: int
+    actions: list[tuple[int, int]]          # (blue, red) per decision, in order
+    gammas: list[float]                     # one per decision
 
 
 # --- 3. The environment description (design 1.3 EnvFactorySpec, 2.3 env value digest) -------------
@@ -675,8 +692,8 @@ def probe_reward() -> PotentialCombinedReward:
 # generator, scripted/worker/{w}/slot/{r}/gen/{g}, re-derived at the start of every episode with
 # the battle's ordinal appended (/ordinal/{k}). Why per episode: a slot-long stream continues
 # across episodes, so its position at a checkpoint is state that lives only in the worker, and a
-# resumed run (which restarts every battle at an episode boundary, design 2.4) would replay the
-# stream from its start. Addressed by the episode, the stream is a pure function of names a
+# resumed run (which restarts every battle from its episode's reset and replays it, design 3.9)
+# would replay the stream from its start. Addressed by the episode, the stream is a pure function of names a
 # checkpoint already holds (tests/test_ppo_clash.py, the run stopped between two gates;
 # docs/determinism.md section 2).
 
@@ -813,7 +830,9 @@ def _eval_idle_seed(master_seed: int, battle: int, ordinal: int) -> int:
 #   CMD_PLAN   (begin_iteration, to every shard in order, before the iteration's first STEP)
 #     apply the shard's plan entries: seat every battle whose seats the worker does not hold
 #     for its running episode; check every entry's ordinal and seed against the worker's own
-#     and refuse a mid-episode reseat (FarmError: out of step); answer. Nothing is stepped.
+#     and refuse a mid-episode reseat (FarmError: out of step). A resumed farm's first PLAN then
+#     re-simulates the battles FarmConfig.start_in_flight names and packs each one's last k
+#     observations into rect rows 0..k-1 (design 3.9); answer. Otherwise nothing is stepped.
 #   CMD_SPACES (ProcessFarm.spaces(w), between iterations, on the worker's first shard) re-read
 #     spaces and engine binary off the live env, rewrite the handshake; answer. Nothing stepped.
 #   CMD_CLOSE  state = ST_CLOSED on every shard and exit; no pub_seq (the parent joins).
@@ -1077,6 +1096,8 @@ class FarmConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     start_generations: list[int] | None = None  # per worker; a resume restores them, so a worker
                                             # restarted before the checkpoint keeps its scripted
                                             # seed paths (design 3.7); None: generation 0
+    start_in_flight: list[InFlight] | None = None  # a resume's battles that were mid-episode:
+                                            # each is re-simulated at the first PLAN (design 3.9)
     debug_fault: str = ""                   # tests only: "raise:<w>:<steps>[:<gen>]",
                                             # "hang:<w>:<steps>[:<gen>]" (gen: that generation only)
     eval_plan: list[EvalEpisode] | None = None  # the evaluation mode (section 6); None: training
@@ -1110,6 +1131,13 @@ class FarmConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.start_generations is not None and len(self.start_generations) != self.workers:
             raise ValueError(f"start_generations has {len(self.start_generations)} entries; the "
                              f"farm has {self.workers} workers")
+        for f in self.start_in_flight or ():
+            if not 0 <= f.battle < self.n_battles or len(f.actions) != len(f.gammas) or \
+                    self.start_ordinals is None or f.ordinal != self.start_ordinals[f.battle]:
+                raise ValueError(f"start_in_flight: battle {f.battle} ordinal {f.ordinal} with "
+                                 f"{len(f.actions)} actions and {len(f.gammas)} gammas does not fit a farm "
+                                 f"of {self.n_battles} battles started at start_ordinals (one gamma per "
+                                 "action, the ordinal the battle restarts at)")
         if self.eval_plan is not None:
             if self.start_ordinals is not None:
                 raise ValueError("eval_plan with start_ordinals: an evaluation farm starts every "
@@ -1194,17 +1222,20 @@ class RunningEpisodes:
             seed = _battle_seed(self.cfg.master_seed, self.battle0, g, int(self.ordinal[g]))
         return seed & 0xFFFF_FFFF_FFFF_FFFF
 
-    def note_actions(self, acts: np.ndarray, noop: int) -> None:
-        """Before the step: every non-no-op action, as (decision index, seat, action)."""
+    def note_actions(self, acts: np.ndarray, noop: int, g0: int = 0) -> None:
+        """Before the step: every non-no-op action, as (decision index, seat, action). `acts`
+        covers the slots of battles g0, g0 + 1, ... (a replay steps one battle at a time)."""
         for i in np.flatnonzero(acts != noop):
-            self.played[i // 2].append((int(self.ep_step[i // 2]), int(i % 2), int(acts[i])))
+            g = g0 + i // 2
+            self.played[g].append((int(self.ep_step[g]), int(i % 2), int(acts[i])))
 
-    def count(self, reward: np.ndarray, deploy: np.ndarray) -> None:
+    def count(self, reward: np.ndarray, deploy: np.ndarray, g0: int = 0) -> None:
         """After the step: deploy_status 0 is a card played, 1..11 an illegal command."""
-        self.ep_step += 1
-        self.ret += reward
-        self.cards += deploy == 0
-        self.illegal += (deploy >= 1) & (deploy <= 11)
+        sl = slice(2 * g0, 2 * g0 + len(reward))
+        self.ep_step[g0: g0 + len(reward) // 2] += 1
+        self.ret[sl] += reward
+        self.cards[sl] += deploy == 0
+        self.illegal[sl] += (deploy >= 1) & (deploy <= 11)
 
     def record(self, i: int, fin: dict[str, Any], winner: int, outcome: int,
                eval_ix_ended: np.ndarray) -> dict[str, Any]:
@@ -1344,14 +1375,18 @@ class Seats:
         if skip:
             env.set_mask_only(skip)
 
-    def actions(self, parent_actions: np.ndarray, obs: dict[str, np.ndarray], noop: int) -> np.ndarray:
+    def actions(self, parent_actions: np.ndarray, obs: dict[str, np.ndarray], noop: int,
+                first: int = 0) -> np.ndarray:
         """The parent's actions, a no-op on a stopped evaluation battle, and each scripted seat's
-        own, drawn from its episode's generator on the seat's current observation."""
+        own, drawn from its episode's generator on the seat's current observation. The arrays
+        cover the local slots first, first + 1, ... (a replay passes one battle's two)."""
+        mine = slice(first, first + len(parent_actions))
         acts = parent_actions.astype(np.int64)
-        acts[self.idle] = noop                  # a stopped evaluation battle waits
-        for i in np.flatnonzero(self.group == GROUP_SCRIPTED):
+        acts[self.idle[mine]] = noop            # a stopped evaluation battle waits
+        for i in np.flatnonzero(self.group[mine] == GROUP_SCRIPTED):
             one = {k: v[i] for k, v in obs.items()}
-            acts[i] = self.scripted[i].act(one, obs["action_mask"][i], self.rngs[i])
+            r = first + int(i)
+            acts[i] = self.scripted[r].act(one, obs["action_mask"][i], self.rngs[r])
         return acts
 
 
@@ -1380,6 +1415,11 @@ class ShardRunner:
         self.gamma: float | None = None
         self.obs: dict[str, np.ndarray] | None = None
         self.steps_taken = 0
+        # design 3.9: the battles a resume starts mid-episode, re-simulated at the first PLAN (which
+        # seats them). A restarted worker's battles moved on to their next ordinal and match none.
+        b0 = self.running.battle0
+        self.in_flight = {f.battle - b0: f for f in cfg.start_in_flight or ()
+                          if b0 <= f.battle < b0 + M and f.ordinal == ordinals[f.battle - b0]}
         fault = cfg.debug_fault.split(":") if cfg.debug_fault else []
         self.fault = (fault[0], int(fault[2])) if (fault and int(fault[1]) == w and s == 0 and
                                                    (len(fault) < 4 or int(fault[3]) == gen)) else None
@@ -1426,13 +1466,15 @@ class ShardRunner:
         self.seats.seat_eval(g, self.plan[i] if i >= 0 else None)
 
     # -- PLAN -------------------------------------------------------------------------------------
-    def apply_slot_plan(self, plan: np.ndarray) -> None:
+    def apply_slot_plan(self, plan: np.ndarray, frames: np.ndarray | None = None) -> None:
         """The PLAN command (design 3.5): the iteration's opening table for this shard's slots
         (PLAN_DTYPE, n entries). A battle whose seats the worker does not hold for its running
         episode yet (a fresh or restarted worker; an episode that started on the previous
         iteration's last round) is seated from it; for every other battle the entry must repeat
         what the worker holds. Ordinal and seed must match the worker's own episode: a plan that
-        disagrees means parent and worker are out of step, and that is an error, not a choice."""
+        disagrees means parent and worker are out of step, and that is an error, not a choice.
+        A resumed farm's first PLAN then re-simulates the battles it started mid-episode, their
+        last k observations into `frames` (rect rows 0..k-1; design 3.9)."""
         where = f"worker {self.w} shard {self.s}"
         ordinal, eval_ix = self.running.ordinal, self.running.eval_ix
         take = []
@@ -1457,6 +1499,44 @@ class ShardRunner:
             else:
                 take += [2 * g, 2 * g + 1]
         self.seats.seat(np.asarray(take, np.int64), plan["group"], plan["opponent_ix"], ordinal)
+        if self.in_flight:
+            self._replay(frames)
+
+    def _replay(self, frames: np.ndarray) -> None:
+        """Design 3.9: step each in-flight battle's own env from its reset through the decisions
+        the parent logged, under the gammas they were taken with. The scripted seats act again
+        (same generator, same observations: the same actions), the episode's counters and its
+        `played` list fill as they did, and a decision that ends the episode is an error: the
+        log and the engine disagree. Its last k observations are packed into `frames`, newest
+        last; older rows, from before the episode, are dead frames the learner zeroes."""
+        from royalegym.action import NOOP
+        k = frames.shape[0]
+        for g, f in sorted(self.in_flight.items()):
+            env, two = self.vec.envs[g], slice(2 * g, 2 * g + 2)
+            seen = [{key: v[two] for key, v in self.obs.items()}]
+            for d, (pair, gamma) in enumerate(zip(f.actions, f.gammas)):
+                setter = getattr(env.reward_fn, "set_gamma", None)
+                if callable(setter):
+                    setter(gamma)
+                acts = self.seats.actions(np.asarray(pair), seen[-1], NOOP, first=2 * g)
+                self.running.note_actions(acts, NOOP, g0=g)
+                obs, rew, term, trunc, info = env.step({"blue": int(acts[0]), "red": int(acts[1])})
+                if term["blue"] or trunc["blue"]:
+                    raise FarmError(f"worker {self.w} shard {self.s}: battle {f.battle} ordinal {f.ordinal} "
+                                    f"ended at logged decision {d} of {len(f.actions)} on replay; the "
+                                    "checkpoint's action log and the engine disagree (design 3.9)")
+                self.running.count(np.array([rew["blue"], rew["red"]], np.float32),
+                                   np.array([info["blue"]["deploy_status"], info["red"]["deploy_status"]],
+                                            np.int64), g0=g)
+                seen = seen[1 - k:] if k > 1 else []
+                seen.append({key: np.stack([obs["blue"][key], obs["red"][key]]).astype(v.dtype)
+                             for key, v in self.obs.items()})
+            for key, v in self.obs.items():
+                v[two] = seen[-1][key]
+            for q, one in enumerate(seen):
+                self.packer.pack(one, frames[k - len(seen) + q], self.slot0 + 2 * g)
+        self.in_flight = {}
+        self.gamma = None                       # the next STEP forwards its gamma to every env
 
     # -- STEP -------------------------------------------------------------------------------------
     def step(self, io: ShardIO, rect_row: np.ndarray, gamma: float) -> None:
@@ -1622,6 +1702,21 @@ class _EvalReplay:
         return (int(self.cfg.eval_plan[i].seed) if i >= 0
                 else _eval_idle_seed(self.cfg.master_seed, b, k))
 
+    def slot_plan(self, iteration: int, opening: bool, ordinals: np.ndarray,
+                  assignment: list[Assignment | None]) -> SlotPlan:
+        """The farm's eval_slot_plan: the SlotPlan for begin_iteration in the evaluation mode, the
+        opening table before the first iteration, the current assignments after (design 3.6's rule
+        holds here too)."""
+        table = (tuple(self.assign(b, int(k)) for b, k in enumerate(ordinals)) if opening
+                 else tuple(assignment))
+        return SlotPlan(iteration, self.cfg.n_battles, self.cfg.n_slots, table, ())
+
+    def index(self, ordinals: np.ndarray) -> np.ndarray:
+        """The farm's eval_index: int64 (n_battles,), the eval_plan index each battle is playing
+        now, -1 once stopped (the farm's eval_done: every battle stopped)."""
+        return np.array([self.plan_index.get((b, int(k)), -1) for b, k in enumerate(ordinals)],
+                        np.int64)
+
     def players(self, a: Assignment, seat: int) -> tuple[str, str]:
         p = self.cfg.eval_plan[int(a.opponent_id.split(":", 1)[1])].players
         return p[seat], p[1 - seat]
@@ -1777,6 +1872,36 @@ class _AssignmentBook:
         return msgspec.convert(raw, EpisodeRecord)
 
 
+class _ActionLog:
+    """Design 3.9: each battle's running episode as the parent drove it, so that a checkpoint can
+    carry it (in_flight) and a resume re-simulate it. One row per submit: the two seats' actions
+    and the gamma. A battle's log starts over when its ordinal moves (its episode ended, or a
+    restart abandoned it); a resumed farm starts from the logs it was given."""
+
+    def __init__(self, cfg: FarmConfig) -> None:
+        self.M = cfg.games_per_shard
+        self.ordinal = np.full(cfg.n_battles, -1, np.int64)
+        self.actions: list[list[tuple[int, int]]] = [[] for _ in range(cfg.n_battles)]
+        self.gammas: list[list[float]] = [[] for _ in range(cfg.n_battles)]
+        for f in cfg.start_in_flight or ():
+            self.ordinal[f.battle] = f.ordinal
+            self.actions[f.battle], self.gammas[f.battle] = list(map(tuple, f.actions)), list(f.gammas)
+
+    def add(self, j: int, acts: np.ndarray, gamma: float, ordinals: np.ndarray) -> None:
+        """Shard j's submit: one decision for each of its battles."""
+        for g in range(self.M):
+            b = j * self.M + g
+            if self.ordinal[b] != ordinals[b]:
+                self.ordinal[b], self.actions[b], self.gammas[b] = ordinals[b], [], []
+            self.actions[b].append((int(acts[2 * g]), int(acts[2 * g + 1])))
+            self.gammas[b].append(gamma)
+
+    def in_flight(self, ordinals: np.ndarray) -> list[InFlight]:
+        """Every battle mid-episode at `ordinals`, in battle order (a battle at its reset has none)."""
+        return [InFlight(b, int(k), list(self.actions[b]), list(self.gammas[b]))
+                for b, k in enumerate(ordinals) if self.ordinal[b] == k and self.actions[b]]
+
+
 class _Stats(dict):
     """A dict that also answers a call with itself, so that farm.stats[...] and farm.stats()[...]
     both read the metrics: callers use both spellings."""
@@ -1825,6 +1950,15 @@ class _FarmStats:
             self._clip_last[j] = 0
 
     def snapshot(self, restarts: list[int]) -> _Stats:
+        """The current (or last finished) iteration's farm metrics, design 3.7 / 9.2:
+        env_ms       the workers' vec.step time, summed over every shard-round (worker side)
+        codec_ms     the workers' codec.pack time (observations and finals), summed likewise
+        wait_ms      the parent's time blocked in next_round waiting for a shard
+        parent_wait_frac  wait_ms over the iteration's wall time (begin_iteration to its last
+                     round; so far, while it runs): near 1 means the learner starves on the envs
+        bytes_out    bytes the workers wrote across the boundary (rows, finals, scalars, records)
+        rows_dropped_dead_worker  (cycle, slot) cells lost to a dead worker (design 3.7)
+        worker_restarts, obs_codec_clipped, obs_codec_rounded  run totals (health/, design 3.3)"""
         end = self._it_t1 if self._it_t1 is not None else time.perf_counter()
         wall_ms = max((end - self._it_t0) * 1e3, 1e-9)
         clip = self._clip_base + self._clip_last.sum(axis=0)
@@ -1860,6 +1994,16 @@ class _Collection:
         self.finals: dict[tuple[int, int], np.ndarray] = {}
         self.episodes: list[EpisodeRecord] = []
         self.ended: list[int] = []
+        # design 3.9: the slots a resume starts mid-episode. Their first publication is not a reset
+        # (the first PLAN re-simulated them); for frame liveness, row k-1-n holds such an episode's
+        # first observation when it is n < k decisions old
+        self.resumed = np.zeros(cfg.n_slots, bool)
+        for f in cfg.start_in_flight or ():
+            two = slice(2 * f.battle, 2 * f.battle + 2)
+            self.resumed[two] = True
+            self.first_obs[self.k - 1, two] = False
+            if len(f.actions) < self.k:
+                self.first_obs[self.k - 1 - len(f.actions), two] = True
 
     def turn_over(self, rect: np.ndarray) -> None:
         """The last k rows (cycles T-k+1..T) become rows 0..k-1: cycle T is cycle 0 now; the
@@ -1890,8 +2034,9 @@ class _Collection:
             self.episodes.extend(episodes)
         elif io is not None:
             self.metrics.count_round(j, io)      # a reset publication: pack cost, bytes
-            self.new_episode[sl] = True          # the reset's first observations
-            self.first_obs[c + self.k - 1, sl] = True
+            self.new_episode[sl] = ~self.resumed[sl]   # the reset's first observations; a resumed
+            self.first_obs[c + self.k - 1, sl] = ~self.resumed[sl]   # battle's are mid-episode
+            self.resumed[sl] = False
         return self._view(iteration, c, j, w, sl, io, dead, episodes)
 
     def _file_answer(self, c: int, sl: slice, io: ShardIO) -> list[dict[str, Any]]:
@@ -1952,9 +2097,6 @@ class _WorkerHealth:
     def __init__(self, cfg: FarmConfig) -> None:
         self.cfg = cfg
         self.generation = list(cfg.start_generations or [0] * cfg.workers)
-        # each restart is one generation, so the run's restarts come back with a resume: the limit
-        # and health/worker_restarts count over the run, as in the run that was never stopped
-        self.restarts = list(self.generation)
         self.dead = [False] * cfg.workers
         self.pending: set[int] = set()
         self.failures: list[WorkerFailure] = []
@@ -1967,6 +2109,12 @@ class _WorkerHealth:
         out, self.failures = self.failures, []
         return out
 
+    @property
+    def restarts(self) -> list[int]:
+        """Each restart is one generation, so the run's restarts come back with a resume: the limit
+        and health/worker_restarts count over the run, as in the run that was never stopped."""
+        return list(self.generation)
+
     def may_restart(self, w: int) -> None:
         if self.cfg.eval_plan is not None:
             raise FarmError(f"restart({w}) on an evaluation farm: close it and play the comparison "
@@ -1976,8 +2124,7 @@ class _WorkerHealth:
                             f"max_restarts_per_worker={self.cfg.max_restarts_per_worker}")
 
     def request_restart(self, w: int) -> None:
-        self.may_restart(w)
-        self.restarts[w] += 1
+        """After may_restart allowed it."""
         self.generation[w] += 1
         self.pending.add(w)
 
@@ -2005,6 +2152,7 @@ class _FarmCore:
         self.n_shard = 2 * cfg.games_per_shard
         self.J = cfg.n_shards
         self._book = _AssignmentBook(cfg, assign_fn, self._replay)
+        self._log = _ActionLog(cfg)
         self._metrics = _FarmStats(self.J)
         self._collection = _Collection(cfg, self._book, self._metrics)
         self._health = _WorkerHealth(cfg)
@@ -2012,6 +2160,7 @@ class _FarmCore:
         self.plan: SlotPlan | None = None
         self._cycle, self._shard, self._await_submit = 0, 0, False
         self._fresh = [True] * self.J                       # shard has an unread reset publication
+        self._first_plan = True
         self._closed = False
         self.rect = np.zeros((0,), np.uint8)                # set by the subclass
 
@@ -2027,25 +2176,16 @@ class _FarmCore:
     restarts = property(lambda self: self._health.restarts)
     dead = property(lambda self: self._health.dead)
 
-    # the evaluation mode (section 6)
+    def in_flight(self) -> list[InFlight]:
+        """Between iterations: every battle mid-episode, as the parent drove it (design 3.9)."""
+        return self._log.in_flight(self.ordinals)
+
+    # the evaluation mode (section 6; _EvalReplay says what each property is)
     def eval_slot_plan(self, iteration: int) -> SlotPlan:
-        """The SlotPlan for begin_iteration in the evaluation mode: the opening table at
-        iteration 0, the current assignments after (design 3.6's rule holds here too)."""
-        table = (tuple(self._replay.assign(b, int(k)) for b, k in enumerate(self.ordinals))
-                 if self.iteration < 0 else tuple(self.assignment))
-        return SlotPlan(iteration, self.cfg.n_battles, self.cfg.n_slots, table, ())
+        return self._replay.slot_plan(iteration, self.iteration < 0, self.ordinals, self.assignment)
 
-    @property
-    def eval_index(self) -> np.ndarray:
-        """int64 (n_battles,): the eval_plan index each battle is playing now, -1 once stopped."""
-        index = {} if self._replay is None else self._replay.plan_index
-        return np.array([index.get((b, int(k)), -1) for b, k in enumerate(self.ordinals)],
-                        np.int64)
-
-    @property
-    def eval_done(self) -> bool:
-        """Every battle of the evaluation mode has played its planned episodes."""
-        return bool((self.eval_index < 0).all())
+    eval_index = property(lambda self: self._replay.index(self.ordinals))
+    eval_done = property(lambda self: bool((self.eval_index < 0).all()))
 
     # geometry
     def shard_of(self, j: int) -> tuple[int, int]:
@@ -2096,10 +2236,14 @@ class _FarmCore:
             self._io(j).plan[:] = table[sl]
             self._send_plan(j)
             sent.append(j)
+        # a resumed farm's first PLAN re-simulates its in-flight battles (design 3.9): start-up time
+        timeout = self.cfg.startup_timeout_s if self.cfg.start_in_flight and self._first_plan else \
+            self.cfg.round_timeout_s
+        self._first_plan = False
         for j in sent:
             if self.dead[self.shard_of(j)[0]]:
                 continue                        # failed on an earlier shard's PLAN: reported once
-            if self._await_plan(j, self.cfg.round_timeout_s):
+            if self._await_plan(j, timeout):
                 self._book.unsent[self.shard_slots(j)] = False
 
     # a round: next_round reads it, submit answers it with the STEP command
@@ -2159,6 +2303,8 @@ class _FarmCore:
             raise ValueError(f"submit: {acts.shape} actions for shard {j} at cycle {c}; it has "
                              f"{self.n_shard} slots")
         self._book.take_given(assignments, self._collection.ended, c, j)
+        if self.cfg.eval_plan is None:
+            self._log.add(j, acts, float(gamma), self.ordinals)
         if not self.dead[w]:
             io = self._io(j)
             io.actions[:] = acts.astype(np.int16)
@@ -2198,6 +2344,7 @@ class _FarmCore:
             sl = self.shard_slots(j)
             self.rect[:, sl] = 0                 # history from the abandoned episodes
             self.first_obs[:, sl] = False
+            self._collection.resumed[sl] = False  # its battles reset into their next episodes
             self._fresh[j] = True
         self._start_worker(w)
 
@@ -2211,16 +2358,8 @@ class _FarmCore:
 
     @property
     def stats(self) -> _Stats:
-        """The current (or last finished) iteration's farm metrics, design 3.7 / 9.2:
-        env_ms       the workers' vec.step time, summed over every shard-round (worker side)
-        codec_ms     the workers' codec.pack time (observations and finals), summed likewise
-        wait_ms      the parent's time blocked in next_round waiting for a shard
-        parent_wait_frac  wait_ms over the iteration's wall time (begin_iteration to its last
-                     round; so far, while it runs): near 1 means the learner starves on the envs
-        bytes_out    bytes the workers wrote across the boundary (rows, finals, scalars, records)
-        rows_dropped_dead_worker  (cycle, slot) cells lost to a dead worker (design 3.7)
-        worker_restarts, obs_codec_clipped, obs_codec_rounded  run totals (health/, design 3.3)
-        Usable as farm.stats[...] and, equally, farm.stats()[...]."""
+        """The current (or last finished) iteration's farm metrics (_FarmStats.snapshot names
+        them); usable as farm.stats[...] and, equally, farm.stats()[...]."""
         return self._metrics.snapshot(self.restarts)
 
     # subclass hooks
@@ -2301,7 +2440,7 @@ class InlineFarm(_FarmCore):
 
     def _send_plan(self, j: int) -> None:
         try:
-            self._runners[j].apply_slot_plan(self._ios[j].plan)
+            self._runners[j].apply_slot_plan(self._ios[j].plan, self.rect[:self.k])
         except Exception:
             self._fail(self.shard_of(j)[0], j, 0, "exception", traceback.format_exc())
 
@@ -2457,7 +2596,7 @@ def _worker_entry(cfg_json: bytes, table_json: bytes, w: int, gen: int, ordinals
                     return
                 if kind in (CMD_PLAN, CMD_SPACES):
                     if kind == CMD_PLAN:
-                        runners[s].apply_slot_plan(io.plan)
+                        runners[s].apply_slot_plan(io.plan, rect[:k])
                         due = (s + 1) % S           # PLAN goes to every shard in turn, then STEP
                     else:
                         _write_handshake(hand, runners)
@@ -2793,11 +2932,18 @@ def _bench_direct(env: EnvFactorySpec, battles: int, cycles: int, iterations: in
     return dt, h.hexdigest()[:16]
 
 
+def _bench_round_actions(f: "_FarmCore", table: Any, rnd: RolloutRound, step: int,
+                         master_seed: int) -> np.ndarray:
+    """_bench_actions on the masks of the round's packed rows, as a learner reads them."""
+    a0, a1 = table.offsets["mask"]
+    rows = f.rect[rnd.cycle + f.k - 1, rnd.slots]
+    masks = np.unpackbits(rows[:, a0:a1], axis=1, bitorder="little")[:, : table.n_actions]
+    return _bench_actions(master_seed, step, masks, rnd.slots, f.R)
+
+
 def _bench_farm_arm(env: EnvFactorySpec, table: Any, K: int, S: int, battles: int, cycles: int,
                     iterations: int, master_seed: int, assign_fn: Callable[[int, int], Assignment] = mirror_assignment,
                     scripted_mask_only: bool = False) -> tuple[float, float, str]:
-    a0, a1 = table.offsets["mask"]
-    R = 2 * battles
     cfg = FarmConfig(env=env, master_seed=master_seed, workers=K, shards_per_worker=S,
                      games_per_worker=battles // K, cycles=cycles, viewer=False,
                      scripted_mask_only=scripted_mask_only)
@@ -2817,10 +2963,7 @@ def _bench_farm_arm(env: EnvFactorySpec, table: Any, K: int, S: int, battles: in
                     if it >= 1:
                         wait += time.perf_counter() - w0
                     if c < cycles:
-                        rows = f.rect[c + f.k - 1, rnd.slots]
-                        masks = np.unpackbits(rows[:, a0:a1], axis=1,
-                                              bitorder="little")[:, : table.n_actions]
-                        acts = _bench_actions(master_seed, it * cycles + c, masks, rnd.slots, R)
+                        acts = _bench_round_actions(f, table, rnd, it * cycles + c, master_seed)
                         if it >= 1:
                             h.update(acts.tobytes())
                         f.submit(acts, 0.99)
@@ -2900,11 +3043,52 @@ def bench_mask_only(env: EnvFactorySpec | None = None, *, battles: int = 16, cyc
             "speedup": med["mask_only"] / med["full"]}
 
 
+def bench_replay(env: EnvFactorySpec | None = None, *, battles: int = 16, shards: int = 2,
+                 cycles: int = 171, iterations: int = 2, master_seed: int = 0) -> dict[str, Any]:
+    """What a resume's re-simulation costs (design 3.9), on the cpu profile's geometry by default
+    (one worker, 2 shards of 8 battles, T = 171): `iterations` of _bench_actions on a ProcessFarm,
+    then the first begin_iteration of a farm resumed from that boundary (its PLAN replays every
+    battle in flight) against a fresh farm's."""
+    env = env or default_env_spec()
+    _, table = preflight(env, master_seed=master_seed)
+    cfg = FarmConfig(env=env, master_seed=master_seed, shards_per_worker=shards, games_per_worker=battles,
+                     cycles=cycles, viewer=False)
+    f = ProcessFarm(cfg, table, mirror_assignment)
+    try:
+        for it in range(iterations):
+            f.begin_iteration(SlotPlan(it, cfg.n_battles, cfg.n_slots, tuple(
+                f.assignment if it else [mirror_assignment(b, 0) for b in range(battles)]), ()))
+            for c in range(cycles + 1):
+                for _ in range(cfg.n_shards):
+                    rnd = f.next_round()
+                    if c < cycles:
+                        f.submit(_bench_round_actions(f, table, rnd, it * cycles + c, master_seed), 0.99)
+        held, ordinals, opening = f.in_flight(), f.ordinals.tolist(), tuple(f.assignment)
+    finally:
+        f.close()
+    out: dict[str, Any] = {"battles": battles, "shards": shards, "cycles": cycles, "iterations": iterations,
+                           "in_flight_battles": len(held), "in_flight_decisions": sum(len(x.actions) for x in held)}
+    for name, c in (("fresh", cfg), ("resumed", msgspec.structs.replace(
+            cfg, start_ordinals=ordinals, start_in_flight=held))):
+        g = ProcessFarm(c, table, mirror_assignment)
+        try:
+            t0 = time.perf_counter()
+            g.begin_iteration(SlotPlan(iterations, cfg.n_battles, cfg.n_slots, opening, ()))
+            out[f"first_plan_s_{name}"] = round(time.perf_counter() - t0, 3)
+        finally:
+            g.close()
+    out["ms_per_decision"] = round(1e3 * (out["first_plan_s_resumed"] - out["first_plan_s_fresh"])
+                                   / max(out["in_flight_decisions"], 1), 3)
+    return out
+
+
 if __name__ == "__main__":
     # Through the importable module, not __main__: a spawned worker's target must be found by
     # module name, and _SpawnEnv hides the parent's __main__ from the child.
     import farm as _farm
     if sys.argv[1:] == ["mask-only"]:
         print(json.dumps(_farm.bench_mask_only(), indent=1))
+    elif sys.argv[1:] == ["replay"]:
+        print(json.dumps(_farm.bench_replay(), indent=1))
     else:
         print(json.dumps(_farm.bench_farm(), indent=1))

@@ -1774,11 +1774,12 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
             found = tend_workers(source, run, source.drain_failures())
             # 1. plan and collect. A battle mid-episode keeps its assignment (design 3.6); what the
             #    boundary held is kept so an emergency save can return to it (design 10.3)
-            ordinals = [int(x) for x in source.ordinals]
+            ordinals, in_flight = [int(x) for x in source.ordinals], source.in_flight()
             plan = lad.plan(iteration, source.ordinals, opening if iteration == first else source.assignment)
             view.new_iteration(renumber=iteration > first)
             source.begin_iteration(plan)
-            run.boundary = Boundary(ordinals, lad.state(list(plan.assignment)), [int(g) for g in source.generation])
+            run.boundary = Boundary(ordinals, lad.state(list(plan.assignment)), [int(g) for g in source.generation],
+                                    in_flight)
             run.phase = "collect"
             roll = collect(source, view, learner.model, lad, env, run, iteration, first, sched["gamma"], t_it)
             roll.failures = found + roll.failures
@@ -1858,8 +1859,10 @@ def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: boo
                    time.perf_counter() if t_start is None else t_start)
     lad = LadderLoop(args, run.path, run.rid, args.master_seed, env.n_battles, env.spec, env.table, env.device)
     opening = start_ladder(lad, run, learner, env)   # v0 admitted free, or the checkpoint's pool
-    source = open_farm(args, env, run.start_ordinals, lad.assign, run.start_generations)
-    return Setup(env, learner, run, lad, opening, source, RectView(source.rect, env, args.obs.frame_stack))
+    source = open_farm(args, env, run.start_ordinals, lad.assign, run.start_generations, run.start_in_flight)
+    view = RectView(source.rect, env, args.obs.frame_stack)
+    view.resume(run.start_in_flight or [])   # the battles the farm re-simulated are mid-episode
+    return Setup(env, learner, run, lad, opening, source, view)
 
 
 def apply_determinism(args: Args) -> None:
@@ -1979,17 +1982,20 @@ class Learner:
 
 class Boundary(NamedTuple):
     """Where collection stood at an iteration boundary: each battle's episode ordinal, the
-    ladder's state and each worker's generation (a restart's, design 3.7: the scripted seats'
-    seed paths carry it). A checkpoint stores it beside the learner; a resume starts from it."""
+    ladder's state, each worker's generation (a restart's, design 3.7: the scripted seats' seed
+    paths carry it) and each battle's episode so far (farm.InFlight: its actions and gammas, which
+    a resume re-simulates, design 3.9). A checkpoint stores it beside the learner; a resume
+    starts from it."""
     ordinals: list[int]
     ladder: dict[str, Any]
     generations: list[int] | None = None
+    in_flight: list[Any] | None = None
 
 
 def boundary_now(source: Any, lad: LadderLoop) -> Boundary:
     """The boundary the farm and the ladder stand on now (between iterations)."""
     return Boundary([int(x) for x in source.ordinals], lad.state(list(source.assignment)),
-                    [int(g) for g in source.generation])
+                    [int(g) for g in source.generation], source.in_flight())
 
 
 def start_ladder(lad: LadderLoop, run: Run, learner: Learner, env: Env) -> list[Any] | None:
@@ -2003,7 +2009,7 @@ def start_ladder(lad: LadderLoop, run: Run, learner: Learner, env: Env) -> list[
 
 
 def open_farm(args: Args, env: Env, start_ordinals: list[int] | None, assign: Any,
-              start_generations: list[int] | None = None) -> Any:
+              start_generations: list[int] | None = None, start_in_flight: list[Any] | None = None) -> Any:
     """The farm of workers (process) or its byte-identical reference (inline), T cycles deep."""
     r = args.rollout
     cfg = farm.FarmConfig(env=env.spec, master_seed=args.master_seed, workers=r.workers,
@@ -2012,7 +2018,7 @@ def open_farm(args: Args, env: Env, start_ordinals: list[int] | None, assign: An
                           round_timeout_s=r.round_timeout_s, launch_delay_s=r.launch_delay_s,
                           max_restarts_per_worker=r.max_restarts_per_worker,
                           viewer=r.source == "process" and args.metrics.viser, start_ordinals=start_ordinals,
-                          start_generations=start_generations)
+                          start_generations=start_generations, start_in_flight=start_in_flight or None)
     return (farm.InlineFarm if r.source == "inline" else farm.ProcessFarm)(cfg, env.table, assign)
 
 
@@ -2048,9 +2054,15 @@ class RectView:
             k, T = self.k, self.T
             self.last_start[:k] = self.last_start[T:T + k] - T
 
+    def resume(self, in_flight: Sequence[Any]) -> None:
+        """A resume's battles mid-episode (farm.InFlight, design 3.9): an episode n decisions old at
+        cycle 0 started at cycle -n, so its frames from before that are dead, as in the unbroken run."""
+        for f in in_flight:
+            self.last_start[:self.k, 2 * f.battle: 2 * f.battle + 2] = -len(f.actions)
+
     def mark_round(self, t: int, slots: np.ndarray, new_episode: np.ndarray) -> None:
         k = self.k
-        prev = self.last_start[t + k - 2, slots] if t + k - 2 >= 0 else np.zeros(len(slots), np.int64)
+        prev = self.last_start[t + k - 2 if t + k - 2 >= 0 else k - 1, slots]   # k = 1, t = 0: resume's
         self.last_start[t + k - 1, slots] = np.where(new_episode, t, prev)
 
     def engine_ticks(self, tick: np.ndarray, valid: np.ndarray) -> int:
@@ -2488,8 +2500,8 @@ def crash_line(run: Run, learner: Learner, exc: BaseException, saved: Path | Non
                 + "".join(traceback.format_exception(exc)))
     what = "interrupted (a second Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else "crashed"
     said = (str(exc).strip().splitlines() or [""])[0]
-    kept = (f"emergency checkpoint {saved}" if saved is not None else
-            f"the last checkpoint is {latest_checkpoint(run.path)}" if latest_checkpoint(run.path) is not None else None)
+    last = saved or latest_checkpoint(run.path)
+    kept = None if last is None else f"emergency checkpoint {last}" if saved else f"the last checkpoint is {last}"
     resume = (f"{kept}; resume: python ppo_clash.py --resume {run.path}" if kept else
               "no checkpoint yet: start the run again with the same command")
     return (f"{what} in iteration {k} ({run.phase}): {type(exc).__name__}"
@@ -3026,6 +3038,8 @@ def open_run(args: Args, env: Env, learner: Learner, resume: Path | None, allow_
         print(line)
     return Run(args, path, identity, man.run_id, quiet, t_start, drifted=(path / "drift.json").exists(),
                start_ordinals=ordinals, start_generations=rollout.get("generations"),   # absent: generation 0
+               # absent (an older checkpoint): its battles start their episodes again
+               start_in_flight=msgspec.json.decode(files.get("rollout/in_flight.json", b"[]"), type=list[farm.InFlight]),
                ladder_saved=json.loads(files["ladder/state.json"]) if "ladder/state.json" in files else None,
                last_saved=learner.env_steps)
 
@@ -3038,10 +3052,10 @@ class Run:
     def __init__(self, args: Args, path: Path, identity: RunIdentity, rid: str, quiet: bool, t_start: float, *,
                  drifted: bool = False, start_ordinals: list[int] | None = None,
                  ladder_saved: dict[str, Any] | None = None, last_saved: int = -1,
-                 start_generations: list[int] | None = None) -> None:
+                 start_generations: list[int] | None = None, start_in_flight: list[Any] | None = None) -> None:
         self.args, self.path, self.identity, self.rid, self.quiet, self.t_start = args, path, identity, rid, quiet, t_start
         self.drifted, self.start_ordinals, self.ladder_saved, self.last_saved = drifted, start_ordinals, ladder_saved, last_saved
-        self.start_generations = start_generations
+        self.start_generations, self.start_in_flight = start_generations, start_in_flight
         self.files = {name: open(path / f"{name}.jsonl", "ab") for name in ("metrics", "episodes", "alarms")}
         # lines in each log, kept as rows are written, so a checkpoint records what it covers without
         # rereading the logs (design 8.1)
@@ -3379,6 +3393,7 @@ def save_checkpoint(run: Run, learner: Learner, boundary: Boundary) -> Path:
     files = learner.files(args.master_seed)
     files["rollout/state.json"] = canonical_json({"ordinals": [int(x) for x in boundary.ordinals],
                                                   "generations": boundary.generations})
+    files["rollout/in_flight.json"] = canonical_json(boundary.in_flight or [])   # design 3.9
     files["ladder/state.json"] = canonical_json(boundary.ladder)   # matchmaker, pool, ratings, resident table
     d = run.path / "checkpoints" / f"{learner.env_steps:012d}"
     digest = learner.digest()
@@ -3394,7 +3409,7 @@ def save_checkpoint(run: Run, learner: Learner, boundary: Boundary) -> Path:
         config=msgspec.to_builtins(args), config_hash=sha256_hex(config_json(args)), iteration=learner.iteration,
         cumulative_env_steps=learner.env_steps, cumulative_timesteps=learner.timesteps,
         cumulative_model_updates=learner.updates, wall_seconds=time.perf_counter() - run.t_start,
-        created_unix_ns=time.time_ns(), state_digest=digest, component_versions={"learner": 1, "rollout": 1, "ladder": 1},
+        created_unix_ns=time.time_ns(), state_digest=digest, component_versions={"learner": 1, "rollout": 2, "ladder": 1},
         rows=run.rows_covered()))
     return d
 

@@ -57,12 +57,14 @@ def legal_actions(f, rnd, table, rng, noop_prob=0.6):
     return out
 
 
-def drive(f, cfg, table, iterations, gamma=0.99, assign=mixed_assign, log=None):
-    """Run whole iterations; returns per-iteration copies of rect, scalars, finals, episodes."""
+def drive(f, cfg, table, iterations, gamma=0.99, assign=mixed_assign, log=None, first=0, opening=None):
+    """Run whole iterations, numbered from `first` (the actions are a function of the number);
+    the first opens on `opening` (an assignment table: a resume's) or assign's ordinal-0 table.
+    Returns per-iteration copies of rect, scalars, finals, episodes, ordinals, first_obs."""
     out = []
-    for it in range(iterations):
-        plan = opening_plan(cfg, assign) if it == 0 else farm.SlotPlan(
-            it, cfg.n_battles, cfg.n_slots, tuple(f.assignment), ())
+    for it in range(first, first + iterations):
+        plan = (farm.SlotPlan(it, cfg.n_battles, cfg.n_slots, tuple(f.assignment if it > first else opening), ())
+                if it > first or opening is not None else opening_plan(cfg, assign))
         f.begin_iteration(plan)
         g = gamma(it) if callable(gamma) else gamma
         for c in range(cfg.cycles + 1):
@@ -543,6 +545,75 @@ def test_ordinals_restore_the_episode_stream(short_env, inline_run):
         f.close()
 
 
+@pytest.mark.parametrize("kind", ["inline", pytest.param("process", marks=pytest.mark.slow)])
+def test_a_farm_resumed_mid_episode_plays_what_the_unbroken_farm_played(short_env, kind):
+    """Design 3.9: iterations of 7 cycles against episodes of 20 decisions, so the boundary after
+    iteration 1 finds every battle 14 decisions into its episode. A farm started from what a
+    checkpoint holds there (ordinals, the in-flight logs, the assignment table) re-simulates those
+    battles at its first PLAN (scripted seats acting again, each step under the gamma it was
+    logged with: the schedule moved between the two iterations) and plays iterations 2 and 3 byte
+    for byte as the unbroken farm did: every live frame of the rectangle, the scalars, the finals,
+    the episode records (their `played` lists included). The gamma probe's reward (gamma - 1 a
+    step) makes the undiscounted return of each record depend on every logged gamma."""
+    _, _, table = short_env
+    spec = farm.default_env_spec(max_steps=20, reward=farm.ComponentSpec("farm.probe_reward"))
+    Farm = farm.InlineFarm if kind == "inline" else farm.ProcessFarm
+    cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, shards_per_worker=2,
+                          games_per_worker=4, cycles=7, frame_stack=2, viewer=False)
+    gamma = lambda it: (0.99, 0.95, 0.9, 0.9)[it]   # noqa: E731 -- a schedule: the log must carry it
+    f = farm.InlineFarm(cfg, table, mixed_assign)
+    try:
+        drive(f, cfg, table, 2, gamma=gamma)
+        held = dict(start_ordinals=f.ordinals.tolist(), start_in_flight=f.in_flight())
+        opening = tuple(f.assignment)
+        straight = drive(f, cfg, table, 2, gamma=gamma, first=2)
+    finally:
+        f.close()
+    assert [(x.battle, len(x.actions), x.gammas) for x in held["start_in_flight"]] == \
+        [(b, 14, [0.99] * 7 + [0.95] * 7) for b in range(cfg.n_battles)]
+    back = msgspec.json.decode(msgspec.json.encode(held["start_in_flight"]), type=list[farm.InFlight])
+    g = Farm(msgspec.structs.replace(cfg, start_ordinals=held["start_ordinals"], start_in_flight=back),
+             table, mixed_assign)
+    try:
+        resumed = drive(g, cfg, table, 2, gamma=gamma, first=2, opening=opening)
+    finally:
+        g.close()
+    k = cfg.frame_stack
+    for a, b in zip(straight, resumed):
+        live = farm.stack_valid(a["first_obs"], k)          # (T + 1, R, k): frame i of cycle t
+        assert np.array_equal(a["first_obs"][k - 1:], b["first_obs"][k - 1:])
+        for t in range(cfg.cycles + 1):
+            for i in range(k):
+                q = t + i
+                assert np.array_equal(a["rect"][q][live[t, :, i]], b["rect"][q][live[t, :, i]]), (t, i)
+        assert a["scalars"].tobytes() == b["scalars"].tobytes()
+        assert a["finals"].keys() == b["finals"].keys()
+        assert all(np.array_equal(a["finals"][x], b["finals"][x]) for x in a["finals"])
+        assert a["episodes"] == b["episodes"] and a["ordinals"].tolist() == b["ordinals"].tolist()
+    ended = [e for e in resumed[0]["episodes"] if e.ordinal == 0]   # each in-flight episode, recorded whole
+    assert len(ended) == 2 * cfg.n_battles and all(e.episode_steps == 20 for e in ended)
+    assert any(e.played for e in ended)
+
+
+def test_a_replay_that_the_engine_does_not_follow_is_refused(short_env):
+    """A log longer than the episode can be (20 decisions) ends the episode on replay: the
+    first PLAN fails naming the battle, its ordinal and the decision (design 3.9)."""
+    spec, _, table = short_env
+    cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, games_per_worker=2, cycles=3,
+                          frame_stack=1, viewer=False, start_ordinals=[0, 0],
+                          start_in_flight=[farm.InFlight(1, 0, [(0, 0)] * 25, [0.99] * 25)])
+    f = farm.InlineFarm(cfg, table, mixed_assign)
+    try:
+        f.begin_iteration(opening_plan(cfg))
+        (fail,) = f.drain_failures()
+        assert "battle 1 ordinal 0 ended at logged decision 19 of 25 on replay" in fail.message
+    finally:
+        f.close()
+    with pytest.raises(ValueError, match="battle 1 ordinal 3 with 2 actions and 1 gammas"):
+        farm.FarmConfig(env=spec, master_seed=MASTER, games_per_worker=2, start_ordinals=[0, 0],
+                        start_in_flight=[farm.InFlight(1, 3, [(0, 0)] * 2, [0.99])]).check()
+
+
 # --- 6. ProcessFarm (slow) --------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -741,7 +812,7 @@ def test_a_restarted_worker_plays_what_a_resume_from_its_boundary_plays(short_en
         assert f.generation == [0, 1] and f.ordinals.tolist() == [*ords[:2], *(ords[2:] + 1)]
         start = dict(start_ordinals=f.ordinals.tolist(), start_generations=list(f.generation))
         table_after = tuple(f.assignment)
-        a = drive_from(f, cfg, table, table_after, 1)
+        a = drive(f, cfg, table, 1, first=1, opening=table_after)[0]
         assert f.drain_failures() == [] and a["scalars"]["flags"][:, 4:].all()   # gen 1 is healthy
         f.begin_iteration(farm.SlotPlan(2, cfg.n_battles, cfg.n_slots, tuple(f.assignment), ()))
         f.next_round(30)
@@ -751,25 +822,12 @@ def test_a_restarted_worker_plays_what_a_resume_from_its_boundary_plays(short_en
         f.close()
     g = farm.InlineFarm(msgspec.structs.replace(cfg, **start), table, mixed_assign)
     try:
-        b = drive_from(g, cfg, table, table_after, 1)
+        b = drive(g, cfg, table, 1, first=1, opening=table_after)[0]
     finally:
         g.close()
     sl = slice(4, 8)                              # worker 1's slots: the restarted generation
     assert a["rect"][:, sl].tobytes() == b["rect"][:, sl].tobytes()
     assert a["scalars"][:, sl].tobytes() == b["scalars"][:, sl].tobytes()
-
-
-def drive_from(f, cfg, table, assignment, it):
-    """One iteration from a given opening table, with drive's actions."""
-    f.begin_iteration(farm.SlotPlan(it, cfg.n_battles, cfg.n_slots, tuple(assignment), ()))
-    for c in range(cfg.cycles + 1):
-        for j in range(cfg.n_shards):
-            rnd = f.next_round(60)
-            if c < cfg.cycles:
-                acts = legal_actions(f, rnd, table, farm.derive_generator(MASTER, f"test/act/{it}/{c}/{j}"))
-                acts[rnd.group == farm.GROUP_SCRIPTED] = 0
-                f.submit(acts, 0.99)
-    return dict(rect=f.rect.copy(), scalars=f.scalars.copy())
 
 
 # --- 7. the evaluation mode, the farm's stats, the viewer rule, mask-only scripted seats ------
