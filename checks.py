@@ -15,13 +15,17 @@ that farm.py builds from a run's config.
     python checks.py play --blue PLAYER --red PLAYER [--run RUN_DIR] [--seed S] [--every K]
                           [--save F] [--viewer]           watch one battle; design 7.5
     python checks.py bench [--profile P] [--iterations N] [--write]   this machine's budget; design 1.2
+    python checks.py learn [--profile P] [--game-steps G] [--seeds N] [--write]   the learning
+                          benchmark: train, then the yardstick on v0 and the champion; docs/learning.md
 
 
 Reads:  a run directory: config.json, identity.json, metrics.jsonl, episodes.jsonl,
         ladder/games.jsonl, ladder/eval_env.json, ladder/snapshots/, checkpoints/*/manifest.json
         (play reads a checkpoint's files too). verify-resume trains into a scratch folder of its
         own (--work-dir; removed afterwards unless --keep).
-Writes: nothing in any run directory it is pointed at; `play --save F` writes F.
+Writes: nothing in any run directory it is pointed at; `play --save F` writes F; `learn` trains a
+        new run under --runs-dir (the yardstick's games go to its log) and, with --write, appends
+        to docs/learning.md.
 Exit codes: 0 pass, 1 a check failed (a divergence, a differing field), 2 bad input (a missing
 run directory, an episode index out of range, a corrupt file), one line naming the thing, no
 traceback.
@@ -35,7 +39,8 @@ dataclasses and main() are at the bottom.
   5. doctor               the start-up gates training runs, printed (design 3.8)
   6. play                 one battle between two players, watched and saved (design 7.5, 2.2)
   7. bench                the profile's parts timed alone, beside its real iterations (design 1.2)
-  8. CLI
+  8. learn                the learning benchmark: a budget of training, then the yardstick
+  9. CLI
 """
 from __future__ import annotations
 
@@ -658,11 +663,14 @@ def read_saved_battle(path: Path) -> SavedBattle:
 
 
 def parse_player(p: str) -> str:
-    """A player id, refused unless its kind is known and, for scripted:, its name too."""
+    """A player id, refused unless its kind is known and, for scripted:, its name too; or a snapshot
+    folder (spec.json and actor.safetensors, such as a shipped model under models/), kept as its path."""
+    if (Path(p) / "spec.json").is_file():
+        return p
     kind = next((k for k in PLAYER_KINDS if p.startswith(k)), None)
     if kind is None or not p[len(kind):]:
-        raise CheckError(f"player {p!r}: not snap:<id>, scripted:<name> or checkpoint:<dir> (a run's "
-                         "runs/<id>/checkpoints/<step>)")
+        raise CheckError(f"player {p!r}: not snap:<id>, scripted:<name>, checkpoint:<dir> (a run's "
+                         "runs/<id>/checkpoints/<step>) or a snapshot folder (models/<name>)")
     if kind == "scripted:" and p[len(kind):] not in farm.SCRIPTED_NAMES:
         raise CheckError(f"{p}: unknown scripted player; farm.SCRIPTED_NAMES = {', '.join(farm.SCRIPTED_NAMES)}")
     return p
@@ -698,20 +706,30 @@ class PlaySetup(NamedTuple):
 
 
 def open_play(cmd: "Play") -> PlaySetup:
-    players = (parse_player(cmd.blue), parse_player(cmd.red))
-    run = play_run(players, cmd.run)
+    named = (parse_player(cmd.blue), parse_player(cmd.red))
+    run = play_run(named, cmd.run)
     args = run_args(run) if run is not None else None
-    if run is None:
+    store = ladder.SnapshotStore(run)   # a snapshot folder is played as the snap: id it hashes to
+    try:
+        players = tuple(p if p.startswith(PLAYER_KINDS) else ladder.snapshot_player_id(store.add_folder(p))
+                        for p in named)
+    except FileNotFoundError as e:
+        raise CheckError(str(e)) from None
+    shipped = [Path(p) / "eval_env.json" for p in named if (Path(p) / "eval_env.json").is_file()]
+    if run is None and shipped:   # a shipped model's folder carries the env it was measured on
+        spec, where, table_seed = msgspec.json.decode(shipped[0].read_bytes(), type=farm.EnvFactorySpec), \
+            str(shipped[0]), 0
+    elif run is None:
         spec, where, table_seed = farm.default_env_spec(), "farm.default_env_spec() (no run)", 0
     else:
         spec, where = ladder.read_run_env(run)
         table_seed = args.master_seed   # the codec table is decided on the run's seed, as its gates do
     runner: Any = None
 
-    def build(sid: str) -> Any:   # the run's snapshot builder, on the table the runner decided
-        return P.snapshot_policy_builder(run, device=cmd.device, table=runner.table)(sid)
+    def build(sid: str) -> Any:   # the snapshot builder, on the table the runner decided
+        return P.snapshot_policy_builder(run, device=cmd.device, table=runner.table, store=store)(sid)
     runner = ladder.EvalRunner(spec, ladder.EvalSeedSet(master_seed=table_seed, path=PLAY_BATTLE, seeds=[], sha256=""),
-                               run_dir=run, policy_builder=build)
+                               run_dir=run, policy_builder=build, store=store)
     try:
         for p in players:
             if p.startswith("checkpoint:") and p not in runner.policies:
@@ -1115,7 +1133,77 @@ def git_commit() -> str:
     return proc.stdout.strip() or "(not a git checkout)"
 
 
-# --- 8. CLI ---------------------------------------------------------------------------------------
+# --- 8. learn (docs/learning.md) -------------------------------------------------------------------
+# The learning benchmark as one command: train the profile from its master seed for the protocol's
+# game-step budget in a new run directory (as `python ppo_clash.py` would), then the yardstick
+# (every scripted rung, paired seeds from the run's frozen set, 95% bootstrap intervals; ladder.py
+# yardstick's function) on v0, the untrained policy, and on the run's final champion. The table and
+# the bar's verdict go to stdout; --write appends them, dated, with the commit, to docs/learning.md.
+
+LEARNING_DOC = ROOT / "docs" / "learning.md"   # the protocol, and where --write appends
+BAR = {"scripted:random_legal": 0.85, "scripted:patient": 0.60}   # issue 14's bar: at least this score
+BAR_SEEDS = 50                                  # ... over at least this many paired seeds
+
+
+def bar_verdict(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The bar, rung by rung: BAR's rungs need their score with the lower bound above 0.5, every
+    other rung a lower bound above 0.5 (beaten), all over at least BAR_SEEDS seeds."""
+    out = []
+    for r in rows:
+        need = BAR.get(r["rung"], 0.5)
+        ok = r["score"] >= need and r["lower"] > 0.5 and r["seeds"] >= BAR_SEEDS
+        out.append(f"{r['rung']}: {'met' if ok else 'NOT met'} (score {r['score']:.3f} against >= {need:.2f}, "
+                   f"lower bound {r['lower']:.3f} against > 0.5, {r['seeds']} seeds against >= {BAR_SEEDS})")
+    return out
+
+
+def learn_lines(cmd: "Learn", run: Path, n_iter: int, wall_s: float, players: dict[str, str],
+                rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The benchmark's table: one row a rung, one column a player (score [lower, upper])."""
+    names = list(players)
+    out = [f"--profile {cmd.profile}, master seed {cmd.master_seed if cmd.master_seed is not None else 'the profile default'}, "
+           f"{cmd.game_steps:,} game-steps ({n_iter} iterations, {wall_s / 60:.0f} min of training), "
+           f"{rows[names[0]][0]['seeds']} seeds a rung from both sides; run {run}", "",
+           "| rung | " + " | ".join(f"{n} ({players[n]})" for n in names) + " |",
+           "|---|" + "---|" * len(names)]
+    for i, r in enumerate(rows[names[0]]):
+        out.append(f"| {r['rung']} | " + " | ".join(
+            f"{rows[n][i]['score']:.3f} [{rows[n][i]['lower']:.3f}, {rows[n][i]['upper']:.3f}]" for n in names) + " |")
+    return out + ["", "The bar (the champion):"] + [f"- {x}" for x in bar_verdict(rows[names[-1]])]
+
+
+def cmd_learn(cmd: "Learn") -> int:
+    args = P.profile_args(cmd.profile)
+    args.runs_dir, args.run_name = cmd.runs_dir, f"learn-{cmd.profile}"
+    if cmd.master_seed is not None:
+        args.master_seed = cmd.master_seed
+    env = P.read_env(args)
+    n_iter = -(-cmd.game_steps // (env.T * env.n_battles))     # the budget, in whole iterations
+    args.timestep_limit = n_iter * env.T * env.learner_rows
+    print(f"learn: --profile {cmd.profile}, {n_iter} iterations of {env.T * env.n_battles} game-steps "
+          f"({n_iter * env.T * env.n_battles:,} >= {cmd.game_steps:,}), then the yardstick", flush=True)
+    t0 = time.perf_counter()
+    run = P.train(args, max_iterations=n_iter, quiet=cmd.quiet)
+    wall_s = time.perf_counter() - t0
+    pool = ladder.read_pool(run)
+    if pool is None or pool.champion is None:
+        raise CheckError(f"{run}: no ladder/pool.json champion after training; nothing to measure")
+    players = {"v0": f"{pool.v0}, untrained", "champion": f"{pool.champion} at {n_iter * env.T * env.n_battles:,} game-steps"}
+    rows = {"v0": ladder.yardstick_run(run, pool.v0, cmd.seeds)}
+    rows["champion"] = rows["v0"] if pool.champion == pool.v0 else ladder.yardstick_run(run, pool.champion, cmd.seeds)
+    if pool.champion == pool.v0:
+        players["champion"] = f"{pool.champion}: v0 was never displaced"
+    lines = learn_lines(cmd, run, n_iter, wall_s, players, rows)
+    print("\n".join(lines))
+    if cmd.write:
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        with LEARNING_DOC.open("a") as f:
+            f.write(f"\n### learn, {stamp}, commit {git_commit()}\n\n" + "\n".join(lines) + "\n")
+        print(f"appended to {LEARNING_DOC}")
+    return 0
+
+
+# --- 9. CLI ---------------------------------------------------------------------------------------
 # The commands as tyro dataclasses, as in ladder.py: each field's docstring is its --help.
 
 
@@ -1173,8 +1261,9 @@ class Play:
     """Watch one full battle between two players on a run's evaluation env: a text view every
     --every decisions and the result; --save F writes it so that `replay F` re-simulates it."""
     blue: str
-    """the blue player: snap:<id> (--run's ladder/snapshots), scripted:<name>, or checkpoint:<dir>
-    (runs/<id>/checkpoints/<step>; its run is the directory two levels up)"""
+    """the blue player: snap:<id> (--run's ladder/snapshots), scripted:<name>, checkpoint:<dir>
+    (runs/<id>/checkpoints/<step>; its run is the directory two levels up), or a snapshot folder
+    (a shipped model: models/<name>, played on --run's env, else the default one)"""
     red: str
     """the red player, as --blue"""
     run: Optional[str] = None
@@ -1205,15 +1294,35 @@ class Bench:
     """append the table, dated, with the command and commit, to docs/throughput.md"""
 
 
+@dataclasses.dataclass(kw_only=True)
+class Learn:
+    """The learning benchmark (docs/learning.md): train the profile for a game-step budget, then
+    the yardstick on v0 and on the final champion; --write appends the table to docs/learning.md."""
+    profile: str = "cpu"
+    """the profile to train (the protocol's is cpu)"""
+    game_steps: int = 1_000_000
+    """the budget in game-steps (one decision of one battle), rounded up to whole iterations"""
+    seeds: int = BAR_SEEDS
+    """yardstick seeds a rung, each from both sides (at most the run's frozen set)"""
+    master_seed: Optional[int] = None
+    """the run's master seed (default: the profile's)"""
+    runs_dir: str = "runs"
+    """where the benchmark's run directory goes (learn-<profile>-<run_id>)"""
+    quiet: bool = False
+    """no per-iteration console"""
+    write: bool = False
+    """append the table, dated, with the commit, to docs/learning.md"""
+
+
 COMMANDS: dict[type, Callable[[Any], int]] = {Doctor: cmd_doctor, Identity: cmd_identity,
                                               VerifyResume: cmd_verify_resume, Replay: cmd_replay,
-                                              Play: cmd_play, Bench: cmd_bench}
+                                              Play: cmd_play, Bench: cmd_bench, Learn: cmd_learn}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cmd = tyro.cli(Union[Doctor, Identity, VerifyResume, Replay, Play, Bench], args=argv,   # type: ignore[arg-type]
+    cmd = tyro.cli(Union[Doctor, Identity, VerifyResume, Replay, Play, Bench, Learn], args=argv,   # type: ignore[arg-type]
                    prog="checks.py", description="Checks of a clash-ppo run: doctor, identity, verify-resume, "
-                   "replay, play, bench.")
+                   "replay, play, bench, learn.")
     try:
         return COMMANDS[type(cmd)](cmd)
     except (CheckError, P.ConfigError, P.CheckpointFormatError, P.ArchMismatch) as exc:

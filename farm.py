@@ -2699,7 +2699,6 @@ class ProcessFarm(_FarmCore):
         return range(w * S, (w + 1) * S)
 
     def _start_worker(self, w: int) -> None:
-        S = self.cfg.shards_per_worker
         hand = np.ndarray((HANDSHAKE_BYTES,), np.uint8, buffer=self._shm_b[w].buf, offset=0)
         hand[:] = 0
         for j in self._shards(w):

@@ -61,7 +61,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Annotated, Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
 if __name__ == "__main__":   # so ppo_clash's `import ladder` finds this module instead of running the file twice
     sys.modules["ladder"] = sys.modules[__name__]
@@ -956,10 +956,30 @@ def snapshot_player_id(snapshot_id: str) -> str:
 class SnapshotStore:
     """runs/<id>/ladder/snapshots/<sha16>/{actor.safetensors, spec.json}. The folder name is the
     first 16 hex of sha256(spec.json), and spec.json carries the sha256 of the weights file, so
-    the name addresses both. Archive everything, never delete (a snapshot is about a megabyte)."""
+    the name addresses both. Archive everything, never delete (a snapshot is about a megabyte).
+    add_folder(path) makes a snapshot folder copied out of its run under another name (a shipped
+    model, models/<name>/) known too, by the id its spec.json hashes to; run_dir None: only those."""
 
-    def __init__(self, run_dir: str | Path):
-        self.root = ladder_dir(run_dir) / "snapshots"
+    def __init__(self, run_dir: str | Path | None):
+        self.root = ladder_dir(run_dir) / "snapshots" if run_dir is not None else None
+        self.folders: dict[str, Path] = {}
+
+    def add_folder(self, folder: str | Path) -> str:
+        """The snapshot id of a snapshot folder, now readable from this store."""
+        folder = Path(folder)
+        if not (folder / "spec.json").is_file() or not (folder / "actor.safetensors").is_file():
+            raise FileNotFoundError(f"{folder}: not a snapshot folder (it needs spec.json and actor.safetensors)")
+        sid = hashlib.sha256((folder / "spec.json").read_bytes()).hexdigest()[:16]
+        self.folders[sid] = folder
+        return sid
+
+    def _folder(self, snapshot_id: str) -> Path:
+        if snapshot_id in self.folders:
+            return self.folders[snapshot_id]
+        if self.root is None:
+            raise FileNotFoundError(f"snap:{snapshot_id}: no run to read it from, and no snapshot folder "
+                                    f"given hashes to that id (known: {sorted(self.folders)})")
+        return self.root / snapshot_id
 
     def save(self, tensors: Mapping[str, np.ndarray], spec: SnapshotSpec) -> str:
         import safetensors.numpy  # torch-free
@@ -981,7 +1001,7 @@ class SnapshotStore:
     def spec(self, snapshot_id: str) -> SnapshotSpec:
         """spec.json alone, verified against the folder name (no weights read): what the
         evaluation runner checks a pairing against before anything is built."""
-        path = self.root / snapshot_id / "spec.json"
+        path = self._folder(snapshot_id) / "spec.json"
         if not path.is_file():
             raise FileNotFoundError(f"snapshot {snapshot_id}: no {path}; known snapshots: {self.ids()[:8]}")
         data = path.read_bytes()
@@ -991,14 +1011,15 @@ class SnapshotStore:
         return msgspec.json.decode(data, type=SnapshotSpec)
 
     def ids(self) -> list[str]:
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")) \
-            if self.root.exists() else []
+        held = [p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")] \
+            if self.root is not None and self.root.exists() else []
+        return sorted({*held, *self.folders})
 
     def load(self, snapshot_id: str, expect: Mapping[str, str] | None = None
              ) -> tuple[SnapshotSpec, dict[str, np.ndarray]]:
         """Load and verify. `expect` maps DIGEST_FIELDS to the current run's values."""
         import safetensors.numpy
-        folder = self.root / snapshot_id
+        folder = self._folder(snapshot_id)
         if not folder.is_dir():
             raise FileNotFoundError(f"snapshot {snapshot_id}: no folder {folder}")
         spec_bytes = (folder / "spec.json").read_bytes()
@@ -1663,7 +1684,8 @@ class EvalRunner:
     def __init__(self, env: EnvFactorySpec, seeds: EvalSeedSet, *, run_dir: str | Path | None = None,
                  run_id: str = "", policy_builder: PolicyBuilder | None = None,
                  battles_at_once: int = 8, iteration: int = -1,
-                 clock: Callable[[], str] = utc_now, workers: int = 1, table: Any = None) -> None:
+                 clock: Callable[[], str] = utc_now, workers: int = 1, table: Any = None,
+                 store: SnapshotStore | None = None) -> None:
         if battles_at_once < 1:
             raise ValueError(f"battles_at_once={battles_at_once}: at least one battle")
         self.env_factory_spec = eval_env_spec(env)
@@ -1672,7 +1694,8 @@ class EvalRunner:
         self.workers = max(1, int(workers))
         self.iteration, self.clock = iteration, clock
         self.log = ResultLog(run_dir) if run_dir is not None else None
-        self.players = EvalPlayers(SnapshotStore(run_dir) if run_dir is not None else None, policy_builder)
+        # store: where snap: players are read (default the run's; a shipped model's folder, unrecorded)
+        self.players = EvalPlayers(store or (SnapshotStore(run_dir) if run_dir is not None else None), policy_builder)
         self.envs: list[Any] = []          # the farm of the comparison being played; [] between
         self.obs_digest = self.context = ""
         self.closed = False
@@ -2078,8 +2101,9 @@ def _run_id(run: Path) -> str:
     return run.resolve().name
 
 
-def _snapshot_builder(run: Path, device: str) -> PolicyBuilder:
-    """The network builder, imported lazily: only a command that plays a snapshot needs torch."""
+def _snapshot_builder(run: Path | None, device: str, **kw: Any) -> PolicyBuilder:
+    """The network builder, imported lazily: only a command that plays a snapshot needs torch.
+    kw: snapshot_policy_builder's table, store and release_mode."""
     try:
         import ppo_clash
     except ImportError as exc:
@@ -2090,7 +2114,7 @@ def _snapshot_builder(run: Path, device: str) -> PolicyBuilder:
         raise CliError("ppo_clash.py has no snapshot_policy_builder(run_dir, device='cpu') -> "
                        "(snapshot_id -> act(obs_batch, uniforms) -> actions); snap: players cannot be "
                        "played until it exists (scripted players can)")
-    return fn(run, device=device)
+    return fn(run, device=device, **kw)
 
 
 def _open_runner(args: Any, players: Sequence[str]) -> EvalRunner:
@@ -2101,12 +2125,16 @@ def _open_runner(args: Any, players: Sequence[str]) -> EvalRunner:
     print(f"evaluation env from {where}", file=sys.stderr)
     seeds = read_run_seeds(run)
     builder = _snapshot_builder(run, args.device) if any(p.startswith("snap:") for p in players) else None
-    workers = args.eval_workers
-    if workers is None:
-        rollout = _run_config(run).get("rollout", {})
-        workers = int(rollout.get("eval_workers", 1)) if isinstance(rollout, dict) else 1
     return EvalRunner(env, seeds, run_dir=run, run_id=_run_id(run), policy_builder=builder,
-                      battles_at_once=args.battles_at_once, workers=workers)
+                      battles_at_once=args.battles_at_once, workers=_eval_workers(args, run))
+
+
+def _eval_workers(args: Any, run: Path | None) -> int:
+    """--eval-workers, else the run's rollout.eval_workers, else 1."""
+    if args.eval_workers is not None:
+        return args.eval_workers
+    rollout = _run_config(run).get("rollout", {}) if run is not None else {}
+    return int(rollout.get("eval_workers", 1)) if isinstance(rollout, dict) else 1
 
 
 def cmd_eval(args: Any) -> int:
@@ -2178,31 +2206,94 @@ machine [A: 0.58 s a battle, docs/ladder.md section 9]; --seeds for more."""
 
 
 def cmd_yardstick(args: Any) -> int:
-    """A snapshot (the champion by default) against every scripted rung, paired on the frozen seeds,
-    one line a rung; the battles are kind="eval" games, so `rate` puts the rungs on the scale."""
-    run = Path(args.run)
+    """A snapshot against every scripted rung, paired on frozen seeds, one line a rung (--json: one
+    object a rung on stdout, the rest on stderr). The snapshot: the run's champion by default, a
+    run's snap:<id>, or a snapshot folder (a shipped model, models/<name>/). The seeds: the run's
+    frozen set, or with --master-seed S a set drawn from S, which nobody tuned on. Only a run's own
+    snapshot on its own seed set is appended to its log (kind="eval" games, so `rate` puts the rungs
+    on the scale); anything else is printed and recorded nowhere."""
+    say = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    run = Path(args.run) if args.run else None
+    store = SnapshotStore(run)
+    snap = _yardstick_player(args, run, store)
+    if run is None and args.master_seed is None:
+        raise CliError(f"--snapshot {args.snapshot} without --run has no frozen seed set: pass --master-seed S")
+    recorded = run is not None and not store.folders and args.master_seed is None
+    prior = collections.Counter(frozenset((g.a, g.b)) for g in ResultLog(run).read().games) if recorded else {}
+    say(f"yardstick: {snap} against every scripted rung, both sides of each seed")
+    with _yardstick_runner(args, run, snap, store, recorded, say) as r:
+        n_seeds = min(args.seeds or YARDSTICK_SEEDS, len(r.seeds.seeds))
+        for row in yardstick(r, snap, n_seeds, prior):
+            print(msgspec.json.encode(row).decode() if args.json else
+                  f"  vs {row['rung']:<26} score {row['score']:.3f}  95% [{row['lower']:.3f}, {row['upper']:.3f}]  "
+                  f"over {row['seeds']} seeds ({row['battles']} battles)", flush=True)
+        secs = r.seconds
+    if recorded:
+        say(f"appended {len(farm.SCRIPTED_NAMES) * 2 * n_seeds} kind=eval games to {ResultLog(run).path} in {secs:.0f} s; "
+            f"`python ladder.py rate {run}` now places the scripted rungs on the same scale")
+    else:
+        say(f"played {len(farm.SCRIPTED_NAMES) * 2 * n_seeds} battles in {secs:.0f} s on master seed {r.seeds.master_seed}'s "
+            "seed set; recorded nowhere (only a run's own snapshot on its frozen set goes to its log)")
+    return 0
+
+
+def yardstick(r: EvalRunner, snap: str, n_seeds: int, prior: Mapping[frozenset[str], int]) -> Iterator[dict[str, Any]]:
+    """`snap` against each of farm.SCRIPTED_NAMES on the runner's first n_seeds seeds, both sides:
+    per rung, as it finishes, {snapshot, rung, score, lower, upper (95% bootstrap), seeds, battles,
+    master_seed}. Each comparison is addressed by the games the pair already has (`prior`), so a
+    second yardstick adds new acting streams rather than replaying the first."""
+    for rung in (f"scripted:{n}" for n in farm.SCRIPTED_NAMES):
+        cid = f"yardstick/{snap}/vs/{rung}/after/{prior.get(frozenset((snap, rung)), 0)}"
+        ps = paired_scores(r.play(snap, rung, 2 * n_seeds, comparison_id=cid), snap, rung)
+        lo, hi = bootstrap_interval(ps.x, r.seeds.master_seed, f"{cid}/summary", 10_000)
+        yield {"snapshot": snap, "rung": rung, "score": ps.mean, "lower": lo, "upper": hi, "seeds": len(ps.x),
+               "battles": ps.n_battles, "master_seed": r.seeds.master_seed}
+
+
+def yardstick_run(run: Path, snap: str, n_seeds: int, device: str = "cpu") -> list[dict[str, Any]]:
+    """yardstick() of one of a run's snapshots on its frozen seeds, its games appended to its log
+    (what `checks.py learn` measures its champion with)."""
+    prior = collections.Counter(frozenset((g.a, g.b)) for g in ResultLog(run).read().games)
+    args = _Runner(run=str(run), device=device)
+    with _open_runner(args, (snap,)) as r:
+        return list(yardstick(r, snap, min(n_seeds, len(r.seeds.seeds)), prior))
+
+
+def _yardstick_player(args: Any, run: Path | None, store: SnapshotStore) -> str:
+    """The yardstick's snapshot as snap:<id>; a snapshot folder is added to `store`."""
+    if args.snapshot and not args.snapshot.startswith("snap:"):
+        return snapshot_player_id(store.add_folder(args.snapshot))
+    if run is None:
+        raise CliError("pass --run RUN (its champion, or --snapshot snap:<id>) or --snapshot <folder> "
+                       "(a snapshot folder, such as a shipped model under models/)")
     pool = read_pool(run)
     snap = args.snapshot or (pool.champion if pool is not None else None)
     if snap is None:
         raise CliError(f"{run}: no champion yet ({ladder_dir(run) / 'pool.json'} is absent or empty); "
                        "pass --snapshot snap:<id>")
-    snap = snap if snap.startswith("snap:") else snapshot_player_id(snap)
-    rungs = [f"scripted:{n}" for n in farm.SCRIPTED_NAMES]
-    prior = collections.Counter(frozenset((g.a, g.b)) for g in ResultLog(run).read().games)
-    print(f"yardstick: {snap} against every scripted rung, both sides of each seed")
-    with _open_runner(args, (snap, *rungs)) as r:
-        n_seeds = min(args.seeds or YARDSTICK_SEEDS, len(r.seeds.seeds))
-        for rung in rungs:
-            # addressed by the games the pair already has: a second yardstick adds new streams
-            cid = f"yardstick/{snap}/vs/{rung}/after/{prior[frozenset((snap, rung))]}"
-            ps = paired_scores(r.play(snap, rung, 2 * n_seeds, comparison_id=cid), snap, rung)
-            lo, hi = bootstrap_interval(ps.x, r.seeds.master_seed, f"{cid}/summary", 10_000)
-            print(f"  vs {rung:<26} score {ps.mean:.3f}  95% [{lo:.3f}, {hi:.3f}]  over {len(ps.x)} seeds "
-                  f"({ps.n_battles} battles)")
-        secs = r.seconds
-    print(f"appended {len(rungs) * 2 * n_seeds} kind=eval games to {ResultLog(run).path} in {secs:.0f} s; "
-          f"`python ladder.py rate {run}` now places the scripted rungs on the same scale")
-    return 0
+    return snap
+
+
+def _yardstick_runner(args: Any, run: Path | None, snap: str, store: SnapshotStore, recorded: bool,
+                      say: Callable[[str], None]) -> EvalRunner:
+    """The run's runner when the games are recorded; otherwise one that logs nothing, on the run's
+    env or the folder's (its eval_env.json, else farm.default_env_spec()) and the seeds asked for."""
+    if recorded:
+        return _open_runner(args, (snap,))
+    folder = next(iter(store.folders.values()), None)
+    if run is not None:
+        env, where = read_run_env(run)
+    elif (folder / "eval_env.json").is_file():
+        env, where = msgspec.json.decode((folder / "eval_env.json").read_bytes(), type=EnvFactorySpec), \
+            str(folder / "eval_env.json")
+    else:
+        env, where = farm.default_env_spec(), "farm.default_env_spec()"
+    say(f"evaluation env from {where}")
+    count = max(args.seeds or YARDSTICK_SEEDS, 1)
+    seeds = draw_eval_seeds(args.master_seed, count) if args.master_seed is not None else read_run_seeds(run)
+    r = EvalRunner(env, seeds, store=store, battles_at_once=args.battles_at_once, workers=_eval_workers(args, run))
+    r.players.policy_builder = _snapshot_builder(run, args.device, table=r.table, store=store)
+    return r
 
 
 # The commands as tyro dataclasses (the project's one way to take arguments): each field's
@@ -2261,11 +2352,19 @@ class Plot:
 
 @dataclasses.dataclass(kw_only=True)
 class Yardstick(_Runner):
-    """A snapshot against every scripted rung on the frozen seeds, paired; appended as eval games."""
+    """A snapshot against every scripted rung on frozen seeds, paired: a run's (appended to its log
+    as eval games), or a snapshot folder such as a shipped model (printed only)."""
+    run: Optional[str] = None
+    """the run directory, runs/<id> (optional with --snapshot <folder>)"""
     snapshot: Optional[str] = None
-    """snap:<id> (default: ladder/pool.json's champion)"""
+    """snap:<id> of the run, or a snapshot folder such as models/<name> (default: the run's champion)"""
     seeds: Optional[int] = None
     """seeds a rung, each from both sides (default 20, at most the frozen set)"""
+    master_seed: Optional[int] = None
+    """draw the seed set from this master seed instead of the run's frozen set (printed only)"""
+    json: bool = False
+    """one JSON object a rung on stdout (snapshot, rung, score, lower, upper, seeds, battles,
+    master_seed); everything else on stderr"""
 
 
 COMMANDS = {Rate: cmd_rate, Plot: cmd_plot, Eval: cmd_eval, Gate: cmd_gate, Yardstick: cmd_yardstick}

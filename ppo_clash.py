@@ -1771,7 +1771,7 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
             # 0. a worker that died since the last round (during the update) is restarted before the
             #    plan, so the iteration does not lose its rows (design 3.7)
             source.check_workers()
-            found = tend_workers(source, run, source.drain_failures())
+            found = tend_workers(source, run, source.drain_failures(), before_plan=True)
             # 1. plan and collect. A battle mid-episode keeps its assignment (design 3.6); what the
             #    boundary held is kept so an emergency save can return to it (design 10.3)
             ordinals, in_flight = [int(x) for x in source.ordinals], source.in_flight()
@@ -2176,11 +2176,12 @@ class WorkerFailed(RuntimeError):
     worker and the file holding its traceback (design 3.7)."""
 
 
-def tend_workers(source: Any, run: Run, failures: list[Any]) -> list[Any]:
+def tend_workers(source: Any, run: Run, failures: list[Any], before_plan: bool = False) -> list[Any]:
     """Design 3.7: each failure's message (the child's traceback, or what the parent saw) is
     appended to <run>/worker-<w>-generation-<g>.txt, and the worker is restarted on its next
     generation, rejoining at the next begin_iteration. With restarts off, or once a worker has
     had max_restarts_per_worker, the run stops instead (WorkerFailed, through the crash path).
+    before_plan: found between iterations (died during the update), so no cell was lost.
     Returns the failures, for the row's count."""
     r = run.args.rollout
     for w in sorted({f.worker for f in failures}):
@@ -2195,9 +2196,11 @@ def tend_workers(source: Any, run: Run, failures: list[Any]) -> list[Any]:
             try:
                 source.restart(w)   # the farm holds the limit (max_restarts_per_worker) and refuses past it
                 if not run.quiet:   # the worker_failures alarm points the reader at this line
+                    lost = "before this iteration's plan, no cell lost" if before_plan else \
+                        "its cells this iteration dropped"
                     print(f"worker {w} (generation {g}) failed ({mine[0].kind}, shard {mine[0].shard}, cycle "
-                          f"{mine[0].cycle}): restarted as generation {g + 1}, its cells this iteration dropped; "
-                          f"what it said is in {path}", flush=True)
+                          f"{mine[0].cycle}): restarted as generation {g + 1}, {lost}; what it said is in {path}",
+                          flush=True)
                 continue
             except farm.FarmError as e:
                 why = f"it cannot be restarted: {e} (--rollout.max-restarts-per-worker)"
@@ -3775,7 +3778,7 @@ def alarm_table(args: Args) -> list[Alarm]:
         Alarm("elixir_count_inexact", "env/elixir_count_exact_frac", "<", 0.99, 3, "warn",
               "the observation's enemy-elixir field was an estimate; read identity.json engine_build first"),
         Alarm("worker_failures", "health/worker_restarts", "rose", 0.0, 1, "warn",
-              "a rollout worker died and was restarted; its cells this iteration were dropped (read the failure line)"),
+              "a rollout worker died and was restarted (the failure line says whether cells were dropped)"),
         Alarm("worker_failures_persistent", "health/worker_restarts", "rose", 0.0, 3, "halt",
               "workers died on three iterations running: the environment or the machine is failing, not one battle"),
         Alarm("seat_bias", "env/win_rate_by_seat", "<", 0.0, 3, "warn",
@@ -4218,18 +4221,20 @@ def run_codec_table(run: Path) -> Any:
     return ladder._eval_preflight(msgspec.json.encode(ladder.eval_env_spec(env)), seed)[1]
 
 
-def snapshot_policy_builder(run_dir: str | Path, device: str = "cpu", table: Any = None,
-                            release_mode: str | None = None) -> Any:
+def snapshot_policy_builder(run_dir: str | Path | None, device: str = "cpu", table: Any = None,
+                            release_mode: str | None = None, store: Any = None) -> Any:
     """ladder.PolicyBuilder for a run: snapshot_id -> act(obs_batch, uniforms) -> actions. The
-    snapshot is loaded from <run>/ladder/snapshots/<id>/ and refused (by field) if its codec table
-    is not the run's. `table`: the training run's own (in-process); else read off the run.
-    release_mode: None reads the run's config.json (ladder.release_mode, "stochastic" if absent)."""
-    run = Path(run_dir)
+    snapshot is loaded from <run>/ladder/snapshots/<id>/ (or `store`: a ladder.SnapshotStore, which
+    may also know snapshot folders such as a shipped model's) and refused (by field) if its codec
+    table is not the run's. `table`: the training run's own (in-process), or the evaluation env's;
+    else read off the run. release_mode: None reads the run's config.json (ladder.release_mode,
+    "stochastic" if absent). Without a run (run_dir None), table and store are given."""
+    run = Path(run_dir) if run_dir is not None else None
     if release_mode is None:
-        cfg = json.loads((run / "config.json").read_bytes()) if (run / "config.json").exists() else {}
+        cfg = json.loads((run / "config.json").read_bytes()) if run and (run / "config.json").exists() else {}
         release_mode = str((cfg.get("ladder") or {}).get("release_mode", "stochastic"))
     tab = table if table is not None else run_codec_table(run)
-    store = ladder.SnapshotStore(run)
+    store = store or ladder.SnapshotStore(run)
 
     def build(snapshot_id: str) -> Any:
         spec, tensors = store.load(snapshot_id, {"codec_table_digest": tab.digest()})

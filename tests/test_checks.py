@@ -322,8 +322,11 @@ def test_play_refuses_bad_players_in_one_line(tmp_path):
     has no manifest, two runs at once; a file replay cannot read is refused the same way."""
     bare = tmp_path / "run" / "checkpoints" / "000000000001"
     bare.mkdir(parents=True)
-    cases = [(("scripted:nope", "scripted:push"), "scripted:nope: unknown scripted player; farm.SCRIPTED_NAMES = noop"),
-             (("pool:x", "scripted:push"), "player 'pool:x': not snap:<id>, scripted:<name> or checkpoint:<dir>"),
+    half = tmp_path / "models" / "half"     # a snapshot folder without its weights
+    half.mkdir(parents=True)
+    (half / "spec.json").write_text("{}")
+    cases = [((str(half), "scripted:push"), "half: not a snapshot folder (it needs spec.json and actor.safetensors)"),(("scripted:nope", "scripted:push"), "scripted:nope: unknown scripted player; farm.SCRIPTED_NAMES = noop"),
+             (("pool:x", "scripted:push"), "player 'pool:x': not snap:<id>, scripted:<name>, checkpoint:<dir>"),
              (("snap:0123456789abcdef", "scripted:push"), "a snap:<id> player needs --run RUN_DIR"),
              (("scripted:push", f"checkpoint:{tmp_path / 'absent'}"), "absent: no such checkpoint directory"),
              (("scripted:push", f"checkpoint:{bare}"), "000000000001/manifest.json is missing: not a checkpoint")]
@@ -477,3 +480,62 @@ def test_bench_on_smoke_prints_every_part_and_writes_the_table_dated(tmp_path, m
     assert written.startswith("# throughput\n\n### bench, ") and "`python checks.py bench --profile smoke`" in written
     assert all(line in written for line in table)
     assert run_main("bench", "--iterations", "1")[0] == 2
+
+
+# --- learn (docs/learning.md) and a snapshot folder played without its run ------------------------
+
+def _rung_row(rung: str, score: float, lower: float, seeds: int = 50) -> dict[str, Any]:
+    return {"snapshot": "snap:x", "rung": rung, "score": score, "lower": lower, "upper": min(1.0, score + 0.1),
+            "seeds": seeds, "battles": 2 * seeds, "master_seed": 1}
+
+
+def test_the_bar_is_judged_rung_by_rung():
+    """Issue 14's bar: random_legal >= 0.85 and patient >= 0.60, every other rung beaten, each with
+    the lower bound above 0.5 over at least 50 seeds; a table has a row a rung, a column a player."""
+    rows = [_rung_row("scripted:random_legal", 0.86, 0.80), _rung_row("scripted:patient", 0.62, 0.49),
+            _rung_row("scripted:push", 0.55, 0.51, seeds=49), _rung_row("scripted:noop", 1.0, 1.0)]
+    got = checks.bar_verdict(rows)
+    assert [x.split(":")[1].split()[0] for x in got] == ["random_legal", "patient", "push", "noop"]
+    assert ["NOT" not in x for x in got] == [True, False, False, True]
+    assert "lower bound 0.490 against > 0.5" in got[1] and "49 seeds against >= 50" in got[2]
+    cmd = checks.Learn(profile="smoke", game_steps=344)
+    lines = checks.learn_lines(cmd, Path("/r"), 2, 60.0, {"v0": "snap:a, untrained", "champion": "snap:b"},
+                               {"v0": rows, "champion": rows})
+    assert lines[2] == "| rung | v0 (snap:a, untrained) | champion (snap:b) |"
+    assert lines[4] == "| scripted:random_legal | 0.860 [0.800, 0.960] | 0.860 [0.800, 0.960] |"
+    assert lines[-4:] == [f"- {x}" for x in got]
+
+
+@pytest.mark.slow
+def test_learn_trains_then_measures_and_a_shipped_folder_is_measured_and_played_without_its_run(tmp_path, capsys):
+    """`checks.py learn` on smoke for two iterations: the yardstick's table, a row a rung, v0 (never
+    displaced at this budget) measured once, its games appended to the run's log. Its snapshot folder
+    copied out as a shipped model (spec.json, actor.safetensors, the run's eval_env.json) is then
+    measured by `ladder.py yardstick --snapshot <folder> --master-seed 5 --json` with no run (one
+    JSON object a rung, on master seed 5's seeds, recorded nowhere) and played by `checks.py play`."""
+    import ladder
+    code, out, err = run_main("learn", "--profile", "smoke", "--game-steps", "344", "--seeds", "1",
+                              "--runs-dir", str(tmp_path / "runs"), "--quiet")
+    assert code == 0, err[-3000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    table = [x for x in out.splitlines() if x.startswith("| scripted:")]
+    assert [x.split()[1] for x in table] == [f"scripted:{n}" for n in farm.SCRIPTED_NAMES]
+    assert "v0 was never displaced" in out and "2 iterations" in out and "The bar (the champion):" in out
+    games = [json.loads(x) for x in (run / "ladder" / "games.jsonl").read_text().splitlines()]
+    assert sum(g["kind"] == "eval" and g["iteration"] == -1 for g in games) == 2 * len(table)
+    v0 = json.loads((run / "ladder" / "pool.json").read_text())["v0"]
+    model = tmp_path / "models" / "smoke-v0"
+    shutil.copytree(run / "ladder" / "snapshots" / v0.removeprefix("snap:"), model)
+    shutil.copy(run / "ladder" / "eval_env.json", model)
+    capsys.readouterr()
+    assert ladder.main(["yardstick", "--snapshot", str(model), "--master-seed", "5", "--seeds", "1", "--json"]) == 0
+    got = capsys.readouterr()
+    objs = [json.loads(x) for x in got.out.splitlines()]
+    assert [o["rung"] for o in objs] == [f"scripted:{n}" for n in farm.SCRIPTED_NAMES]
+    assert all(o["snapshot"] == v0 and o["master_seed"] == 5 and o["battles"] == 2 and
+               o["lower"] <= o["score"] <= o["upper"] for o in objs)
+    assert f"evaluation env from {model / 'eval_env.json'}" in got.err and "recorded nowhere" in got.err
+    assert len((run / "ladder" / "games.jsonl").read_text().splitlines()) == len(games)
+    code, out, err = run_main("play", "--blue", str(model), "--red", "scripted:noop", "--every", "1000")
+    assert code == 0, err[-3000:]
+    assert f"play: blue {v0} vs red scripted:noop" in out and "result: " in out

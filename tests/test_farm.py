@@ -948,7 +948,7 @@ def test_stats_count_time_bytes_clips_and_the_dead_worker_s_rows(short_env):
         assert dead_cells == 2 * (cfg.cycles - 2) and st["rows_dropped_dead_worker"] == dead_cells
         assert st["env_ms"] > 0 and st["codec_ms"] > 0 and st["wait_ms"] >= 0
         assert 0 <= st["parent_wait_frac"] <= 1
-        R, rb = cfg.n_slots, table.row_bytes
+        rb = table.row_bytes
         live_rounds = 1 + cfg.cycles + 1 + 2        # worker 1: reset + 6 steps; worker 0: reset + 2
         assert st["bytes_out"] >= (live_rounds * 2) * rb + (live_rounds - 2) * 2 * farm.SCALAR_BYTES
         assert st["obs_codec_clipped"] == 5 and st["worker_restarts"] == 0
