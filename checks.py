@@ -717,8 +717,11 @@ def open_play(cmd: "Play") -> PlaySetup:
         raise CheckError(str(e)) from None
     shipped = [Path(p) / "eval_env.json" for p in named if (Path(p) / "eval_env.json").is_file()]
     if run is None and shipped:   # a shipped model's folder carries the env it was measured on
-        spec, where, table_seed = msgspec.json.decode(shipped[0].read_bytes(), type=farm.EnvFactorySpec), \
-            str(shipped[0]), 0
+        try:
+            spec = msgspec.json.decode(shipped[0].read_bytes(), type=farm.EnvFactorySpec)
+        except msgspec.DecodeError as e:
+            raise CheckError(f"{shipped[0]}: not an environment description ({e})") from None
+        where, table_seed = str(shipped[0]), 0
     elif run is None:
         spec, where, table_seed = farm.default_env_spec(), "farm.default_env_spec() (no run)", 0
     else:
@@ -1177,13 +1180,20 @@ def cmd_learn(cmd: "Learn") -> int:
     args.runs_dir, args.run_name = cmd.runs_dir, f"learn-{cmd.profile}"
     if cmd.master_seed is not None:
         args.master_seed = cmd.master_seed
+    if cmd.game_steps < 1 or not 1 <= cmd.seeds <= args.ladder.eval_seed_count:
+        raise CheckError(f"--game-steps {cmd.game_steps} --seeds {cmd.seeds}: the budget must be at least one "
+                         f"game-step, and the seeds 1 to the profile's frozen set, "
+                         f"ladder.eval_seed_count = {args.ladder.eval_seed_count} (checked before hours of training)")
     env = P.read_env(args)
     n_iter = -(-cmd.game_steps // (env.T * env.n_battles))     # the budget, in whole iterations
     args.timestep_limit = n_iter * env.T * env.learner_rows
     print(f"learn: --profile {cmd.profile}, {n_iter} iterations of {env.T * env.n_battles} game-steps "
           f"({n_iter * env.T * env.n_battles:,} >= {cmd.game_steps:,}), then the yardstick", flush=True)
     t0 = time.perf_counter()
-    run = P.train(args, max_iterations=n_iter, quiet=cmd.quiet)
+    try:
+        run = P.train(args, max_iterations=n_iter, quiet=cmd.quiet)
+    except (P.AlarmHalt, P.RunCrashed) as e:   # what the training said, and its resume command
+        raise CheckError(f"training stopped before the budget, so nothing was measured: {e}") from None
     wall_s = time.perf_counter() - t0
     pool = ladder.read_pool(run)
     if pool is None or pool.champion is None:

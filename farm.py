@@ -1466,7 +1466,7 @@ class ShardRunner:
         self.seats.seat_eval(g, self.plan[i] if i >= 0 else None)
 
     # -- PLAN -------------------------------------------------------------------------------------
-    def apply_slot_plan(self, plan: np.ndarray, frames: np.ndarray | None = None) -> None:
+    def apply_slot_plan(self, plan: np.ndarray, frames: np.ndarray) -> None:
         """The PLAN command (design 3.5): the iteration's opening table for this shard's slots
         (PLAN_DTYPE, n entries). A battle whose seats the worker does not hold for its running
         episode yet (a fresh or restarted worker; an episode that started on the previous
@@ -1513,7 +1513,7 @@ class ShardRunner:
         k = frames.shape[0]
         for g, f in sorted(self.in_flight.items()):
             env, two = self.vec.envs[g], slice(2 * g, 2 * g + 2)
-            seen = [{key: v[two] for key, v in self.obs.items()}]
+            seen = [{key: v[two].copy() for key, v in self.obs.items()}]   # self.obs is rewritten below
             for d, (pair, gamma) in enumerate(zip(f.actions, f.gammas)):
                 setter = getattr(env.reward_fn, "set_gamma", None)
                 if callable(setter):

@@ -47,8 +47,10 @@ CLI (section 12):
                                                              a paired comparison, appended
     python ladder.py gate --run runs/<id> --candidate ID [--champion ID]
                                                              the WilsonGate, its decision file
-    python ladder.py yardstick --run runs/<id> [--snapshot ID] [--seeds N]
-                                                             a snapshot against every scripted rung
+    python ladder.py yardstick --run runs/<id> [--snapshot ID] [--seeds N] [--master-seed S] [--json]
+    python ladder.py yardstick --snapshot models/<name> --master-seed S [--seeds N] [--json]
+                                                             a snapshot (or a shipped snapshot
+                                                             folder) against every scripted rung
 """
 
 import collections
@@ -2260,8 +2262,9 @@ def yardstick_run(run: Path, snap: str, n_seeds: int, device: str = "cpu") -> li
 
 
 def _yardstick_player(args: Any, run: Path | None, store: SnapshotStore) -> str:
-    """The yardstick's snapshot as snap:<id>; a snapshot folder is added to `store`."""
-    if args.snapshot and not args.snapshot.startswith("snap:"):
+    """The yardstick's snapshot as snap:<id> (a bare id is one too); a snapshot folder is added to
+    `store`."""
+    if args.snapshot and (Path(args.snapshot).is_dir() or os.sep in args.snapshot):   # a path: a folder
         return snapshot_player_id(store.add_folder(args.snapshot))
     if run is None:
         raise CliError("pass --run RUN (its champion, or --snapshot snap:<id>) or --snapshot <folder> "
@@ -2271,7 +2274,7 @@ def _yardstick_player(args: Any, run: Path | None, store: SnapshotStore) -> str:
     if snap is None:
         raise CliError(f"{run}: no champion yet ({ladder_dir(run) / 'pool.json'} is absent or empty); "
                        "pass --snapshot snap:<id>")
-    return snap
+    return snap if snap.startswith("snap:") else snapshot_player_id(snap)
 
 
 def _yardstick_runner(args: Any, run: Path | None, snap: str, store: SnapshotStore, recorded: bool,

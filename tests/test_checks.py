@@ -506,6 +506,13 @@ def test_the_bar_is_judged_rung_by_rung():
     assert lines[-4:] == [f"- {x}" for x in got]
 
 
+def test_learn_refuses_a_budget_or_seed_count_it_cannot_honour_before_training(tmp_path):
+    for flags in (["--game-steps", "0"], ["--seeds", "9"], ["--seeds", "0"]):   # smoke's frozen set holds 8
+        code, out, err = run_main("learn", "--profile", "smoke", "--runs-dir", str(tmp_path), *flags)
+        assert code == 2 and "ladder.eval_seed_count = 8 (checked before hours of training)" in err, flags
+        assert err.count("\n") == 1 and not any(tmp_path.iterdir())
+
+
 @pytest.mark.slow
 def test_learn_trains_then_measures_and_a_shipped_folder_is_measured_and_played_without_its_run(tmp_path, capsys):
     """`checks.py learn` on smoke for two iterations: the yardstick's table, a row a rung, v0 (never

@@ -59,12 +59,14 @@ def legal_actions(f, rnd, table, rng, noop_prob=0.6):
 
 def drive(f, cfg, table, iterations, gamma=0.99, assign=mixed_assign, log=None, first=0, opening=None):
     """Run whole iterations, numbered from `first` (the actions are a function of the number);
-    the first opens on `opening` (an assignment table: a resume's) or assign's ordinal-0 table.
+    the first opens on `opening` (an assignment table: a resume's), else on the farm's current
+    assignments, or at iteration 0 on assign's ordinal-0 table.
     Returns per-iteration copies of rect, scalars, finals, episodes, ordinals, first_obs."""
     out = []
     for it in range(first, first + iterations):
-        plan = (farm.SlotPlan(it, cfg.n_battles, cfg.n_slots, tuple(f.assignment if it > first else opening), ())
-                if it > first or opening is not None else opening_plan(cfg, assign))
+        held = opening if it == first and opening is not None else tuple(f.assignment) if it > 0 else None
+        plan = farm.SlotPlan(it, cfg.n_battles, cfg.n_slots, tuple(held), ()) if held is not None \
+            else opening_plan(cfg, assign)
         f.begin_iteration(plan)
         g = gamma(it) if callable(gamma) else gamma
         for c in range(cfg.cycles + 1):
@@ -447,11 +449,11 @@ def test_the_plan_command_seats_the_opening_table_and_refuses_an_out_of_step_pla
         bad["ordinal"][2:] = 5
         with pytest.raises(farm.FarmError, match=r"worker 0 shard 0 slot 2: the plan is for "
                                                  r"ordinal 5 .* out of step"):
-            r.apply_slot_plan(bad)
+            r.apply_slot_plan(bad, f.rect[:f.k])
         bad = f.plan_table()
         bad["group"][0:2] = farm.GROUP_SCRIPTED
         with pytest.raises(farm.FarmError, match=r"slot 0: the plan seats groups \[-2, -2\] .*mid-episode"):
-            r.apply_slot_plan(bad)
+            r.apply_slot_plan(bad, f.rect[:f.k])
         assert f.spaces(0)["spaces"] == farm.spaces_signature(
             r.vec.single_observation_space, r.vec.single_action_space.n)
     finally:
@@ -545,13 +547,14 @@ def test_ordinals_restore_the_episode_stream(short_env, inline_run):
         f.close()
 
 
-@pytest.mark.parametrize("kind", ["inline", pytest.param("process", marks=pytest.mark.slow)])
-def test_a_farm_resumed_mid_episode_plays_what_the_unbroken_farm_played(short_env, kind):
-    """Design 3.9: iterations of 7 cycles against episodes of 20 decisions, so the boundary after
-    iteration 1 finds every battle 14 decisions into its episode. A farm started from what a
+@pytest.mark.parametrize("kind, split", [("inline", 2), ("inline", 3), pytest.param("process", 2, marks=pytest.mark.slow)])
+def test_a_farm_resumed_mid_episode_plays_what_the_unbroken_farm_played(short_env, kind, split):
+    """Design 3.9: iterations of 7 cycles against episodes of 20 decisions. The boundary after 2
+    iterations finds every battle 14 decisions into its episode; after 3, 1 decision into its next
+    (fewer than k = 2: its reset frame is live and must come back too). A farm started from what a
     checkpoint holds there (ordinals, the in-flight logs, the assignment table) re-simulates those
     battles at its first PLAN (scripted seats acting again, each step under the gamma it was
-    logged with: the schedule moved between the two iterations) and plays iterations 2 and 3 byte
+    logged with: the schedule moved between the iterations) and plays the next 2 iterations byte
     for byte as the unbroken farm did: every live frame of the rectangle, the scalars, the finals,
     the episode records (their `played` lists included). The gamma probe's reward (gamma - 1 a
     step) makes the undiscounted return of each record depend on every logged gamma."""
@@ -560,22 +563,23 @@ def test_a_farm_resumed_mid_episode_plays_what_the_unbroken_farm_played(short_en
     Farm = farm.InlineFarm if kind == "inline" else farm.ProcessFarm
     cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, shards_per_worker=2,
                           games_per_worker=4, cycles=7, frame_stack=2, viewer=False)
-    gamma = lambda it: (0.99, 0.95, 0.9, 0.9)[it]   # noqa: E731 -- a schedule: the log must carry it
+    gamma = lambda it: (0.99, 0.95, 0.9, 0.85, 0.85)[it]   # noqa: E731 -- a schedule: the log must carry it
     f = farm.InlineFarm(cfg, table, mixed_assign)
     try:
-        drive(f, cfg, table, 2, gamma=gamma)
+        drive(f, cfg, table, split, gamma=gamma)
         held = dict(start_ordinals=f.ordinals.tolist(), start_in_flight=f.in_flight())
         opening = tuple(f.assignment)
-        straight = drive(f, cfg, table, 2, gamma=gamma, first=2)
+        straight = drive(f, cfg, table, 2, gamma=gamma, first=split)
     finally:
         f.close()
-    assert [(x.battle, len(x.actions), x.gammas) for x in held["start_in_flight"]] == \
-        [(b, 14, [0.99] * 7 + [0.95] * 7) for b in range(cfg.n_battles)]
+    logged = [0.99] * 7 + [0.95] * 7 if split == 2 else [0.9]        # decisions 0-13; decision 0 of the next
+    assert [(x.battle, x.ordinal, x.gammas) for x in held["start_in_flight"]] == \
+        [(b, split - 2, logged) for b in range(cfg.n_battles)]
     back = msgspec.json.decode(msgspec.json.encode(held["start_in_flight"]), type=list[farm.InFlight])
     g = Farm(msgspec.structs.replace(cfg, start_ordinals=held["start_ordinals"], start_in_flight=back),
              table, mixed_assign)
     try:
-        resumed = drive(g, cfg, table, 2, gamma=gamma, first=2, opening=opening)
+        resumed = drive(g, cfg, table, 2, gamma=gamma, first=split, opening=opening)
     finally:
         g.close()
     k = cfg.frame_stack
@@ -590,9 +594,9 @@ def test_a_farm_resumed_mid_episode_plays_what_the_unbroken_farm_played(short_en
         assert a["finals"].keys() == b["finals"].keys()
         assert all(np.array_equal(a["finals"][x], b["finals"][x]) for x in a["finals"])
         assert a["episodes"] == b["episodes"] and a["ordinals"].tolist() == b["ordinals"].tolist()
-    ended = [e for e in resumed[0]["episodes"] if e.ordinal == 0]   # each in-flight episode, recorded whole
-    assert len(ended) == 2 * cfg.n_battles and all(e.episode_steps == 20 for e in ended)
-    assert any(e.played for e in ended)
+    ended = [e for r in resumed for e in r["episodes"] if e.ordinal == split - 2]   # each in-flight episode,
+    assert len(ended) == (2 * cfg.n_battles if split == 2 else 0)                      # recorded whole
+    assert all(e.episode_steps == 20 for e in ended) and all(e.played for e in ended[:1])
 
 
 def test_a_replay_that_the_engine_does_not_follow_is_refused(short_env):

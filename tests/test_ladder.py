@@ -1160,3 +1160,19 @@ def test_plot_of_a_run_without_games_says_so_and_without_matplotlib_says_how_to_
                        text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "ladder.py plot: plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)"]
+
+
+def test_yardstick_refuses_what_it_cannot_measure_in_one_line(tmp_path, capsys):
+    """ladder.py yardstick without a run: a snapshot folder needs --master-seed (no frozen set to
+    use), a path that is not a snapshot folder is named, and nothing at all asks for --run."""
+    folder = tmp_path / "models" / "m"
+    folder.mkdir(parents=True)
+    (folder / "spec.json").write_text("{}")
+    (folder / "actor.safetensors").write_bytes(b"")
+    for argv, want in ((["yardstick", "--snapshot", str(folder)], "without --run has no frozen seed set: pass --master-seed S"),
+                       (["yardstick", "--snapshot", str(tmp_path / "nope"), "--master-seed", "1"],
+                        "nope: not a snapshot folder (it needs spec.json and actor.safetensors)"),
+                       (["yardstick"], "pass --run RUN (its champion, or --snapshot snap:<id>) or --snapshot <folder>")):
+        assert L.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("ladder.py yardstick: ") and want in err and err.count("\n") == 1, err

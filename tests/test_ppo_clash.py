@@ -1590,7 +1590,7 @@ runpy.run_path("ppo_clash.py", run_name="__main__")
 
 
 @pytest.mark.slow
-def test_a_run_killed_nine_times_over_is_the_run_that_was_never_killed(straight_smoke, tmp_path):
+def test_a_run_sigkilled_five_times_and_resumed_is_the_run_that_was_never_killed(straight_smoke, tmp_path):
     """Issue 12's long one, and design 2.4 item 3's contract (design 3.9, 8.1): the straight run's
     configuration, started in a fresh process and killed with SIGKILL at five moments a seeded
     generator picks (four at a submit somewhere in iterations 2-4, one inside a checkpoint's write,
