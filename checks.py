@@ -485,9 +485,7 @@ def replay_record(renv: ReplayEnv, rec: farm.EpisodeRecord) -> Replayed:
                 return Replayed([], Divergence(step, f"played action {action} of {SEATS[seat]}",
                                                "chosen by its player", "masked out at this state"))
             acts[SEATS[seat]] = action
-        setter = getattr(env.reward_fn, "set_gamma", None)
-        if setter is not None:
-            setter(gammas[step])          # what the farm's worker forwards before each step
+        farm.set_env_gamma(env, gammas[step])   # what the farm's worker forwards before each step
         obs, rew, term, trunc, info = env.step(acts)
         ret += float(np.float32(rew[me]))  # the worker's running float64 sum of float32 rewards
         deploy = int(info[me]["deploy_status"])
@@ -844,9 +842,7 @@ def play_battle(runner: Any, players: tuple[str, str], acts: dict[str, Any], see
         obs, _ = vec.reset()
         seats.seat_eval(0, ep)
         for env in vec.envs:   # the gamma the evaluation farm's worker forwards (ShardRunner._forward_gamma)
-            setter = getattr(env.reward_fn, "set_gamma", None)
-            if callable(setter):
-                setter(PLAY_GAMMA)
+            farm.set_env_gamma(env, PLAY_GAMMA)
         view = BattleView(vec.envs[0], players, every, say)
         rngs = [farm.derive_generator(seed, s) for s in streams]
         pace = time.monotonic()

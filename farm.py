@@ -669,6 +669,14 @@ class PotentialCombinedReward(CombinedReward):
         return total
 
 
+def set_env_gamma(env: Any, gamma: float) -> None:
+    """The schedule's gamma reaches an env's reward, if it takes one (design 4): what a worker
+    forwards before each step, and what every re-simulation of a step must forward too."""
+    setter = getattr(env.reward_fn, "set_gamma", None)
+    if callable(setter):
+        setter(gamma)
+
+
 def default_potential_reward(*, crown: float = 0.2, tower_hp: float = 0.1,
                              elixir: float = 0.05) -> PotentialCombinedReward:
     for name, w in (("crown", crown), ("tower_hp", tower_hp), ("elixir", elixir)):
@@ -1515,9 +1523,7 @@ class ShardRunner:
             env, two = self.vec.envs[g], slice(2 * g, 2 * g + 2)
             seen = [{key: v[two].copy() for key, v in self.obs.items()}]   # self.obs is rewritten below
             for d, (pair, gamma) in enumerate(zip(f.actions, f.gammas)):
-                setter = getattr(env.reward_fn, "set_gamma", None)
-                if callable(setter):
-                    setter(gamma)
+                set_env_gamma(env, gamma)
                 acts = self.seats.actions(np.asarray(pair), seen[-1], NOOP, first=2 * g)
                 self.running.note_actions(acts, NOOP, g0=g)
                 obs, rew, term, trunc, info = env.step({"blue": int(acts[0]), "red": int(acts[1])})
@@ -1592,9 +1598,7 @@ class ShardRunner:
         """The schedule's gamma reaches every reward term that takes one (design 4)."""
         if gamma != self.gamma:
             for env in self.vec.envs:
-                setter = getattr(env.reward_fn, "set_gamma", None)
-                if callable(setter):
-                    setter(gamma)
+                set_env_gamma(env, gamma)
             self.gamma = gamma
 
     def _end_episodes(self, io: ShardIO, sc: np.ndarray, done: np.ndarray, trunc: np.ndarray,
