@@ -1158,21 +1158,36 @@ def bar_verdict(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 def learn_lines(cmd: "Learn", run: Path, n_iter: int, wall_s: float, players: dict[str, str],
                 rows: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """The benchmark's table: one row a rung, one column a player (score [lower, upper])."""
+    """The benchmark's table: one row a rung, one column a player (score [lower, upper]); the bar
+    is judged on the champion's column."""
     names = list(players)
+    change = (f"; the change, --config {cmd.config}: {json.dumps(P.read_config_file(cmd.config), separators=(',', ':'))}"
+              if cmd.config else "")
     out = [f"--profile {cmd.profile}, master seed {cmd.master_seed if cmd.master_seed is not None else 'the profile default'}, "
            f"{cmd.game_steps:,} game-steps ({n_iter} iterations, {wall_s / 60:.0f} min of training), "
-           f"{rows[names[0]][0]['seeds']} seeds a rung from both sides; run {run}", "",
+           f"{rows[names[0]][0]['seeds']} seeds a rung from both sides; run {run}{change}", "",
            "| rung | " + " | ".join(f"{n} ({players[n]})" for n in names) + " |",
            "|---|" + "---|" * len(names)]
     for i, r in enumerate(rows[names[0]]):
         out.append(f"| {r['rung']} | " + " | ".join(
             f"{rows[n][i]['score']:.3f} [{rows[n][i]['lower']:.3f}, {rows[n][i]['upper']:.3f}]" for n in names) + " |")
-    return out + ["", "The bar (the champion):"] + [f"- {x}" for x in bar_verdict(rows[names[-1]])]
+    return out + ["", "The bar (the champion):"] + [f"- {x}" for x in bar_verdict(rows["champion"])]
+
+
+def last_discarded(run: Path, pool: "ladder.Pool") -> tuple[str, int] | None:
+    """The newest gated candidate (by its snapshot's game-step) when the gate discarded it, with
+    its game-step: what the learner had become, measured even though the champion did not move."""
+    store = ladder.SnapshotStore(run)
+    gated = [msgspec.json.decode(f.read_bytes(), type=ladder.GateDecision)
+             for f in (ladder.ladder_dir(run) / "gates").glob("*.json")]
+    steps = sorted((store.spec(d.candidate.removeprefix("snap:")).step, d.candidate, d.outcome) for d in gated)
+    if not steps or steps[-1][2] != "discard" or steps[-1][1] in (pool.v0, pool.champion):
+        return None
+    return steps[-1][1], steps[-1][0]
 
 
 def cmd_learn(cmd: "Learn") -> int:
-    args = P.profile_args(cmd.profile)
+    args = P.parse_args(["--profile", cmd.profile] + (["--config", cmd.config] if cmd.config else []))
     args.runs_dir, args.run_name = cmd.runs_dir, f"learn-{cmd.profile}"
     if cmd.master_seed is not None:
         args.master_seed = cmd.master_seed
@@ -1196,6 +1211,11 @@ def cmd_learn(cmd: "Learn") -> int:
         raise CheckError(f"{run}: no ladder/pool.json champion after training; nothing to measure")
     players = {"v0": f"{pool.v0}, untrained", "champion": f"{pool.champion} at {n_iter * env.T * env.n_battles:,} game-steps"}
     rows = {"v0": ladder.yardstick_run(run, pool.v0, cmd.seeds)}
+    discarded = last_discarded(run, pool)
+    if discarded is not None:   # shown before the champion; the bar is the champion's alone
+        players = {"v0": players["v0"], "last candidate": f"{discarded[0]}, discarded by its gate at {discarded[1]:,} game-steps",
+                   "champion": players["champion"]}
+        rows["last candidate"] = ladder.yardstick_run(run, discarded[0], cmd.seeds)
     rows["champion"] = rows["v0"] if pool.champion == pool.v0 else ladder.yardstick_run(run, pool.champion, cmd.seeds)
     if pool.champion == pool.v0:
         players["champion"] = f"{pool.champion}: v0 was never displaced"
@@ -1312,6 +1332,9 @@ class Learn:
     """yardstick seeds a rung, each from both sides (at most the run's frozen set)"""
     master_seed: Optional[int] = None
     """the run's master seed (default: the profile's)"""
+    config: Optional[str] = None
+    """a JSON object of fields merged over the profile, as ppo_clash.py --config: an experiment's
+    one change (docs/learning.md section 3)"""
     runs_dir: str = "runs"
     """where the benchmark's run directory goes (learn-<profile>-<run_id>)"""
     quiet: bool = False

@@ -5,6 +5,7 @@ check the commands on them."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import re
@@ -506,6 +507,32 @@ def test_the_bar_is_judged_rung_by_rung():
     assert lines[-4:] == [f"- {x}" for x in got]
 
 
+def test_learn_measures_the_last_candidate_only_when_its_gate_discarded_it(tmp_path):
+    """A screen's gate may keep v0 champion; the newest candidate (by game-step, not by file name)
+    is then measured too, so the table shows what the learner had become."""
+    import ladder
+    ids = {}
+    for name, step in (("old", 200), ("new", 300), ("early", 100)):
+        spec = msgspec.json.encode(ladder.SnapshotSpec("a", "o", "x", 1, "t", 2, 8, 4, step, "c", "r"))
+        sid = hashlib.sha256(spec).hexdigest()[:16]
+        (tmp_path / "ladder" / "snapshots" / sid).mkdir(parents=True)
+        (tmp_path / "ladder" / "snapshots" / sid / "spec.json").write_bytes(spec)
+        ids[name] = "snap:" + sid
+
+    def gate(name: str, outcome: str) -> None:
+        ladder.write_gate_decision(tmp_path, ladder.GateDecision(
+            ids[name], ids["early"], outcome, outcome != "discard", outcome == "admit+promote", False, [], {},
+            "sha", 1.0, "w"))
+    pool = ladder.Pool(v0=ids["early"], champion_chain=[ids["early"]])
+    assert checks.last_discarded(tmp_path, pool) is None          # no gate yet
+    gate("new", "discard")
+    gate("old", "admit+promote")
+    assert checks.last_discarded(tmp_path, pool) == (ids["new"], 300)
+    assert checks.last_discarded(tmp_path, ladder.Pool(v0=ids["early"], champion_chain=[ids["new"]])) is None
+    gate("new", "admit-as-cycle")
+    assert checks.last_discarded(tmp_path, pool) is None          # admitted: not a discarded candidate
+
+
 def test_learn_refuses_a_budget_or_seed_count_it_cannot_honour_before_training(tmp_path):
     for flags in (["--game-steps", "0"], ["--seeds", "9"], ["--seeds", "0"]):   # smoke's frozen set holds 8
         code, out, err = run_main("learn", "--profile", "smoke", "--runs-dir", str(tmp_path), *flags)
@@ -521,10 +548,14 @@ def test_learn_trains_then_measures_and_a_shipped_folder_is_measured_and_played_
     measured by `ladder.py yardstick --snapshot <folder> --master-seed 5 --json` with no run (one
     JSON object a rung, on master seed 5's seeds, recorded nowhere) and played by `checks.py play`."""
     import ladder
+    change = tmp_path / "change.json"    # an experiment's one change, merged over the profile
+    change.write_text('{"ppo": {"lr_critic": 0.0004}}')
     code, out, err = run_main("learn", "--profile", "smoke", "--game-steps", "344", "--seeds", "1",
-                              "--runs-dir", str(tmp_path / "runs"), "--quiet")
+                              "--runs-dir", str(tmp_path / "runs"), "--quiet", "--config", str(change))
     assert code == 0, err[-3000:]
     (run,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run / "config.json").read_text())["ppo"]["lr_critic"] == 0.0004
+    assert f'the change, --config {change}: {{"ppo":{{"lr_critic":0.0004}}}}' in out
     table = [x for x in out.splitlines() if x.startswith("| scripted:")]
     assert [x.split()[1] for x in table] == [f"scripted:{n}" for n in farm.SCRIPTED_NAMES]
     assert "v0 was never displaced" in out and "2 iterations" in out and "The bar (the champion):" in out
