@@ -9,6 +9,7 @@ and ladder.py says, with an error bar, whether it is one.
     python ppo_clash.py --profile cpu              a 2-4 core machine without a GPU
     python ppo_clash.py --profile laptop           the default; wants CUDA
     python ppo_clash.py --resume runs/<dir> [--checkpoint DIR] [--allow-identity-drift]
+    torchrun --nproc-per-node N ppo_clash.py --profile P   N ranks, a farm each (design 3.10)
 
 Reads:  the env's own spaces and layouts (farm.preflight, NetGeometry); codec.Obs minibatches;
         farm's name-addressed seeding; ladder's matchmaker, pool, gate, rater and probe.
@@ -1246,6 +1247,77 @@ def arch_digest(geo: NetGeometry, net: "NetArgs") -> str:
 # --- 5. GAE and reward scaling (design 6.1, 6.2) -------------------------------------------------
 
 
+class Comm:
+    """The ranks of a torchrun job, and what the learner sums over them (design 3.10). Each rank
+    collects its own battles and holds its own rows; every count a loss is divided by, every
+    gradient and every statistic a decision reads is summed over the ranks before it is used, so
+    one optimizer step of N ranks is the step one process would take on their rows together and
+    the weights stay identical on every rank. Rank 0 is the run's one voice. One process (SOLO,
+    no process group) sums nothing and adds no operation: its bytes are what they always were."""
+
+    def __init__(self, device: torch.device | str = "cpu", on: bool = False, rank: int = 0, world: int = 1,
+                 backend: str = "") -> None:
+        self.device, self.on, self.rank, self.world, self.backend = torch.device(device), on, rank, world, backend
+
+    @property
+    def voice(self) -> bool:
+        """Rank 0: the one that writes the run directory, the console and the sinks."""
+        return self.rank == 0
+
+    def sum_(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place (float64 stays float64)."""
+        if self.on:
+            import torch.distributed as dist
+            dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        return x
+
+    def counts(self, *n: int) -> list[int]:
+        if not self.on:
+            return list(n)
+        return [int(v) for v in self.sum_(torch.tensor(n, dtype=torch.int64, device=self.device)).tolist()]
+
+    def most(self, x: float) -> float:
+        """The largest x over the ranks (float64; an int comes back exact)."""
+        if not self.on:
+            return x
+        import torch.distributed as dist
+        t = torch.tensor([x], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    def grads(self, params: Sequence[nn.Parameter]) -> None:
+        """Every parameter's .grad summed over the ranks: one flattened all-reduce a step."""
+        if not self.on:
+            return
+        flat = self.sum_(torch.cat([q.grad.reshape(-1) for q in params]))
+        i = 0
+        for q in params:
+            q.grad.copy_(flat[i:i + q.grad.numel()].view_as(q.grad))
+            i += q.grad.numel()
+
+    def share(self, obj: Any) -> Any:
+        """Rank 0's obj, on every rank (its decisions: the run directory, the pool, stop and save)."""
+        if not self.on:
+            return obj
+        import torch.distributed as dist
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def everyone(self, obj: Any) -> list[Any]:
+        """Every rank's obj, in rank order, on every rank."""
+        if not self.on:
+            return [obj]
+        import torch.distributed as dist
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+
+SOLO = Comm()
+"""The one-process Comm: what every caller outside torchrun gets."""
+
+
 def gae(rewards: torch.Tensor, values: torch.Tensor, final_values: torch.Tensor, terminated: torch.Tensor,
         truncated: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Vectorised over slots: one backward loop of T steps over (R,) vectors.
@@ -1295,13 +1367,24 @@ class WelfordReturnScaler:
         self.standardize, self.reward_clip = standardize, reward_clip
         self.mean, self.count, self.m2 = 0.0, 0, 0.0
 
-    def update(self, x: np.ndarray) -> None:
-        """Chan et al.'s parallel merge of a batch into the running triple, in float64."""
+    def update(self, x: np.ndarray, comm: Comm | None = None) -> None:
+        """Chan et al.'s parallel merge of a batch into the running triple, in float64. Under
+        torchrun every rank's batch is merged, in rank order, so every rank holds the same triple."""
         x = np.asarray(x, dtype=np.float64).ravel()
-        if x.size == 0:
+        mine = (x.size, float(x.mean()), float(((x - x.mean()) ** 2).sum())) if x.size else (0, 0.0, 0.0)
+        if comm is None or not comm.on:
+            self._merge(*mine)
             return
-        n_b, mean_b = x.size, float(x.mean())
-        m2_b = float(((x - mean_b) ** 2).sum())
+        import torch.distributed as dist
+        t = torch.tensor(mine, dtype=torch.float64, device=comm.device)
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t)
+        for n_b, mean_b, m2_b in (q.tolist() for q in parts):
+            self._merge(int(n_b), mean_b, m2_b)
+
+    def _merge(self, n_b: int, mean_b: float, m2_b: float) -> None:
+        if n_b == 0:
+            return
         n = self.count + n_b
         delta = mean_b - self.mean
         self.mean += delta * n_b / n
@@ -1326,11 +1409,19 @@ class WelfordReturnScaler:
         self.mean, self.count, self.m2 = float(d["mean"]), int(d["count"]), float(d["m2"])
 
 
-def standardize_advantages(adv: np.ndarray, cells: np.ndarray) -> np.ndarray:
+def standardize_advantages(adv: np.ndarray, cells: np.ndarray, comm: Comm | None = None) -> np.ndarray:
     """Once per iteration, over the cells that reach the update (design 6.3): every trainable
-    cell, or under critic_only_choice_mean the choice cells alone (design 6.5)."""
+    cell, or under critic_only_choice_mean the choice cells alone (design 6.5); under torchrun
+    over every rank's cells, from their summed count, sum and sum of squares (float64)."""
     a = adv[cells]
-    return (adv - a.mean()) / (a.std(ddof=1) + 1e-8)
+    if comm is None or not comm.on:
+        return (adv - a.mean()) / (a.std(ddof=1) + 1e-8)
+    a64 = a.astype(np.float64)
+    n, tot, sq = comm.sum_(torch.tensor([a64.size, a64.sum(), (a64 * a64).sum()], dtype=torch.float64,
+                                        device=comm.device)).tolist()
+    mean = tot / n
+    std = math.sqrt(max(sq - n * mean * mean, 0.0) / max(n - 1, 1))
+    return ((adv - mean) / (std + 1e-8)).astype(adv.dtype)
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
@@ -1416,6 +1507,23 @@ class _Acc:
     def add(self, key: str, v: torch.Tensor | float) -> None:
         self.s[key] = self.s.get(key, 0.0) + v
 
+    KEYS = ("value_sq", "kl", "clip", "dual", "entropy", "entropy_norm", "noop_entropy", "policy_obj_choice",
+            "policy_obj_all")
+
+    def reduce(self, comm: Comm) -> None:
+        """The rank-local sums summed over the ranks (rows and choice_rows already are: they are
+        the global batches' counts), so every rank reads the same kl for the lr backoff."""
+        if not comm.on:
+            return
+        n = len(self.epoch_kl)
+        local = [float(self.s.get(k, 0.0)) for k in self.KEYS] + [float(x) for x in self.epoch_kl] + \
+            [float(x) for x in self.epoch_clip] + [float(x) for x in self.epoch_n] + [self.actor_rows, self.actor_forwards]
+        tot = comm.sum_(torch.tensor(local, dtype=torch.float64, device=comm.device)).tolist()
+        self.s = dict(zip(self.KEYS, tot))
+        k = len(self.KEYS)
+        self.epoch_kl, self.epoch_clip, self.epoch_n = tot[k:k + n], tot[k + n:k + 2 * n], tot[k + 2 * n:k + 3 * n]
+        self.actor_rows, self.actor_forwards = int(tot[-2]), int(tot[-1])
+
 
 def ratio_invariant(ac: ActorCritic, data: Any, perm0: np.ndarray, minibatch_size: int, check: bool,
                     atol: float, outliers: list[dict[str, Any]] | None = None) -> float:
@@ -1453,22 +1561,23 @@ def ratio_invariant(ac: ActorCritic, data: Any, perm0: np.ndarray, minibatch_siz
 
 
 def accumulate_batch(ac: ActorCritic, data: Any, bidx: np.ndarray, ppo: "PPOArgs", ent_coef: float,
-                     ent_coef_noop: float, acc: _Acc, epoch: int = 0, debug: bool = True) -> None:
+                     ent_coef_noop: float, acc: _Acc, epoch: int = 0, debug: bool = True, comm: Comm = SOLO) -> None:
     """Forward and backward one batch, minibatch by minibatch; leaves the summed gradient in
     .grad. Under critic_only* the batch's cells are stably partitioned choice rows first, so the
     actor runs on whole minibatches of choice rows; the critic always runs on every row at
     weight 1/N. The actor's three terms are sums over its rows divided by N (all, critic_only)
-    or by the batch's choice count (critic_only_choice_mean) -- design 6.5's table."""
+    or by the batch's choice count (critic_only_choice_mean) -- design 6.5's table. Under torchrun
+    both counts are the global batch's, every rank's rows together (Comm)."""
     mode = ppo.forced_rows
-    N = int(len(bidx))
+    n_here = int(len(bidx))
     nl = data.n_legal[bidx]
     choice = nl > 1
     order = bidx if mode == "all" else np.concatenate([bidx[choice], bidx[~choice]])
-    n_choice = int(choice.sum())
+    N, n_choice = comm.counts(n_here, int(choice.sum()))
     d_pol = max(n_choice, 1) if mode == "critic_only_choice_mean" else N
     acc.rows += N
     acc.choice_rows += n_choice
-    for s in range(0, N, ppo.minibatch_size):
+    for s in range(0, n_here, ppo.minibatch_size):
         # sorted inside the minibatch (locality for the buffer's gather; a sum does not care), so
         # data.gather returns rows in idx's order and labels line up with rows
         idx = np.sort(order[s:s + ppo.minibatch_size])
@@ -1569,21 +1678,25 @@ def unfilled_empty_tensors() -> Iterator[None]:
 
 def _epochs(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer, data: Any,
             ppo: "PPOArgs", acc: _Acc, perm0: np.ndarray, *, ent_coef: float, ent_coef_noop: float,
-            master_seed: int, iteration: int, debug: bool) -> int:
-    """ppo_update's passes: each batch's summed gradient, clipped per optimizer, then one step of
-    each. Returns the steps taken."""
+            master_seed: int, iteration: int, debug: bool, comm: Comm) -> int:
+    """ppo_update's passes: each batch's summed gradient (summed over the ranks too), clipped per
+    optimizer, then one step of each. Returns the steps taken."""
     pa, pc = ac.actor_parameters(), ac.critic_parameters()
     steps = 0
+    # every rank runs as many batches as the fullest one, an emptier rank's extra batches adding
+    # zero gradient, so no collective waits on a rank that has stopped calling it
+    n_batches = int(comm.most(-(-data.n // ppo.batch_size)))
     for e in range(ppo.n_epochs):
         perm = perm0 if e == 0 else \
             derive_generator(master_seed, f"ppo/minibatch/iteration/{iteration}/epoch/{e}").permutation(data.n)
-        for start in range(0, data.n, ppo.batch_size):
+        for start in range(0, n_batches * ppo.batch_size, ppo.batch_size):
             opt_actor.zero_grad(set_to_none=True)
             opt_critic.zero_grad(set_to_none=True)
             accumulate_batch(ac, data, perm[start:start + ppo.batch_size], ppo, ent_coef, ent_coef_noop, acc,
-                             epoch=e, debug=debug)
+                             epoch=e, debug=debug, comm=comm)
             _ensure_grads(pa)
             _ensure_grads(pc)
+            comm.grads(pa + pc)
             gna = nn.utils.clip_grad_norm_(pa, ppo.max_grad_norm)   # returns the PRE-clip norm
             gnc = nn.utils.clip_grad_norm_(pc, ppo.max_grad_norm)
             if not bool(torch.isfinite(gna) & torch.isfinite(gnc)):  # one sync per optimizer step
@@ -1600,7 +1713,7 @@ def _epochs(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch
 def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer, data: Any,
                ppo: "PPOArgs", *, ent_coef: float, ent_coef_noop: float, master_seed: int, iteration: int,
                debug: bool, check_ratio: bool, ratio_atol: float,
-               ratio_outliers: list[dict[str, Any]] | None = None) -> dict[str, float]:
+               ratio_outliers: list[dict[str, Any]] | None = None, comm: Comm = SOLO) -> dict[str, float]:
     """n_epochs passes over data in batches of ppo.batch_size (the last one smaller, never
     dropped), one optimizer step per batch, each optimizer's gradient clipped on its own.
     The permutation comes from ppo/minibatch/iteration/{i}/epoch/{e} (design 2.2). ratio_outliers:
@@ -1610,9 +1723,11 @@ def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: to
     before_a, before_c = _flat(pa), _flat(pc)
     perm0 = derive_generator(master_seed, f"ppo/minibatch/iteration/{iteration}/epoch/0").permutation(data.n)
     with unfilled_empty_tensors():
-        acc.ratio_dev = ratio_invariant(ac, data, perm0, ppo.minibatch_size, check_ratio, ratio_atol, ratio_outliers)
+        acc.ratio_dev = comm.most(ratio_invariant(ac, data, perm0, ppo.minibatch_size, check_ratio, ratio_atol,
+                                                  ratio_outliers))   # the worst rank's: its alarm halts
         steps = _epochs(ac, opt_actor, opt_critic, data, ppo, acc, perm0, ent_coef=ent_coef, ent_coef_noop=ent_coef_noop,
-                        master_seed=master_seed, iteration=iteration, debug=debug)
+                        master_seed=master_seed, iteration=iteration, debug=debug, comm=comm)
+    acc.reduce(comm)
     s = {k: float(v) for k, v in acc.s.items()}
     nc = max(acc.choice_rows, 1)
     ga, gc = torch.stack(acc.grad_norm_actor), torch.stack(acc.grad_norm_critic)
@@ -1754,14 +1869,19 @@ def train(args: Args, *, max_iterations: int | None = None, quiet: bool = False,
     the farm's episode ordinals and the ladder are restored. The process-wide determinism settings
     are put back on the way out, so a caller in the same process (a test, checks.py) keeps its own."""
     check_consistency(args)   # design 1.3: an Args built in code is held to the rules the command line is
-    with process_settings_kept():
-        return _train(args, max_iterations, quiet, resume, allow_identity_drift)
+    comm = open_comm(args)    # torchrun's ranks, or SOLO (design 3.10)
+    try:
+        with process_settings_kept():
+            return _train(args, max_iterations, quiet, resume, allow_identity_drift, comm)
+    finally:
+        close_comm(comm)
 
 
-def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | None, allow_drift: bool) -> Path:
+def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | None, allow_drift: bool,
+           comm: Comm) -> Path:
     t_start = time.perf_counter()
     # -- set up, once: the env read, the network, the gates, the run directory, the ladder, the farm --
-    env, learner, run, lad, opening, source, view = set_up(args, quiet, resume, allow_drift, t_start)
+    env, learner, run, lad, opening, source, view = set_up(args, quiet, resume, allow_drift, t_start, comm)
     first = learner.iteration
     run.announce(env)
     try:
@@ -1789,25 +1909,34 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
             check_rollout(roll, crit, env, args)
             # 4. advantages: scale the rewards, one GAE scan, standardise once (design 6.1, 6.2)
             run.phase = "learn"   # the scaler, the weights and the optimizers change from here on
-            if not roll.trainable.any():   # every learner cell lost to dead workers (design 3.7)
+            if not comm.counts(int(roll.trainable.sum()))[0]:   # every learner cell lost to dead workers (design 3.7)
                 adv, upd = no_update(roll)
             else:
-                adv = advantages(learner.scaler, roll, crit, sched["gamma"], args)
+                adv = advantages(learner.scaler, roll, crit, sched["gamma"], args, comm)
                 # 5. the PPO update over the trainable cells, then the kl backoff (design 6.3)
                 upd = update(learner, view, roll, crit, adv, sched, args)
+            # under torchrun every rank now holds the same weights, or the run stops naming the rank;
+            # rank 0, the one voice, takes every rank's episodes for the ladder and the row (design 3.10)
+            same_weights(comm, learner)
+            roll.episodes = every_episode(comm, roll.episodes, env.n_battles)
             learner.advance(sched, env, roll, upd)
-            # 6. the ladder's share: train results, gate, floor admit, refit, probe (design 7)
-            lad_row = ladder_step(lad, learner, roll.episodes, env, args, quiet)
-            # 7. record: the row, the episodes, the alarms; a halt saves and stops; a checkpoint on
-            #    its cadence (design 9, 8)
-            row = metric_row(args, env, learner, run, lad, roll, crit, adv, upd, lad_row)
-            run.phase = "boundary"
-            fired = run.record(row, roll.episodes)
-            halt_if_asked(run, learner, source, lad, fired, upd["outliers"])
-            ctl = read_control(run.path, quiet) or run.stop.asked   # Ctrl-C, SIGTERM: as "q"
-            if checkpoint_due(learner, env, args, ctl, lad_row):
+            verdict = Verdict()
+            if comm.voice:
+                # 6. the ladder's share: train results, gate, floor admit, refit, probe (design 7)
+                lad_row = ladder_step(lad, learner, roll.episodes, env, args, quiet)
+                # 7. record: the row, the episodes, the alarms; then what happens next: a halt saves
+                #    and stops, a checkpoint on its cadence, a stop asked for (design 9, 8)
+                row = metric_row(args, env, learner, run, lad, roll, crit, adv, upd, lad_row)
+                run.phase = "boundary"
+                halts = [(a, v) for a, v in run.record(row, roll.episodes) if a.severity == "halt"]
+                ctl = "" if halts else read_control(run.path, quiet) or run.stop.asked   # Ctrl-C, SIGTERM: "q"
+                verdict = Verdict(halts, checkpoint_due(learner, env, args, ctl, lad_row), ctl == "q", lad.shared())
+            verdict = comm.share(verdict)   # every rank acts on rank 0's decisions
+            lad.follow(verdict.pool)
+            halt_if_asked(run, learner, source, lad, verdict.halts, upd["outliers"])
+            if verdict.save:
                 run.timed_save(learner, boundary_now(source, lad))
-            if ctl == "q":
+            if verdict.stop:
                 run.say_stopped(learner)   # where it stopped, and the resume command
                 break
         if run.last_saved != learner.env_steps:   # the limit: save on the way out unless the last save holds it
@@ -1837,6 +1966,65 @@ def process_settings_kept() -> Iterator[None]:
         torch.set_num_threads(saved[1])
 
 
+def open_comm(args: Args) -> Comm:
+    """Under torchrun (it sets LOCAL_RANK, RANK, WORLD_SIZE and the rendezvous) join its process
+    group: NCCL on CUDA, gloo on CPU, each rank on one device, cuda:LOCAL_RANK. A plain
+    `python ppo_clash.py` gets SOLO and touches nothing of torch.distributed (design 3.10)."""
+    if "LOCAL_RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return SOLO
+    if args.net.device not in ("cpu", "cuda"):
+        raise ConfigError(f"--net.device {args.net.device}: under torchrun each rank takes its own device; "
+                          "use cuda (rank r gets cuda:LOCAL_RANK) or cpu")
+    import torch.distributed as dist
+    cuda = resolve_device(args).type == "cuda"
+    local = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local)   # "cuda" means this rank's device from here on
+    backend = "nccl" if cuda else "gloo"
+    # the longest any rank waits is rank 0's gate on its evaluation farm (about 4 minutes on the cpu
+    # profile [M: docs/running.md section 6]); NCCL's own default, 10 minutes, would end the job
+    # during a larger profile's gate. A failed rank does not wait this out: torchrun stops the rest.
+    import datetime
+    dist.init_process_group(backend, timeout=datetime.timedelta(hours=1))
+    return Comm(torch.device("cuda", local) if cuda else "cpu", True, dist.get_rank(), dist.get_world_size(), backend)
+
+
+def close_comm(comm: Comm) -> None:
+    if comm.on:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+
+
+class RanksDiverged(RuntimeError):
+    """Two torchrun ranks hold different learners after an update: names the ranks and the iteration."""
+
+
+def same_weights(comm: Comm, learner: Learner) -> None:
+    """Every rank's state_digest (weights, optimizer moments, scaler, positions) equal after the
+    update, checked every iteration: summed gradients and statistics keep them equal, and this
+    says so rather than trusting it (design 3.10)."""
+    if not comm.on:
+        return
+    digests = comm.everyone(learner.digest())
+    bad = [r for r, d in enumerate(digests) if d != digests[0]]
+    if bad:
+        raise RanksDiverged(f"after iteration {learner.iteration + 1}'s update rank(s) {bad} hold state_digest "
+                            f"{[digests[r][:16] for r in bad]}, rank 0 {digests[0][:16]}: the ranks' learners "
+                            f"diverged (a reduction missed, or a rank-local decision); the last checkpoint resumes")
+
+
+def every_episode(comm: Comm, episodes: list[Any], n_battles: int) -> list[Any]:
+    """Rank 0 gets every rank's finished episodes, in rank order, each battle numbered in the job
+    (rank r's battle b is battle r x n_battles + b), so episodes.jsonl reads as one farm's; the
+    other ranks keep none (they write nothing)."""
+    if not comm.on:
+        return episodes
+    got = comm.everyone(episodes)
+    if not comm.voice:
+        return []
+    return [msgspec.structs.replace(e, battle=e.battle + r * n_battles) for r, eps in enumerate(got) for e in eps]
+
+
 class Setup(NamedTuple):
     """What train() builds once, before its first iteration, and the loop reads."""
     env: Env
@@ -1849,16 +2037,28 @@ class Setup(NamedTuple):
 
 
 def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: bool = False,
-           t_start: float | None = None) -> Setup:
-    """Everything train() does once, in order (design 10.1); checks.py bench builds its rig with it."""
+           t_start: float | None = None, comm: Comm = SOLO) -> Setup:
+    """Everything train() does once, in order (design 10.1); checks.py bench builds its rig with it.
+    Under torchrun rank 0 opens the run and its ladder first; the other ranks then follow it."""
     apply_determinism(args)                   # design 2.1: before the first tensor exists
-    env = read_env(args)                      # geometry, codec table and T x R, read off a reset env
-    learner = Learner(args, env)              # the network, its optimizers, scaler, backoff, positions
-    env.mask_disagreements = run_startup_gates(args, env, learner.model, quiet)   # design 3.8: refuse
-    run = open_run(args, env, learner, resume, allow_drift, quiet,            # identity; a resume restores
-                   time.perf_counter() if t_start is None else t_start)
-    lad = LadderLoop(args, run.path, run.rid, args.master_seed, env.n_battles, env.spec, env.table, env.device)
-    opening = start_ladder(lad, run, learner, env)   # v0 admitted free, or the checkpoint's pool
+    env = read_env(args, comm)                # geometry, codec table and T x R, read off a reset env
+    learner = Learner(args, env, comm)        # the network, its optimizers, scaler, backoff, positions
+    env.mask_disagreements = run_startup_gates(args, env, learner.model, quiet or not comm.voice)   # design 3.8
+    t0 = time.perf_counter() if t_start is None else t_start
+    if comm.voice:
+        run = open_run(args, env, learner, resume, allow_drift, quiet, t0)    # identity; a resume restores
+        lad = LadderLoop(args, run.path, run.rid, args.master_seed, env.n_battles, env.spec, env.table, env.device,
+                         env.seed)
+        opening = start_ladder(lad, run, learner, env)   # v0 admitted free, or the checkpoint's pool
+        comm.share((str(run.path), run.rid, run.identity, lad.shared()))
+    else:
+        path, rid, identity, shared = comm.share(None)   # after rank 0 wrote the run, its seeds and v0
+        run = follow_run(args, env, learner, Path(path), rid, identity, resume, quiet, t0, comm.rank)
+        lad = LadderLoop(args, run.path, rid, args.master_seed, env.n_battles, env.spec, env.table, env.device,
+                         env.seed, voice=False)
+        opening = lad.load(run.ladder_saved) if run.ladder_saved is not None else None
+        lad.follow(shared)
+    lad.join(comm)
     source = open_farm(args, env, run.start_ordinals, lad.assign, run.start_generations, run.start_in_flight)
     view = RectView(source.rect, env, args.obs.frame_stack)
     view.resume(run.start_in_flight or [])   # the battles the farm re-simulated are mid-episode
@@ -1891,13 +2091,26 @@ class Env:
     T: int                    # cycles an iteration
     learner_rows: int         # learner seats a cycle
     n_shards: int             # shard-rounds a cycle: workers x shards_per_worker
+    seed: int                 # the master seed of this rank's battles, acting and matchmaking
+    world: int = 1            # ranks: under torchrun each collects T x n_battles game-steps an iteration
+    rank: int = 0             # this process's rank (0: the one voice)
+    backend: str = ""         # the process group's ("gloo", "nccl"); "" for one process
     mask_disagreements: int = 0   # the start-up gate's count of mask-vs-engine disagreements
 
+    @property
+    def game_steps(self) -> int:
+        """Game-steps an iteration, every rank's battles together: what the schedules, cadences
+        and the budget count (design 1.3)."""
+        return self.T * self.n_battles * self.world
 
-def read_env(args: Args) -> Env:
+
+def read_env(args: Args, comm: Comm = SOLO) -> Env:
     """Build one env, reset it, and read off it everything the run needs: the codec table, the
     network's geometry, the engine's digests; then size the rectangle (T cycles of R slots) so an
-    iteration holds ppo.timesteps_per_iteration learner rows."""
+    iteration holds ppo.timesteps_per_iteration learner rows (a rank's: the profile's rollout
+    numbers are per rank). Under torchrun rank r's battles, acting uniforms and matchmaking draw
+    from master seed derive_int(master_seed, "rank/{r}"): the rank is in every stream's path, so
+    no two ranks play the same battle (design 3.10)."""
     device = resolve_device(args)
     k, seed = args.obs.frame_stack, args.master_seed
     spec = farm.default_env_spec(reveal_spell_aim="enemy_spell_aim" in args.obs.reveal,
@@ -1928,7 +2141,9 @@ def read_env(args: Args) -> Env:
                      royalegym_version=_pkg_version("royalegym"))
     return Env(spec=spec, table=table, statics=statics, geo=geo, facts=facts, device=device, n_battles=n_battles,
                R=2 * n_battles, T=-(-args.ppo.timesteps_per_iteration // learner_rows), learner_rows=learner_rows,
-               n_shards=args.rollout.workers * args.rollout.shards_per_worker)
+               n_shards=args.rollout.workers * args.rollout.shards_per_worker,
+               seed=derive_int(seed, f"rank/{comm.rank}") if comm.on else seed, world=comm.world, rank=comm.rank,
+               backend=comm.backend)
 
 
 class Learner:
@@ -1937,7 +2152,8 @@ class Learner:
     iterations, game-steps, learner timesteps, optimizer steps, and the schedule values the last
     iteration used (None until an iteration completes in this process)."""
 
-    def __init__(self, args: Args, env: Env) -> None:
+    def __init__(self, args: Args, env: Env, comm: Comm = SOLO) -> None:
+        self.comm = comm    # the ranks the update sums over (design 3.10); SOLO for one process
         self.model = ActorCritic(env.geo, args.net, args.master_seed).to(env.device)
         self.opt_a, self.opt_c = make_optimizers(self.model, args.ppo)
         self.scaler = WelfordReturnScaler(args.advantage.standardize_rewards, args.advantage.reward_clip)
@@ -1953,8 +2169,8 @@ class Learner:
     def advance(self, sched: dict[str, float], env: Env, roll: Rollout, upd: dict[str, Any]) -> None:
         """The positions after an iteration's update."""
         self.iteration += 1
-        self.env_steps += env.T * env.n_battles
-        self.timesteps += int(roll.trainable.sum())
+        self.env_steps += env.game_steps
+        self.timesteps += self.comm.counts(int(roll.trainable.sum()))[0]   # every rank's rows
         self.updates += int(upd["ppo/optimizer_steps"])
         self.sched = dict(sched)
 
@@ -2012,12 +2228,13 @@ def open_farm(args: Args, env: Env, start_ordinals: list[int] | None, assign: An
               start_generations: list[int] | None = None, start_in_flight: list[Any] | None = None) -> Any:
     """The farm of workers (process) or its byte-identical reference (inline), T cycles deep."""
     r = args.rollout
-    cfg = farm.FarmConfig(env=env.spec, master_seed=args.master_seed, workers=r.workers,
+    cfg = farm.FarmConfig(env=env.spec, master_seed=env.seed, workers=r.workers,
                           shards_per_worker=r.shards_per_worker, games_per_worker=r.games_per_worker,
                           cycles=env.T, frame_stack=args.obs.frame_stack, spin_us=r.spin_us,
                           round_timeout_s=r.round_timeout_s, launch_delay_s=r.launch_delay_s,
                           max_restarts_per_worker=r.max_restarts_per_worker,
-                          viewer=r.source == "process" and args.metrics.viser, start_ordinals=start_ordinals,
+                          viewer=r.source == "process" and args.metrics.viser and env.rank == 0,
+                          start_ordinals=start_ordinals,
                           start_generations=start_generations, start_in_flight=start_in_flight or None)
     return (farm.InlineFarm if r.source == "inline" else farm.ProcessFarm)(cfg, env.table, assign)
 
@@ -2146,7 +2363,7 @@ def collect(source: Any, view: RectView, model: ActorCritic, lad: LadderLoop, en
     roll = Rollout.empty(T, R)
     for t in range(T + 1):
         run.between_cycles(iteration + 1, t, T, roll.rounds, time.perf_counter() - t_it)
-        u = torch.as_tensor(derive_generator(run.args.master_seed, f"act/iteration/{iteration}/cycle/{t}").random(R),
+        u = torch.as_tensor(derive_generator(env.seed, f"act/iteration/{iteration}/cycle/{t}").random(R),
                             dtype=torch.float32, device=env.device)
         for _ in range(env.n_shards):
             rnd = source.next_round()
@@ -2186,7 +2403,7 @@ def tend_workers(source: Any, run: Run, failures: list[Any], before_plan: bool =
     r = run.args.rollout
     for w in sorted({f.worker for f in failures}):
         g, mine = int(source.generation[w]), [f for f in failures if f.worker == w]
-        path = run.path / f"worker-{w}-generation-{g}.txt"
+        path = run.path / f"{f'rank-{run.rank}-' if run.rank else ''}worker-{w}-generation-{g}.txt"
         with path.open("a") as fh:
             for f in mine:
                 fh.write(f"--- {ladder.utc_now()} worker {w} generation {g}, shard {f.shard}, cycle {f.cycle}: "
@@ -2198,7 +2415,7 @@ def tend_workers(source: Any, run: Run, failures: list[Any], before_plan: bool =
                 if not run.quiet:   # the worker_failures alarm points the reader at this line
                     lost = "before this iteration's plan, no cell lost" if before_plan else \
                         "its cells this iteration dropped"
-                    print(f"worker {w} (generation {g}) failed ({mine[0].kind}, shard {mine[0].shard}, cycle "
+                    print(f"{f'rank {run.rank} ' if run.rank else ''}worker {w} (generation {g}) failed ({mine[0].kind}, shard {mine[0].shard}, cycle "
                           f"{mine[0].cycle}): restarted as generation {g + 1}, {lost}; what it said is in {path}",
                           flush=True)
                 continue
@@ -2311,15 +2528,18 @@ class Advantages(NamedTuple):
     seconds: float
 
 
-def advantages(scaler: WelfordReturnScaler, roll: Rollout, crit: Critic, gamma: float, args: Args) -> Advantages:
+def advantages(scaler: WelfordReturnScaler, roll: Rollout, crit: Critic, gamma: float, args: Args,
+               comm: Comm = SOLO) -> Advantages:
     """Rewards divided by the running std of raw returns (design 6.2), GAE in one backward scan
     over the rectangle (design 6.1), then one standardisation over the cells the update reads:
-    every trainable cell, or under critic_only_choice_mean the choice cells alone (design 6.5)."""
+    every trainable cell, or under critic_only_choice_mean the choice cells alone (design 6.5).
+    Under torchrun the scaler and the standardisation read every rank's cells (design 3.10); the
+    row's statistics (explained variance, the choice cells' advantage) are this rank's."""
     t0 = time.perf_counter()
     T = roll.action.shape[0]
     trainable = roll.trainable
     rewards = np.where(roll.valid, roll.scalars["reward"], 0.0).astype(np.float64)
-    scaler.update(discounted_return_per_episode(rewards, roll.terminated | roll.truncated, gamma)[trainable])
+    scaler.update(discounted_return_per_episode(rewards, roll.terminated | roll.truncated, gamma)[trainable], comm)
     rew_scaled, reward_clip_frac = scaler.scale(rewards)
     vals_t = torch.as_tensor(crit.values, dtype=torch.float32)
     adv, ret = gae(torch.as_tensor(rew_scaled), vals_t, torch.as_tensor(crit.final_values),
@@ -2333,8 +2553,8 @@ def advantages(scaler: WelfordReturnScaler, roll: Rollout, crit: Critic, gamma: 
                  vals_t[:T][torch.as_tensor(choice)], ret[torch.as_tensor(choice)]) if pre.size > 1 else None}
     ev = explained_variance(vals_t[:T][torch.as_tensor(trainable)], ret[torch.as_tensor(trainable)])
     cells = choice if args.ppo.forced_rows == "critic_only_choice_mean" else trainable
-    if args.ppo.advantage_standardization and cells.sum() > 1:
-        adv_np = standardize_advantages(adv_np, cells)
+    if args.ppo.advantage_standardization and comm.counts(int(cells.sum()))[0] > 1:
+        adv_np = standardize_advantages(adv_np, cells, comm)
     return Advantages(adv_np, ret.numpy(), stats, ev, reward_clip_frac, time.perf_counter() - t0)
 
 
@@ -2348,7 +2568,7 @@ def no_update(roll: Rollout) -> tuple[Advantages, dict[str, Any]]:
     adv = Advantages(zero, zero, {"ppo/advantage_std_choice_pre_norm": None, "ppo/advantage_mean_choice": None,
                                   "ppo/explained_variance_choice": None}, None, 0.0, 0.0)
     return adv, {"ppo/optimizer_steps": 0.0, "ppo/actor_rows_seen": 0.0, "run/lr_backoff": False,
-                 "time/update": 0.0, "outliers": []}
+                 "time/update": 0.0, "outliers": [], "trainable_rows": 0}
 
 
 def update(learner: Learner, view: RectView, roll: Rollout, crit: Critic, adv: Advantages,
@@ -2366,12 +2586,13 @@ def update(learner: Learner, view: RectView, roll: Rollout, crit: Critic, adv: A
     upd: dict[str, Any] = ppo_update(learner.model, learner.opt_a, learner.opt_c, data, p, ent_coef=sched["ent_coef"],
                                      ent_coef_noop=sched["ent_coef_noop"], master_seed=args.master_seed, iteration=it,
                                      debug=debug, check_ratio=debug or it % p.check_ratio_invariant_every == 0,
-                                     ratio_atol=ratio_atol(args), ratio_outliers=outliers)
+                                     ratio_atol=ratio_atol(args), ratio_outliers=outliers, comm=learner.comm)
     upd["run/lr_backoff"] = learner.backoff.observe(upd["ppo/kl"])
     if upd["run/lr_backoff"]:
         learner.backoff.apply(learner.opt_a, learner.opt_c)
     upd["time/update"] = time.perf_counter() - t0
     upd["outliers"] = outliers
+    upd["trainable_rows"] = learner.comm.counts(data.n)[0]   # every rank's, as actor_rows_seen counts
     return upd
 
 
@@ -2424,25 +2645,36 @@ def ladder_step(lad: LadderLoop, learner: Learner, episodes: list[Any], env: Env
     row.update(ladder.role_count_metrics(
         [farm.Assignment(battle=b, ordinal=o, role={"mirror": farm.ROLE_MIRROR, "pool": farm.ROLE_POOL}.get(
             e.bucket, farm.ROLE_SCRIPTED), opponent_id=None, group=(-1, -1), learner_seat=-1)
-         for (b, o), e in sorted(ended.items())], lad.mm.roles))
+         for (b, o), e in sorted(ended.items())], lad.job_roles))
     return row
 
 
 # 7. Record: the halt, the control file and the checkpoint cadence.
 
-def halt_if_asked(run: Run, learner: Learner, source: Any, lad: LadderLoop, fired: list[tuple[Alarm, float]],
+class Verdict(NamedTuple):
+    """What rank 0 decided at the end of an iteration, which every rank then acts on (design 3.10):
+    the halting alarms that fired, whether to checkpoint, whether to stop, and the ladder's pool
+    and ratings (LadderLoop.shared). One process decides and acts on it in the same place."""
+    halts: list[tuple[Alarm, float]] = []
+    save: bool = False
+    stop: bool = False
+    pool: Any = None
+
+
+def halt_if_asked(run: Run, learner: Learner, source: Any, lad: LadderLoop, halts: list[tuple[Alarm, float]],
                   outliers: list[dict[str, Any]]) -> None:
     """A halting alarm stops the run after its row is on disk, with a checkpoint of the learner
     the row describes and a diagnostic bundle beside it (design 9.4)."""
-    halts = [(a, v) for a, v in fired if a.severity == "halt"]
     if not halts:
         return
     ck = save_checkpoint(run, learner, boundary_now(source, lad))
     (alarm, value), it = halts[0], learner.iteration
+    if not run.voice:
+        raise AlarmHalt(f"halted at iteration {it} by {alarm.name}: rank 0 says why")
     bundle = write_bundle(run.path, it, alarm, value, run.tail, ck, run.args, run.identity, episodes=run.ep_tail,
                           alarm_rows=run.alarm_rows, ratio_outliers=outliers)
     raise AlarmHalt(f"halted at iteration {it} by {alarm.name} ({alarm.key} = {value:.4g}); checkpoint {ck}; "
-                    f"bundle {bundle}; resume: python ppo_clash.py --resume {run.path} --checkpoint {ck}")
+                    f"bundle {bundle}; resume: {resume_command(run.path, learner.comm.world)} --checkpoint {ck}")
 
 
 def read_control(run: Path, quiet: bool) -> str:
@@ -2467,7 +2699,7 @@ def checkpoint_due(learner: Learner, env: Env, args: Args, ctl: str, lad_row: di
     """On the every_env_steps cadence, when the control file asks, and after every gate whatever it
     decided (design 7.4), so a candidate's learner can always be resumed."""
     every, step = max(args.checkpoint.every_env_steps, 1), learner.env_steps
-    return step // every > (step - env.T * env.n_battles) // every or ctl in ("c", "q") or "time/gate" in lad_row
+    return step // every > (step - env.game_steps) // every or ctl in ("c", "q") or "time/gate" in lad_row
 
 
 def emergency_save(run: Run, learner: Learner, source: Any, lad: LadderLoop, exc: BaseException) -> Path | None:
@@ -2476,6 +2708,8 @@ def emergency_save(run: Run, learner: Learner, source: Any, lad: LadderLoop, exc
     saved boundary) or after the row, never halfway through an update. The save must not hide
     the original failure. Returns the checkpoint written, or None."""
     if isinstance(exc, AlarmHalt) or learner.sched is None or run.phase == "learn" or run.last_saved == learner.env_steps:
+        return None
+    if learner.comm.on:   # every rank's farm would have to answer, and a failed rank cannot (design 3.10)
         return None
     try:
         return save_checkpoint(run, learner, run.boundary if run.phase == "collect" else boundary_now(source, lad))
@@ -2496,8 +2730,8 @@ class RunCrashed(RuntimeError):
 def crash_line(run: Run, learner: Learner, exc: BaseException, saved: Path | None) -> str:
     """The full traceback appended to <run>/crash-iteration-<k>.txt (k the iteration in flight;
     appended, so a second crash there loses nothing), and the one line that names it."""
-    k = learner.iteration + 1
-    path = run.path / f"crash-iteration-{k}.txt"
+    k, comm = learner.iteration + 1, learner.comm
+    path = run.path / (f"crash-iteration-{k}-rank-{comm.rank}.txt" if comm.on else f"crash-iteration-{k}.txt")
     with path.open("a") as f:
         f.write(f"--- {ladder.utc_now()} iteration {k}, phase {run.phase}\n"
                 + "".join(traceback.format_exception(exc)))
@@ -2505,9 +2739,9 @@ def crash_line(run: Run, learner: Learner, exc: BaseException, saved: Path | Non
     said = (str(exc).strip().splitlines() or [""])[0]
     last = saved or latest_checkpoint(run.path)
     kept = None if last is None else f"emergency checkpoint {last}" if saved else f"the last checkpoint is {last}"
-    resume = (f"{kept}; resume: python ppo_clash.py --resume {run.path}" if kept else
+    resume = (f"{kept}; resume: {resume_command(run.path, comm.world)}" if kept else
               "no checkpoint yet: start the run again with the same command")
-    return (f"{what} in iteration {k} ({run.phase}): {type(exc).__name__}"
+    return (f"{f'rank {comm.rank} ' if comm.on else ''}{what} in iteration {k} ({run.phase}): {type(exc).__name__}"
             f"{': ' + said if said else ''}; full traceback in {path}; {resume}")
 
 
@@ -2603,6 +2837,8 @@ class RunIdentity(msgspec.Struct, frozen=True, omit_defaults=True):
     torch_version: str
     device_kind: str
     user_code: dict[str, str] | None = None
+    world_size: int = 1        # torchrun's ranks (design 3.10); one process leaves both out of the id
+    backend: str = ""
 
 
 class EnvFacts(msgspec.Struct, frozen=True):
@@ -2695,7 +2931,8 @@ def ladder_digest(args: Args, eval_seed_set_sha: str) -> str:
 
 
 def make_identity(args: Args, facts: EnvFacts, *, arch: str, T: int, R: int, device: torch.device | str,
-                  eval_seed_set_sha: str = "", user_code: dict[str, str] | None = None) -> RunIdentity:
+                  eval_seed_set_sha: str = "", user_code: dict[str, str] | None = None, world_size: int = 1,
+                  backend: str = "") -> RunIdentity:
     return RunIdentity(
         format_version=IDENTITY_FORMAT, harness_version="clash-ppo 0.1.0", harness_git="not recorded",
         royalegym_version=facts.royalegym_version, royalegym_git=facts.royalegym_git,
@@ -2705,7 +2942,7 @@ def make_identity(args: Args, facts: EnvFacts, *, arch: str, T: int, R: int, dev
         algo_digest=algo_digest(args), rollout_digest=rollout_digest(args, T, R),
         ladder_digest=ladder_digest(args, eval_seed_set_sha), master_seed=args.master_seed,
         determinism_tier=args.determinism.tier, torch_version=str(torch.__version__), device_kind=device_kind(device),
-        user_code=user_code)
+        user_code=user_code, world_size=world_size, backend=backend)
 
 
 def run_id(identity: RunIdentity) -> str:
@@ -2713,8 +2950,12 @@ def run_id(identity: RunIdentity) -> str:
 
 
 def identity_diff(a: RunIdentity, b: RunIdentity) -> list[str]:
-    """Every differing field, named (a resume refuses on any, design 2.4)."""
-    return dict_diff(msgspec.to_builtins(a), msgspec.to_builtins(b))
+    """Every differing field, named (a resume refuses on any, design 2.4); a field left out of the
+    id at its default (world_size 1) is compared at that default."""
+    def full(x: RunIdentity) -> dict[str, Any]:
+        d = msgspec.to_builtins(x)
+        return {f: d.get(f, getattr(x, f)) for f in x.__struct_fields__}
+    return dict_diff(full(a), full(b))
 
 
 def compute_identity(args: Args, env: Env) -> RunIdentity:
@@ -2723,7 +2964,8 @@ def compute_identity(args: Args, env: Env) -> RunIdentity:
     alone, so its sha enters ladder_digest before the run directory exists."""
     seed_sha = ladder.draw_eval_seeds(args.master_seed, args.ladder.eval_seed_count).sha256
     return make_identity(args, env.facts, arch=arch_digest(env.geo, args.net), T=env.T, R=env.R,
-                         device=env.device, eval_seed_set_sha=seed_sha, user_code=user_code_digest())
+                         device=env.device, eval_seed_set_sha=seed_sha, user_code=user_code_digest(),
+                         world_size=env.world, backend=env.backend)
 
 
 # Start-up gates (design 3.8): what must hold of this engine and this configuration before a run
@@ -3024,6 +3266,11 @@ def open_run(args: Args, env: Env, learner: Learner, resume: Path | None, allow_
     path = Path(resume).parent.parent
     man, files = read_checkpoint(Path(resume))
     diff = identity_diff(msgspec.convert(man.identity, RunIdentity), identity)
+    ranks = [d for d in diff if d.startswith(("world_size:", "backend:"))]
+    if ranks:   # a checkpoint holds one farm a rank: no drift flag can give a rank its battles (design 3.10)
+        raise IdentityMismatch(f"refusing to resume {resume}: {'; '.join(ranks)}. A checkpoint resumes with the "
+                               f"world size and backend it was saved with, even under --allow-identity-drift: "
+                               f"{resume_command(path, msgspec.convert(man.identity, RunIdentity).world_size)}")
     if diff and not allow_drift:
         raise IdentityMismatch(f"refusing to resume {resume}: the identity differs in {len(diff)} field(s): "
                                + "; ".join(diff) + ". Undo the change, or pass --allow-identity-drift "
@@ -3035,16 +3282,54 @@ def open_run(args: Args, env: Env, learner: Learner, resume: Path | None, allow_
     learner.restore(files)
     if not quiet:
         print(f"resumed {resume} at iteration {learner.iteration}; state_digest {man.state_digest[:16]}")
-    rollout = json.loads(files["rollout/state.json"])
-    ordinals = rollout["ordinals"]
-    for line in cut_back(path, man, ordinals):   # after every refusal above: a refused resume moves nothing
+    saved = saved_boundary(files, 0)
+    for line in cut_back(path, man, saved["start_ordinals"]):   # after every refusal above: a refused resume moves nothing
         print(line)
     return Run(args, path, identity, man.run_id, quiet, t_start, drifted=(path / "drift.json").exists(),
-               start_ordinals=ordinals, start_generations=rollout.get("generations"),   # absent: generation 0
-               # absent (an older checkpoint): its battles start their episodes again
-               start_in_flight=msgspec.json.decode(files.get("rollout/in_flight.json", b"[]"), type=list[farm.InFlight]),
-               ladder_saved=json.loads(files["ladder/state.json"]) if "ladder/state.json" in files else None,
-               last_saved=learner.env_steps)
+               last_saved=learner.env_steps, **saved)
+
+
+def resume_command(run: Path, world: int) -> str:
+    """The command that continues a run: under torchrun with its own world size (design 3.10)."""
+    launch = f"torchrun --nproc-per-node {world}" if world > 1 else "python"
+    return f"{launch} ppo_clash.py --resume {run}"
+
+
+def rank_file(name: str, rank: int) -> str:
+    """Where rank r's part of the boundary lies in a checkpoint: rank 0's at its one-process name,
+    rank r's under rank-<r>/ (design 3.10)."""
+    return name if rank == 0 else f"rank-{rank}/{name}"
+
+
+def saved_boundary(files: dict[str, bytes], rank: int) -> dict[str, Any]:
+    """A rank's farm and matchmaker as its checkpoint left them: the Run's start_* arguments."""
+    rollout = json.loads(files[rank_file("rollout/state.json", rank)])
+    ladder_state = files.get(rank_file("ladder/state.json", rank))
+    return {"start_ordinals": rollout["ordinals"],
+            "start_generations": rollout.get("generations"),   # absent: generation 0
+            # absent (an older checkpoint): its battles start their episodes again
+            "start_in_flight": msgspec.json.decode(files.get(rank_file("rollout/in_flight.json", rank), b"[]"),
+                                                   type=list[farm.InFlight]),
+            "ladder_saved": json.loads(ladder_state) if ladder_state is not None else None}
+
+
+def follow_run(args: Args, env: Env, learner: Learner, path: Path, rid: str, voice_identity: RunIdentity,
+               resume: Path | None, quiet: bool, t_start: float, rank: int) -> Run:
+    """A torchrun rank other than 0 (design 3.10): the run rank 0 opened (rank 0 has refused a
+    resume whose identity differs, world size included), written by rank 0 alone. Its own
+    identity must be rank 0's (the same code, packages and device kind on every node). A resume
+    restores this rank's learner, the same as every rank's, and its own farm and matchmaker."""
+    identity = compute_identity(args, env)
+    diff = identity_diff(voice_identity, identity)
+    if diff:
+        raise IdentityMismatch(f"rank {rank} is not running what rank 0 runs: {'; '.join(diff)}; every node needs "
+                               "the same code, packages and device kind")
+    if resume is None:
+        return Run(args, path, identity, rid, quiet, t_start, rank=rank)
+    _, files = read_checkpoint(Path(resume))
+    learner.restore(files)
+    return Run(args, path, identity, rid, quiet, t_start, rank=rank, last_saved=learner.env_steps,
+               **saved_boundary(files, rank))
 
 
 class Run:
@@ -3055,23 +3340,28 @@ class Run:
     def __init__(self, args: Args, path: Path, identity: RunIdentity, rid: str, quiet: bool, t_start: float, *,
                  drifted: bool = False, start_ordinals: list[int] | None = None,
                  ladder_saved: dict[str, Any] | None = None, last_saved: int = -1,
-                 start_generations: list[int] | None = None, start_in_flight: list[Any] | None = None) -> None:
+                 start_generations: list[int] | None = None, start_in_flight: list[Any] | None = None,
+                 rank: int = 0) -> None:
         self.args, self.path, self.identity, self.rid, self.quiet, self.t_start = args, path, identity, rid, quiet, t_start
         self.drifted, self.start_ordinals, self.ladder_saved, self.last_saved = drifted, start_ordinals, ladder_saved, last_saved
         self.start_generations, self.start_in_flight = start_generations, start_in_flight
-        self.files = {name: open(path / f"{name}.jsonl", "ab") for name in ("metrics", "episodes", "alarms")}
+        # a torchrun rank other than 0 opens no file and no sink: rank 0 writes the run (design 3.10)
+        self.rank, self.voice = rank, rank == 0
+        voice = self.voice
+        self.files = {name: open(path / f"{name}.jsonl", "ab") for name in ("metrics", "episodes", "alarms")
+                      if voice}
         # lines in each log, kept as rows are written, so a checkpoint records what it covers without
         # rereading the logs (design 8.1)
         self.lines = {name: count_lines(path / f"{name}.jsonl") for name in self.files}
         self.alarms = AlarmSet(alarm_table(args))
-        self.viser = ViserSink.from_env() if args.metrics.viser else None
+        self.viser = ViserSink.from_env() if args.metrics.viser and voice else None
         self.wandb = (WandbSink(args.metrics.wandb_project, path, json.loads(config_json(args)),
-                                msgspec.to_builtins(identity)) if args.metrics.wandb else None)
-        self.tb = TensorBoardSink(path) if args.metrics.tensorboard else None
+                                msgspec.to_builtins(identity)) if args.metrics.wandb and voice else None)
+        self.tb = TensorBoardSink(path) if args.metrics.tensorboard and voice else None
         self.tail: list[dict[str, Any]] = []      # the last fifty rows
         self.ep_tail: list[Any] = []              # the last twenty EpisodeRecords
         self.alarm_rows: list[dict[str, Any]] = []   # this iteration's alarms
-        if self.lines["metrics"]:
+        if self.lines.get("metrics"):
             # a resume: the rows on disk are the checkpoint's (cut_back ran), so replaying them
             # gives each alarm the patience count the unbroken run had, and a halt's bundle its tail
             rows = [json.loads(x) for x in (path / "metrics.jsonl").read_bytes().splitlines()]
@@ -3080,14 +3370,14 @@ class Run:
             self.tail = rows[-50:]
         self.phase, self.boundary = "boundary", Boundary([], {})
         self.stop: StopSignals | None = None   # installed when the loop starts (announce)
-        self.progress = not quiet and sys.stdout.isatty()   # a log file gets no progress lines
+        self.progress = not quiet and voice and sys.stdout.isatty()   # a log file gets no progress lines
         # time/iteration runs row to row, so the checkpoint written after a row lands in the next
         # row's split (t_ckpt)
         self.t_row, self.t_ckpt = time.perf_counter(), 0.0
 
     def announce(self, env: Env) -> None:
         a = self.args
-        if not self.quiet:
+        if not self.quiet and self.voice:
             horizon = credit_horizon_seconds(a.obs.decision_ms, a.advantage.gamma.value(0), a.advantage.gae_lambda)
             print(f"run {self.path}  T={env.T} R={env.R} learner_rows={env.learner_rows} device={env.device} "
                   f"credit_horizon={horizon:.1f}s")
@@ -3144,12 +3434,15 @@ class Run:
         """A checkpoint on the cadence, then pruning; its time goes into the next row."""
         t0 = time.perf_counter()
         save_checkpoint(self, learner, boundary)
-        prune_checkpoints(self.path, self.args.checkpoint.keep)
+        if self.voice:
+            prune_checkpoints(self.path, self.args.checkpoint.keep)
         self.t_ckpt = time.perf_counter() - t0
 
     def say_stopped(self, learner: Learner) -> None:
+        if not self.voice:
+            return
         print(f"stopped after iteration {learner.iteration} as asked, checkpoint {latest_checkpoint(self.path)}; "
-              f"resume: python ppo_clash.py --resume {self.path}", file=sys.stderr)
+              f"resume: {resume_command(self.path, learner.comm.world)}", file=sys.stderr)
 
     def close(self) -> None:
         if self.stop is not None:
@@ -3394,13 +3687,17 @@ def save_checkpoint(run: Run, learner: Learner, boundary: Boundary) -> Path:
     learner: the existing checkpoint is kept and the two state_digests compared."""
     args = run.args
     files = learner.files(args.master_seed)
-    files["rollout/state.json"] = canonical_json({"ordinals": [int(x) for x in boundary.ordinals],
-                                                  "generations": boundary.generations})
-    files["rollout/in_flight.json"] = canonical_json(boundary.in_flight or [])   # design 3.9
-    files["ladder/state.json"] = canonical_json(boundary.ladder)   # matchmaker, pool, ratings, resident table
+    # every rank's farm and matchmaker (design 3.10): one process's is rank 0's alone
+    for r, b in enumerate(learner.comm.everyone(boundary)):
+        files[rank_file("rollout/state.json", r)] = canonical_json({"ordinals": [int(x) for x in b.ordinals],
+                                                                    "generations": b.generations})
+        files[rank_file("rollout/in_flight.json", r)] = canonical_json(b.in_flight or [])   # design 3.9
+        files[rank_file("ladder/state.json", r)] = canonical_json(b.ladder)   # matchmaker, pool, ratings, residents
     d = run.path / "checkpoints" / f"{learner.env_steps:012d}"
     digest = learner.digest()
     run.last_saved = learner.env_steps
+    if not run.voice:
+        return d
     if d.exists():
         old = msgspec.json.decode((d / "manifest.json").read_bytes(), type=Manifest).state_digest
         if old != digest:
@@ -3465,6 +3762,8 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "run/cumulative_timesteps": ("timesteps", "learner transitions trained on", None, False),
     "run/cumulative_env_steps": ("game-steps", "battle decisions stepped (cadences count these)", None, False),
     "run/cumulative_updates": ("steps", "optimizer steps taken", None, False),
+    "run/world_size": ("ranks", "torchrun's ranks, each collecting its own battles (1: one process; design 3.10)",
+                       None, False),
     "run/wall_seconds": ("s", "since the process started (wall clock)", None, False),
     "run/gamma": ("", "the discount this iteration (schedule)", None, False),
     "run/gae_lambda": ("", "GAE lambda", None, False),
@@ -4034,7 +4333,7 @@ def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: LadderLoop
     gamma, lam, fst = learner.sched["gamma"], args.advantage.gae_lambda, roll.stats
     mean = lambda xs: float(np.mean(xs)) if xs else None   # noqa: E731  (absent population: null)
     return {
-        "run/iteration": learner.iteration, "run/cumulative_timesteps": learner.timesteps,
+        "run/iteration": learner.iteration, "run/cumulative_timesteps": learner.timesteps, "run/world_size": env.world,
         "run/cumulative_env_steps": learner.env_steps, "run/cumulative_updates": learner.updates,
         "run/wall_seconds": time.perf_counter() - run.t_start, "run/gamma": gamma, "run/gae_lambda": lam,
         "run/credit_horizon_seconds": credit_horizon_seconds(args.obs.decision_ms, gamma, lam),
@@ -4044,14 +4343,14 @@ def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: LadderLoop
         "run/resumed_with_drift": run.drifted, "run/state_digest": learner.digest(),
         "time/iteration": t_iter, "time/collection": roll.t_collect, "time/inference": roll.t_inference,
         "time/checkpoint": run.t_ckpt, "time/residual": t_iter - parts,
-        "throughput/overall_steps_per_second": T * env.n_battles / max(t_iter, 1e-9),
+        "throughput/overall_steps_per_second": env.game_steps / max(t_iter, 1e-9),
         "throughput/engine_ticks_per_second": roll.engine_ticks / max(roll.t_collect, 1e-9),
         "throughput/discarded_rows_frac": 1.0 - float(trainable.sum()) / max(int(valid.sum()), 1),
         "throughput/inference_ms_per_round": 1e3 * roll.t_inference / max(roll.rounds, 1),
         "throughput/inference_rows_forward": roll.rows_forward, "throughput/inference_rows_skipped": roll.rows_skipped,
         "health/rss_peak_mb": rss_peak_mb(), **pol, **episode_metrics(roll.episodes, args.obs.max_steps),
         "time/critic_pass": crit.seconds, "time/gae": adv.seconds, "time/update": upd["time/update"],
-        "throughput/collected_steps_per_second": T * env.n_battles / max(roll.t_collect, 1e-9),
+        "throughput/collected_steps_per_second": env.game_steps / max(roll.t_collect, 1e-9),
         "ppo/explained_variance": adv.explained_variance, "ppo/reward_clip_frac": adv.reward_clip_frac,
         "health/worker_failures": len(roll.failures), "health/mask_disagreements": env.mask_disagreements,
         "health/illegal_action_rate": float((~crit.legal & trainable).sum()) / n_train,
@@ -4069,7 +4368,7 @@ def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: LadderLoop
         "time/env": fst["env_ms"] / 1e3, "time/codec": fst["codec_ms"] / 1e3,
         "throughput/parent_wait_frac": fst["parent_wait_frac"],
         "throughput/boundary_mb_per_second": fst["bytes_out"] / 1e6 / max(roll.t_collect, 1e-9),
-        "health/samples_unused_frac": 1.0 - upd["ppo/actor_rows_seen"] / max(int(trainable.sum()) * args.ppo.n_epochs, 1),
+        "health/samples_unused_frac": 1.0 - upd["ppo/actor_rows_seen"] / max(upd["trainable_rows"] * args.ppo.n_epochs, 1),
         "policy/cards_per_match": mean([e.cards_played for e in mine]),
         "policy/noop_rate": float((roll.action[trainable] == 0).mean()) if trainable.any() else None,
         "env/win_rate_vs_scripted": mean([e.outcome > 0 for e in mine if e.bucket == "scripted"]),
@@ -4301,11 +4600,14 @@ class LadderLoop:
     the farm names the seat "snap:" + entry)."""
 
     def __init__(self, args: Args, run: Path, rid: str, seed: int, n_battles: int, env_spec: Any, table: Any,
-                 device: torch.device) -> None:
+                 device: torch.device, match_seed: int | None = None, voice: bool = True) -> None:
+        """seed: the run's master seed (the frozen eval seeds, the gate's draws); match_seed: this
+        rank's (Env.seed). voice False: a torchrun rank other than 0, which plans its own battles
+        against the pool rank 0 shares after each ladder step (follow) and writes nothing."""
         self.args, self.run, self.rid, self.seed, self.device, self.table = args, run, rid, seed, device, table
-        self.env_spec = env_spec
+        self.env_spec, self.voice = env_spec, voice
         L = args.ladder
-        self.mm = ladder.Matchmaker(seed, n_battles, match_config(L))
+        self.mm = ladder.Matchmaker(seed if match_seed is None else match_seed, n_battles, match_config(L))
         self.pool = ladder.Pool()
         self.ratings: ladder.RatingTable | None = None
         self.slots: list[str] = []
@@ -4320,7 +4622,8 @@ class LadderLoop:
         # frozen per run: a resumed run keeps its set even under --allow-identity-drift of the seed
         self.seeds = (ladder.read_run_seeds(run) if (ladder.ladder_dir(run) / "eval_seeds.json").exists()
                       else ladder.load_or_create_eval_seeds(run, seed, L.eval_seed_count))
-        ladder.write_eval_env(run, env_spec)
+        if voice:
+            ladder.write_eval_env(run, env_spec)
         es, _, _ = ladder._eval_preflight(msgspec.json.encode(ladder.eval_env_spec(env_spec)), seed)
         self.eval_obs_digest = es.obs_digest
         self.context = ladder.eval_context(es.env_value_digest, es.obs_digest, es.engine_build_digest)
@@ -4465,6 +4768,18 @@ class LadderLoop:
             m["ladder/rating_above_v0"] = self.ratings.rating[champ] - self.ratings.rating[v0]
         return m
 
+    def join(self, comm: Comm) -> None:
+        """job_roles: every rank's battle roles in rank order, as every_episode numbers the battles,
+        which rank 0's role counts read (one process: its own)."""
+        self.job_roles = np.concatenate([np.asarray(r) for r in comm.everyone(self.mm.roles)])
+
+    def shared(self) -> tuple[Any, Any]:
+        """What rank 0's ladder step decided that every rank's matchmaker reads: pool and ratings."""
+        return self.pool, self.ratings
+
+    def follow(self, shared: tuple[Any, Any]) -> None:
+        self.pool, self.ratings = shared
+
     # -- the checkpoint --
     def state(self, assignment: Sequence[Any]) -> dict[str, Any]:
         return {"matchmaker": msgspec.to_builtins(self.mm.state()), "pool": msgspec.to_builtins(self.pool),
@@ -4480,7 +4795,8 @@ class LadderLoop:
         """Restore; returns the saved assignment table (the resumed farm's opening plan)."""
         self.mm = ladder.Matchmaker.from_state(msgspec.convert(st["matchmaker"], ladder.MatchmakerState))
         self.pool = msgspec.convert(st["pool"], ladder.Pool)
-        ladder.write_pool(self.run, self.pool)   # pool.json follows the checkpoint, not admits made after it
+        if self.voice:
+            ladder.write_pool(self.run, self.pool)   # pool.json follows the checkpoint, not admits made after it
         self.ratings = msgspec.convert(st["ratings"], ladder.RatingTable) if st["ratings"] is not None else None
         self.slots = list(st["slots"])
         self.gate_attempts, self.gate_passes, self.evictions = st["gate_attempts"], st["gate_passes"], st["evictions"]

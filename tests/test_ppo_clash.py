@@ -547,6 +547,72 @@ def test_accumulated_gradient_equals_the_full_batch_gradient(mode):
     assert max(float(v.abs().max()) for v in ref.values()) > 1e-3   # the comparison is not of zeros
 
 
+def _rows(data: TensorData, idx: np.ndarray) -> TensorData:
+    i = torch.as_tensor(idx)
+    return TensorData(P.obs_rows(data.obs, i), data.action[i], data.log_prob[i], data.adv[i], data.ret[i],
+                      labels=data.label(idx))
+
+
+def _rank_grads(rank: int, world: int, init_file: str, out: str) -> None:
+    """One rank of the two-rank tests. (1) Its share of make_data()'s rows (every world-th, so
+    both forced and choice rows fall to each), one batch per forced_rows mode, the Comm's sums.
+    (2) A whole ppo_update on an uneven split: rank 0 a third of the rows, rank 1 the rest, in
+    batches of 8, so rank 0 runs empty batches while rank 1 still has rows."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        geo, net, data = make_data()
+        mine = _rows(data, np.arange(rank, data.n, world))
+        comm = P.Comm(on=True, rank=rank, world=world, backend="gloo")
+        got = {}
+        for mode in P.FORCED_ROWS:
+            ppo = P.PPOArgs(forced_rows=mode, batch_size=data.n, minibatch_size=9)
+            ac = P.ActorCritic(geo, net, master_seed=0)
+            P.accumulate_batch(ac, mine, np.arange(mine.n), ppo, 0.01, 0.02, P._Acc(1), debug=True, comm=comm)
+            params = [q for _, q in ac.named_parameters()]
+            P._ensure_grads(params)
+            comm.grads(params)
+            got[mode] = {k: q.grad.clone() for k, q in ac.named_parameters()}
+        torch.save(got, f"{out}/rank{rank}.pt")
+        third = data.n // 3
+        mine = _rows(data, np.arange(third) if rank == 0 else np.arange(third, data.n))
+        ppo = P.PPOArgs(forced_rows="critic_only", batch_size=8, minibatch_size=4, n_epochs=2, lr_actor=1e-3)
+        ac = P.ActorCritic(geo, net, master_seed=0)
+        oa, oc = P.make_optimizers(ac, ppo)
+        row = P.ppo_update(ac, oa, oc, mine, ppo, ent_coef=0.01, ent_coef_noop=0.02, master_seed=0, iteration=0,
+                           debug=True, check_ratio=False, ratio_atol=1e-4, comm=comm)
+        torch.save({"row": row, "weights": {k: v.clone() for k, v in ac.state_dict().items()}, "n": mine.n},
+                   f"{out}/update{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_on_two_halves_of_a_batch_take_the_gradient_one_process_takes_on_the_whole(tmp_path):
+    """issue 15's equivalence: under torchrun each rank divides by the GLOBAL batch's counts and
+    the gradients are summed over ranks, so two gloo ranks holding alternate rows produce, on
+    both ranks bit for bit, the single-process gradient of all the rows, in every forced_rows mode
+    (critic_only_choice_mean divides by the global choice count: each rank's own would double it)."""
+    import torch.multiprocessing as mp
+    mp.spawn(_rank_grads, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    geo, net, data = make_data()
+    for mode in P.FORCED_ROWS:
+        _, whole = _grads(geo, net, data, P.PPOArgs(forced_rows=mode, batch_size=data.n, minibatch_size=9))
+        assert all(torch.equal(ranks[0][mode][k], ranks[1][mode][k]) for k in whole), mode
+        assert _maxdiff(ranks[0][mode], whole) < 1e-5, mode
+        assert max(float(v.abs().max()) for v in whole.values()) > 1e-3
+    # the uneven update: the same weights and the same row on both ranks, every row seen each epoch,
+    # and as many steps as the fuller rank's batches (the emptier one padded with zero gradient)
+    a, b = (torch.load(tmp_path / f"update{r}.pt") for r in range(2))
+    assert a["n"] < b["n"] and a["n"] + b["n"] == data.n
+    assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
+    assert a["row"] == b["row"]
+    assert a["row"]["ppo/optimizer_steps"] == 2 * -(-b["n"] // 8) > 2 * -(-a["n"] // 8)
+    assert a["row"]["ppo/actor_rows_seen"] == 2 * data.n and a["row"]["ppo/kl"] > 0
+
+
 def test_critic_only_gives_the_same_gradient_as_all_because_forced_rows_carry_none():
     geo, net, data = make_data()
     _, g_all = _grads(geo, net, data, P.PPOArgs(forced_rows="all", batch_size=data.n, minibatch_size=16))
@@ -1477,6 +1543,59 @@ def _unclocked(rel, lines):
     """A run log's rows less what the clock writes (design 2.4 item 3's exception)."""
     skip = P.NONDETERMINISTIC + ("ladder/gate_seconds_frac", "ladder/probe_seconds_frac", "wall")
     return [{k: v for k, v in json.loads(x).items() if not k.startswith(skip)} for x in lines]
+
+
+def _torchrun(*flags: str, nproc: int = 2) -> Any:
+    """ppo_clash.py under torchrun (its module form), gloo on this CPU, in fresh processes."""
+    import subprocess
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                           str(ROOT / "ppo_clash.py"), *flags], capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_write_one_run_and_a_resume_in_fresh_processes_reproduces_it(tmp_path, capsys):
+    """issue 15 (design 3.10): `torchrun --nproc-per-node 2` of the smoke geometry, six iterations,
+    a checkpoint every second. One run directory, written by rank 0: rows counting both ranks'
+    game-steps, both ranks' episodes (battles 0-3 and 4-7; whole battles of ~220 decisions end in
+    iterations 5-6), every checkpoint holding rank 1's farm. The ranks' state_digests are compared
+    every iteration (a difference halts: the run ending 0 says they were equal). Resumed from
+    iteration 4's checkpoint in fresh processes (both ranks re-simulate battles mid-episode), the
+    logs are the straight run's, clock aside; one process resuming it is refused (the identity's
+    world size and backend differ)."""
+    flags = ["--profile", "smoke", "--checkpoint.every-env-steps", "688", "--timestep-limit", "3096",
+             "--alarms.kl-high", "-1"]
+    p = _torchrun(*flags, "--runs-dir", str(tmp_path / "runs"))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["run/iteration"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["run/world_size"] == 2 and r["run/cumulative_env_steps"] == 344 * r["run/iteration"] and
+               r["run/cumulative_timesteps"] == 516 * r["run/iteration"] for r in rows)   # [A: 2 x 43 x 6 rows]
+    ident = json.loads((run / "identity.json").read_text())
+    assert ident["world_size"] == 2 and ident["backend"] == "gloo"
+    episodes = {(e["battle"], e["ordinal"]) for e in map(json.loads, (run / "episodes.jsonl").read_text().splitlines())}
+    battles = {b for b, _ in episodes}
+    assert battles & {0, 1, 2, 3} and battles & {4, 5, 6, 7} and battles <= set(range(8))
+    # the role counts read the job's battles, rank 1's included (their roles are rank 1's layout)
+    assert sum(r[f"ladder/role_counts/{k}"] for r in rows for k in ("mirror", "pool", "scripted")) == len(episodes)
+    assert all(r["health/samples_unused_frac"] == 0.0 for r in rows)
+    checkpoints = sorted((run / "checkpoints").iterdir())
+    assert len(checkpoints) == 3 and all((c / "rank-1" / "rollout" / "in_flight.json").exists() for c in checkpoints)
+    assert p.stdout.count(f"run {run}") == 1   # one voice: rank 0's console
+    straight = {rel: (run / rel).read_bytes().splitlines(keepends=True) for rel in P.RUN_LOGS}
+    copy = _copy_run(run, tmp_path / "copy")
+    p = _torchrun("--resume", str(copy), "--checkpoint", str(copy / "checkpoints" / checkpoints[1].name))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    for rel, lines in straight.items():
+        assert _unclocked(rel, (copy / rel).read_bytes().splitlines(keepends=True)) == _unclocked(rel, lines), rel
+    capsys.readouterr()
+    assert P.main(["--resume", str(copy)]) == 2   # one process: the identity differs
+    err = capsys.readouterr().err
+    assert "world_size: 2 -> 1" in err and "backend: 'gloo' -> ''" in err and err.count("\n") == 1
+    assert f"torchrun --nproc-per-node 2 ppo_clash.py --resume {copy}" in err
+    assert P.main(["--resume", str(copy), "--allow-identity-drift"]) == 2   # a rank's farm cannot drift away
+    assert "even under --allow-identity-drift" in capsys.readouterr().err and not (copy / "drift.json").exists()
+    assert not (copy / "drift.json").exists()
 
 
 @pytest.mark.slow
