@@ -1026,7 +1026,7 @@ def timed_update(s: P.Setup, roll: P.Rollout, crit: P.Critic, adv: P.Advantages,
     """Seconds of one update from the weights that collected the rectangle: each repeat starts
     from the same learner state (the ratio invariant holds the update to it, design 6.4)."""
     before = s.learner.files(args.master_seed)
-    seconds = P.update(s.learner, s.view, roll, crit, adv, sched, args)["time/update"]
+    seconds = P.update(s.learner, s.view, roll, crit, adv, sched, args, int(roll.trainable.sum()))["time/update"]
     s.learner.restore(before)
     return seconds
 
@@ -1178,9 +1178,8 @@ def last_discarded(run: Path, pool: "ladder.Pool") -> tuple[str, int] | None:
     """The newest gated candidate (by its snapshot's game-step) when the gate discarded it, with
     its game-step: what the learner had become, measured even though the champion did not move."""
     store = ladder.SnapshotStore(run)
-    gated = [msgspec.json.decode(f.read_bytes(), type=ladder.GateDecision)
-             for f in (ladder.ladder_dir(run) / "gates").glob("*.json")]
-    steps = sorted((store.spec(d.candidate.removeprefix("snap:")).step, d.candidate, d.outcome) for d in gated)
+    steps = sorted((store.spec(d.candidate.removeprefix("snap:")).step, d.candidate, d.outcome)
+                   for d in ladder.read_gate_decisions(run))
     if not steps or steps[-1][2] != "discard" or steps[-1][1] in (pool.v0, pool.champion):
         return None
     return steps[-1][1], steps[-1][0]

@@ -925,6 +925,12 @@ def write_gate_decision(run_dir: str | Path, decision: GateDecision) -> Path:
     return path
 
 
+def read_gate_decisions(run_dir: str | Path) -> list[GateDecision]:
+    """Every ladder/gates/<candidate>.json, in file-name order (not the order they were decided)."""
+    return [msgspec.json.decode(f.read_bytes(), type=GateDecision)
+            for f in sorted((ladder_dir(run_dir) / "gates").glob("*.json"))]
+
+
 # --- 6. Snapshots: content-addressed, fp16, no pickle (design 7.6) ----------------------------------
 
 DIGEST_FIELDS = ("arch_digest", "obs_digest", "codec_table_digest")
@@ -1864,10 +1870,7 @@ def read_strength(run: Path) -> StrengthData:
     store = SnapshotStore(run)
     steps = {snapshot_player_id(s): store.spec(s).step for s in store.ids()} if store.root.is_dir() else {}
     pool = read_pool(run)
-    gates = {}
-    for f in sorted((ladder_dir(run) / "gates").glob("*.json")):
-        d = msgspec.json.decode(f.read_bytes(), type=GateDecision)
-        gates[d.candidate] = d.outcome
+    gates = {d.candidate: d.outcome for d in read_gate_decisions(run)}
     metrics = Path(run) / "metrics.jsonl"
     rows = [msgspec.json.decode(x) for x in metrics.read_bytes().splitlines() if x.strip()] if metrics.exists() else []
     return StrengthData(context, table, steps, pool.champion_chain if pool else [], gates, rows)

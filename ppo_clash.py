@@ -1909,12 +1909,13 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
             check_rollout(roll, crit, env, args)
             # 4. advantages: scale the rewards, one GAE scan, standardise once (design 6.1, 6.2)
             run.phase = "learn"   # the scaler, the weights and the optimizers change from here on
-            if not comm.counts(int(roll.trainable.sum()))[0]:   # every learner cell lost to dead workers (design 3.7)
+            n_rows = comm.counts(int(roll.trainable.sum()))[0]   # every rank's trainable cells
+            if not n_rows:   # every learner cell lost to dead workers (design 3.7)
                 adv, upd = no_update(roll)
             else:
                 adv = advantages(learner.scaler, roll, crit, sched["gamma"], args, comm)
                 # 5. the PPO update over the trainable cells, then the kl backoff (design 6.3)
-                upd = update(learner, view, roll, crit, adv, sched, args)
+                upd = update(learner, view, roll, crit, adv, sched, args, n_rows)
             # under torchrun every rank now holds the same weights, or the run stops naming the rank;
             # rank 0, the one voice, takes every rank's episodes for the ladder and the row (design 3.10)
             same_weights(comm, learner)
@@ -2170,7 +2171,7 @@ class Learner:
         """The positions after an iteration's update."""
         self.iteration += 1
         self.env_steps += env.game_steps
-        self.timesteps += self.comm.counts(int(roll.trainable.sum()))[0]   # every rank's rows
+        self.timesteps += int(upd["trainable_rows"])   # every rank's rows
         self.updates += int(upd["ppo/optimizer_steps"])
         self.sched = dict(sched)
 
@@ -2572,7 +2573,7 @@ def no_update(roll: Rollout) -> tuple[Advantages, dict[str, Any]]:
 
 
 def update(learner: Learner, view: RectView, roll: Rollout, crit: Critic, adv: Advantages,
-           sched: dict[str, float], args: Args) -> dict[str, Any]:
+           sched: dict[str, float], args: Args, n_rows: int) -> dict[str, Any]:
     """ppo_update (section 6) over the trainable cells, the mask asserts on the first
     debug_assert_iterations and the ratio invariant on its cadence (design 6.4); then the kl
     backoff. Returns the update's ppo/ keys plus "outliers" (the ten worst ratios, for a bundle)."""
@@ -2592,7 +2593,7 @@ def update(learner: Learner, view: RectView, roll: Rollout, crit: Critic, adv: A
         learner.backoff.apply(learner.opt_a, learner.opt_c)
     upd["time/update"] = time.perf_counter() - t0
     upd["outliers"] = outliers
-    upd["trainable_rows"] = learner.comm.counts(data.n)[0]   # every rank's, as actor_rows_seen counts
+    upd["trainable_rows"] = n_rows   # every rank's, as actor_rows_seen counts them
     return upd
 
 
