@@ -15,8 +15,9 @@ that farm.py builds from a run's config.
     python checks.py play --blue PLAYER --red PLAYER [--run RUN_DIR] [--seed S] [--every K]
                           [--save F] [--viewer]           watch one battle; design 7.5
     python checks.py bench [--profile P] [--iterations N] [--write]   this machine's budget; design 1.2
-    python checks.py learn [--profile P] [--game-steps G] [--seeds N] [--write]   the learning
-                          benchmark: train, then the yardstick on v0 and the champion; docs/learning.md
+    python checks.py learn [--profile P] [--game-steps G] [--seeds N] [--config F] [--write]
+                          [--resume RUN]  the learning benchmark: train, then the yardstick on v0
+                          and the champion; --resume RUN continues a stopped one; docs/learning.md
 
 
 Reads:  a run directory: config.json, identity.json, metrics.jsonl, episodes.jsonl,
@@ -24,8 +25,8 @@ Reads:  a run directory: config.json, identity.json, metrics.jsonl, episodes.jso
         (play reads a checkpoint's files too). verify-resume trains into a scratch folder of its
         own (--work-dir; removed afterwards unless --keep).
 Writes: nothing in any run directory it is pointed at; `play --save F` writes F; `learn` trains a
-        new run under --runs-dir (the yardstick's games go to its log) and, with --write, appends
-        to docs/learning.md.
+        new run under --runs-dir, or continues one (--resume); the yardstick's games go to its log;
+        with --write it appends to docs/learning.md.
 Exit codes: 0 pass, 1 a check failed (a divergence, a differing field), 2 bad input (a missing
 run directory, an episode index out of range, a corrupt file), one line naming the thing, no
 traceback.
@@ -1185,11 +1186,49 @@ def last_discarded(run: Path, pool: "ladder.Pool") -> tuple[str, int] | None:
     return steps[-1][1], steps[-1][0]
 
 
-def cmd_learn(cmd: "Learn") -> int:
+def learn_args(cmd: "Learn") -> P.Args:
+    """The run's arguments: the profile, the --config change merged over it, the master seed."""
     args = P.parse_args(["--profile", cmd.profile] + (["--config", cmd.config] if cmd.config else []))
     args.runs_dir, args.run_name = cmd.runs_dir, f"learn-{cmd.profile}"
     if cmd.master_seed is not None:
         args.master_seed = cmd.master_seed
+    return args
+
+
+def learn_command(cmd: "Learn", run: Path) -> str:
+    """The command that continues `run` where its last checkpoint left it: this one, with --resume."""
+    flags = [f"--profile {cmd.profile}", f"--game-steps {cmd.game_steps}", f"--seeds {cmd.seeds}"]
+    flags += [f"--master-seed {cmd.master_seed}"] * (cmd.master_seed is not None) + [f"--config {cmd.config}"] * bool(cmd.config)
+    flags += ["--quiet"] * cmd.quiet + ["--write"] * cmd.write
+    return f"python checks.py learn {' '.join(flags)} --resume {run}"
+
+
+def learn_start(cmd: "Learn", args: P.Args, env: P.Env) -> tuple[Path, Path | None]:
+    """Where the benchmark's run lives, and the checkpoint it continues from (None: a new run). A
+    benchmark outlasts a session on a small machine (2.5 hours of a 2-core one), so a stopped or
+    crashed one continues from its latest checkpoint when the same command is given --resume RUN:
+    the command's config must equal the run's, so the table's header still tells the truth."""
+    if cmd.resume is None:
+        run = Path(args.runs_dir) / f"{args.run_name}-{P.run_id(P.compute_identity(args, env))}"
+        if run.exists():   # never trained over; ppo_clash.py's own remedy would skip the yardstick
+            raise CheckError(f"{run} exists: this benchmark was started before; continue it with "
+                             f"{learn_command(cmd, run)}, or start another with --master-seed or --runs-dir")
+        return run, None
+    run = run_dir(cmd.resume)
+    args.runs_dir = str(run.parent)    # where it lives is not part of what it is
+    diff = P.dict_diff(read_json(run / "config.json"), json.loads(P.config_json(args)))
+    if diff:
+        raise CheckError(f"--resume {run}: this command's config differs from the run's ({'; '.join(diff)}); "
+                         f"give the command that started it, with --resume")
+    ckpt = P.latest_checkpoint(run)
+    if ckpt is None:
+        raise CheckError(f"--resume {run}: no checkpoint in {run / 'checkpoints'} to continue from; "
+                         f"remove the directory and start the benchmark again")
+    return run, ckpt
+
+
+def cmd_learn(cmd: "Learn") -> int:
+    args = learn_args(cmd)
     if cmd.game_steps < 1 or not 1 <= cmd.seeds <= args.ladder.eval_seed_count:
         raise CheckError(f"--game-steps {cmd.game_steps} --seeds {cmd.seeds}: the budget must be at least one "
                          f"game-step, and the seeds 1 to the profile's frozen set, "
@@ -1197,28 +1236,36 @@ def cmd_learn(cmd: "Learn") -> int:
     env = P.read_env(args)
     n_iter = -(-cmd.game_steps // (env.T * env.n_battles))     # the budget, in whole iterations
     args.timestep_limit = n_iter * env.T * env.learner_rows
+    run, ckpt = learn_start(cmd, args, env)
     print(f"learn: --profile {cmd.profile}, {n_iter} iterations of {env.T * env.n_battles} game-steps "
-          f"({n_iter * env.T * env.n_battles:,} >= {cmd.game_steps:,}), then the yardstick", flush=True)
-    t0 = time.perf_counter()
+          f"({n_iter * env.T * env.n_battles:,} >= {cmd.game_steps:,}), then the yardstick"
+          + (f"; continuing {run} from {ckpt.name}" if ckpt else ""), flush=True)
     try:
-        run = P.train(args, max_iterations=n_iter, quiet=cmd.quiet)
-    except (P.AlarmHalt, P.RunCrashed) as e:   # what the training said, and its resume command
-        raise CheckError(f"training stopped before the budget, so nothing was measured: {e}") from None
-    wall_s = time.perf_counter() - t0
+        P.train(args, max_iterations=n_iter, quiet=cmd.quiet, resume=ckpt)
+    except (P.AlarmHalt, P.RunCrashed) as e:   # what the training said; the benchmark's own resume
+        raise CheckError(f"training stopped before the budget, so nothing was measured: {e}; to finish the "
+                         f"benchmark (the training, then the yardstick): {learn_command(cmd, run)}") from None
+    rows = read_jsonl(run / "metrics.jsonl")
+    done = int(rows[-1]["run/iteration"]) if rows else 0
+    if done < n_iter:   # a Ctrl-C or the control file's q: checkpointed and stopped at a boundary
+        print(f"learn: stopped after iteration {done} of {n_iter}, so nothing was measured; continue it with "
+              f"{learn_command(cmd, run)}", flush=True)
+        return 1
+    wall_s = sum(float(r["time/iteration"]) for r in rows)   # the iterations', over every resume
     pool = ladder.read_pool(run)
     if pool is None or pool.champion is None:
         raise CheckError(f"{run}: no ladder/pool.json champion after training; nothing to measure")
     players = {"v0": f"{pool.v0}, untrained", "champion": f"{pool.champion} at {n_iter * env.T * env.n_battles:,} game-steps"}
-    rows = {"v0": ladder.yardstick_run(run, pool.v0, cmd.seeds)}
+    rows_of = {"v0": ladder.yardstick_run(run, pool.v0, cmd.seeds)}
     discarded = last_discarded(run, pool)
     if discarded is not None:   # shown before the champion; the bar is the champion's alone
         players = {"v0": players["v0"], "last candidate": f"{discarded[0]}, discarded by its gate at {discarded[1]:,} game-steps",
                    "champion": players["champion"]}
-        rows["last candidate"] = ladder.yardstick_run(run, discarded[0], cmd.seeds)
-    rows["champion"] = rows["v0"] if pool.champion == pool.v0 else ladder.yardstick_run(run, pool.champion, cmd.seeds)
+        rows_of["last candidate"] = ladder.yardstick_run(run, discarded[0], cmd.seeds)
+    rows_of["champion"] = rows_of["v0"] if pool.champion == pool.v0 else ladder.yardstick_run(run, pool.champion, cmd.seeds)
     if pool.champion == pool.v0:
         players["champion"] = f"{pool.champion}: v0 was never displaced"
-    lines = learn_lines(cmd, run, n_iter, wall_s, players, rows)
+    lines = learn_lines(cmd, run, n_iter, wall_s, players, rows_of)
     print("\n".join(lines))
     if cmd.write:
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -1322,7 +1369,8 @@ class Bench:
 @dataclasses.dataclass(kw_only=True)
 class Learn:
     """The learning benchmark (docs/learning.md): train the profile for a game-step budget, then
-    the yardstick on v0 and on the final champion; --write appends the table to docs/learning.md."""
+    the yardstick on v0 and on the final champion; --write appends the table to docs/learning.md.
+    A stopped one (exit 1, or a crash) continues with the same command and --resume RUN."""
     profile: str = "cpu"
     """the profile to train (the protocol's is cpu)"""
     game_steps: int = 1_000_000
@@ -1340,6 +1388,9 @@ class Learn:
     """no per-iteration console"""
     write: bool = False
     """append the table, dated, with the commit, to docs/learning.md"""
+    resume: Optional[str] = None
+    """RUN: continue a benchmark that stopped (Ctrl-C, the control file's q, a crash) from its latest
+    checkpoint, then measure it; the rest of the command must be the one that started it"""
 
 
 COMMANDS: dict[type, Callable[[Any], int]] = {Doctor: cmd_doctor, Identity: cmd_identity,
@@ -1353,7 +1404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "replay, play, bench, learn.")
     try:
         return COMMANDS[type(cmd)](cmd)
-    except (CheckError, P.ConfigError, P.CheckpointFormatError, P.ArchMismatch) as exc:
+    except (CheckError, P.ConfigError, P.CheckpointFormatError, P.ArchMismatch, P.IdentityMismatch) as exc:
         name = "".join("-" + c.lower() if c.isupper() else c for c in type(cmd).__name__).lstrip("-")
         print(f"checks.py {name}: {exc}", file=sys.stderr)
         return 2

@@ -677,8 +677,15 @@ def set_env_gamma(env: Any, gamma: float) -> None:
         setter(gamma)
 
 
-def default_potential_reward(*, crown: float = 0.2, tower_hp: float = 0.1,
-                             elixir: float = 0.05) -> PotentialCombinedReward:
+# The shaping terms' weights against the terminal +-1 (ppo_clash's --reward.* flags read them here).
+# A princess tower taken pays crown/3 + tower_hp/3 over the steps it falls in [A: Phi's units above]:
+# at these weights the shaping sums to ~5% of the terminal's magnitude an episode [M: a cpu run's
+# env/reward_shaping_abs, docs/learning.md section 3].
+REWARD_WEIGHTS = {"crown": 0.2, "tower_hp": 0.1, "elixir": 0.05}
+
+
+def default_potential_reward(*, crown: float = REWARD_WEIGHTS["crown"], tower_hp: float = REWARD_WEIGHTS["tower_hp"],
+                             elixir: float = REWARD_WEIGHTS["elixir"]) -> PotentialCombinedReward:
     for name, w in (("crown", crown), ("tower_hp", tower_hp), ("elixir", elixir)):
         if not (np.isfinite(w) and w >= 0):
             raise ValueError(f"default_potential_reward({name}={w}): a weight must be finite and >= 0")

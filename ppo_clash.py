@@ -119,6 +119,18 @@ class ObsArgs:
 
 
 @dataclass
+class RewardArgs:
+    """The potential shaping's weights against the terminal +-1 (design 4). Part of the env, so of
+    env_spec_digest; a weight at its default leaves the env spec as it was (every run id holds)."""
+    crown: float = farm.REWARD_WEIGHTS["crown"]
+    """Phi = crown difference / 3"""
+    tower_hp: float = farm.REWARD_WEIGHTS["tower_hp"]
+    """Phi = mean tower hit-point fraction, own minus enemy"""
+    elixir: float = farm.REWARD_WEIGHTS["elixir"]
+    """Phi = committed elixir (bar plus priced units on the board), own minus enemy, / 10"""
+
+
+@dataclass
 class RolloutArgs:
     source: Literal["process", "inline"] = "process"
     """inline is the semantic reference and runs the fast tests; process is the farm of workers"""
@@ -386,6 +398,7 @@ class Args:
     timestep_limit: int = 100_000_000
     """learner transitions to train for"""
     obs: ObsArgs = field(default_factory=ObsArgs)
+    reward: RewardArgs = field(default_factory=RewardArgs)
     rollout: RolloutArgs = field(default_factory=RolloutArgs)
     net: NetArgs = field(default_factory=NetArgs)
     ppo: PPOArgs = field(default_factory=PPOArgs)
@@ -647,6 +660,8 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("obs.decision_ms", o.decision_ms >= 1, "be >= 1 (game milliseconds per decision)"),
         ("obs.reveal", set(o.reveal) <= {"enemy_spell_aim"}, "name only enemy_spell_aim (the flag read_env wires)"),
         ("obs.max_steps", o.max_steps >= 0, "be >= 0 (0 plays whole battles)"),
+        *[(f"reward.{k}", math.isfinite(w) and w >= 0, "be finite and >= 0 (a shaping weight)")
+          for k, w in dataclasses.asdict(args.reward).items()],
         ("rollout.workers", r.workers >= 1, "be >= 1"),
         ("rollout.games_per_worker", r.games_per_worker >= 1, "be >= 1"),
         ("rollout.shards_per_worker", r.shards_per_worker >= 1, "be >= 1"),
@@ -2115,7 +2130,7 @@ def read_env(args: Args, comm: Comm = SOLO) -> Env:
     device = resolve_device(args)
     k, seed = args.obs.frame_stack, args.master_seed
     spec = farm.default_env_spec(reveal_spell_aim="enemy_spell_aim" in args.obs.reveal,
-                                 max_steps=args.obs.max_steps or None)
+                                 max_steps=args.obs.max_steps or None, reward=reward_spec(args.reward))
     spec = msgspec.structs.replace(spec, decision_ms=args.obs.decision_ms)
     try:
         env_spec, table = farm.preflight(spec, frame_stack=k, master_seed=seed)
@@ -2145,6 +2160,13 @@ def read_env(args: Args, comm: Comm = SOLO) -> Env:
                n_shards=args.rollout.workers * args.rollout.shards_per_worker,
                seed=derive_int(seed, f"rank/{comm.rank}") if comm.on else seed, world=comm.world, rank=comm.rank,
                backend=comm.backend)
+
+
+def reward_spec(reward: RewardArgs) -> farm.ComponentSpec | None:
+    """The env's reward with the weights that differ from farm.REWARD_WEIGHTS (None: the default
+    reward, so a run at the defaults keeps its env spec, and its id)."""
+    kw = {k: w for k, w in dataclasses.asdict(reward).items() if w != farm.REWARD_WEIGHTS[k]}
+    return farm.ComponentSpec("farm.default_potential_reward", kw) if kw else None
 
 
 class Learner:

@@ -541,19 +541,36 @@ def test_learn_refuses_a_budget_or_seed_count_it_cannot_honour_before_training(t
 
 
 @pytest.mark.slow
-def test_learn_trains_then_measures_and_a_shipped_folder_is_measured_and_played_without_its_run(tmp_path, capsys):
-    """`checks.py learn` on smoke for two iterations: the yardstick's table, a row a rung, v0 (never
-    displaced at this budget) measured once, its games appended to the run's log. Its snapshot folder
+def test_learn_stops_resumes_then_measures_and_a_shipped_folder_is_measured_and_played_without_its_run(tmp_path, capsys):
+    """`checks.py learn` on smoke for two iterations, stopped after the first (exit 1, nothing
+    measured, the command that continues it); the same command again is refused (the run exists),
+    --resume without the run's change is refused by field, with it the run finishes: the yardstick's
+    table, a row a rung, v0 (never displaced at this budget) measured once, its games appended to the
+    run's log. Its snapshot folder
     copied out as a shipped model (spec.json, actor.safetensors, the run's eval_env.json) is then
     measured by `ladder.py yardstick --snapshot <folder> --master-seed 5 --json` with no run (one
     JSON object a rung, on master seed 5's seeds, recorded nowhere) and played by `checks.py play`."""
     import ladder
     change = tmp_path / "change.json"    # an experiment's one change, merged over the profile
     change.write_text('{"ppo": {"lr_critic": 0.0004}}')
-    code, out, err = run_main("learn", "--profile", "smoke", "--game-steps", "344", "--seeds", "1",
-                              "--runs-dir", str(tmp_path / "runs"), "--quiet", "--config", str(change))
-    assert code == 0, err[-3000:]
+    flags = ["learn", "--profile", "smoke", "--game-steps", "344", "--seeds", "1",
+             "--runs-dir", str(tmp_path / "runs"), "--quiet", "--config", str(change)]
+    train = checks.P.train   # a stop after iteration 1 (as Ctrl-C or the control file's q leave it)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checks.P, "train", lambda args, **kw: train(args, **{**kw, "max_iterations": 1}))
+        code, out, err = run_main(*flags)
     (run,) = (tmp_path / "runs").iterdir()
+    assert code == 1 and "| scripted:" not in out, err[-3000:]
+    assert (f"stopped after iteration 1 of 2, so nothing was measured; continue it with python checks.py learn "
+            f"--profile smoke --game-steps 344 --seeds 1 --config {change} --quiet --resume {run}") in out
+    code, out, err = run_main(*flags)                        # the same command again: not trained over
+    assert code == 2 and f"{run} exists: this benchmark was started before; continue it with" in err
+    code, out, err = run_main(*flags[:-2], "--resume", str(run))   # without the change: refused by field
+    assert code == 2 and "this command's config differs from the run's (ppo.lr_critic: 0.0004 -> 0.0005)" in err
+    saved = checks.P.latest_checkpoint(run).name
+    code, out, err = run_main(*flags, "--resume", str(run))
+    assert code == 0, err[-3000:]
+    assert f"continuing {run} from {saved}" in out and len((run / "metrics.jsonl").read_text().splitlines()) == 2
     assert json.loads((run / "config.json").read_text())["ppo"]["lr_critic"] == 0.0004
     assert f'the change, --config {change}: {{"ppo":{{"lr_critic":0.0004}}}}' in out
     table = [x for x in out.splitlines() if x.startswith("| scripted:")]

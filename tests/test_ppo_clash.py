@@ -852,7 +852,7 @@ def test_refusals_that_need_two_fields():
 # worker of 4 battles: 6 learner seats a cycle, 8 eval seeds): (field, bad value, context fields).
 BAD_VALUES = [
     ("master_seed", -1, {}), ("timestep_limit", 0, {}), ("obs.frame_stack", 0, {}), ("obs.decision_ms", 0, {}),
-    ("obs.reveal", ["enemy_hand"], {}), ("obs.max_steps", -1, {}),
+    ("obs.reveal", ["enemy_hand"], {}), ("obs.max_steps", -1, {}), ("reward.crown", -0.1, {}), ("reward.tower_hp", float("nan"), {}), ("reward.elixir", -1, {}),
     ("rollout.workers", 0, {}), ("rollout.games_per_worker", 0, {}), ("rollout.shards_per_worker", 0, {}),
     ("rollout.games_per_worker", 15, {"rollout.shards_per_worker": 2}), ("rollout.spin_us", -1, {}),
     ("rollout.round_timeout_s", 0, {}), ("rollout.max_restarts_per_worker", -1, {}),
@@ -921,6 +921,21 @@ def test_a_bad_config_value_is_one_line_naming_the_field_and_exits_2_before_any_
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"error: {P.flag(path)} ") and ": must " in err and "Traceback" not in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_reward_weights_reach_the_env_and_their_defaults_leave_its_spec_and_the_run_id_alone():
+    """--reward.* are the shaping weights of the env's reward (design 4): one moved is in the env
+    spec (so in env_spec_digest) and in the built env's terms; at the defaults the spec is the one
+    runs were started with, so their ids hold."""
+    base = P.parse_args(["--profile", "smoke"])
+    assert P.reward_spec(base.reward) is None and P.read_env(base).spec == P.farm.default_env_spec()
+    a = P.parse_args(["--profile", "smoke", "--reward.tower-hp", "0.5", "--reward.crown", "0.2"])
+    spec = P.reward_spec(a.reward)
+    assert spec == P.farm.ComponentSpec("farm.default_potential_reward", {"tower_hp": 0.5})
+    env = P.farm.build_vec(P.farm.default_env_spec(reward=spec), 1)
+    assert [w for _, w in env.envs[0].reward_fn.terms] == [1.0, 0.2, 0.5, 0.05]
+    env.close()
+    assert P.read_env(a).facts.env_spec_digest != P.read_env(base).facts.env_spec_digest
 
 
 def test_the_bad_values_cover_every_rule_and_every_profile_keeps_them(monkeypatch):
