@@ -15,7 +15,7 @@ Reads:  the env's own spaces and layouts (farm.preflight, NetGeometry); codec.Ob
         farm's name-addressed seeding; ladder's matchmaker, pool, gate, rater and probe.
 Writes: <runs_dir>/<run_name>-<run_id>/: config.json, identity.json, metrics.jsonl (one row an
         iteration), episodes.jsonl, alarms.jsonl (a resume moves rows written after its checkpoint
-        to <log>.after-iteration-<k>), bundles/<iteration>/ on a halt,
+        to <log>.after-iteration-<k>), warm.json after a warm start, bundles/<iteration>/ on a halt,
         checkpoints/<env_steps:012d>/ (safetensors and JSON with a sha256 manifest), and, through
         ladder.py, ladder/ (eval seeds, snapshots, pool, gates, ratings, games.jsonl). Nothing
         pickled. Section references ("design 6.3") are to docs/design.md.
@@ -128,6 +128,21 @@ class RewardArgs:
     """Phi = mean tower hit-point fraction, own minus enemy"""
     elixir: float = farm.REWARD_WEIGHTS["elixir"]
     """Phi = committed elixir (bar plus priced units on the board), own minus enemy, / 10"""
+
+
+@dataclass
+class WarmArgs:
+    """A warm start by behaviour cloning (docs/learning.md section 3): before PPO's first iteration
+    the actor imitates a scripted rung on that rung's own choices, so v0, the policy training
+    starts from, is the clone. Off by default; a fresh run only (a resume has its weights)."""
+    rung: str = ""
+    """the scripted player to imitate, scripted:<name> (farm.SCRIPTED_NAMES); empty: no warm start"""
+    battles: int = 64
+    """battles the rung plays against itself; every choice row of both seats is cloned"""
+    epochs: int = 4
+    """passes of cross-entropy over those rows"""
+    lr: float = 1e-3
+    """the cloning's own Adam learning rate (PPO's optimizers start fresh after it)"""
 
 
 @dataclass
@@ -399,6 +414,7 @@ class Args:
     """learner transitions to train for"""
     obs: ObsArgs = field(default_factory=ObsArgs)
     reward: RewardArgs = field(default_factory=RewardArgs)
+    warm: WarmArgs = field(default_factory=WarmArgs)
     rollout: RolloutArgs = field(default_factory=RolloutArgs)
     net: NetArgs = field(default_factory=NetArgs)
     ppo: PPOArgs = field(default_factory=PPOArgs)
@@ -641,11 +657,33 @@ def field_value(args: Args, path: str) -> Any:
     return obj
 
 
+def game_rules(args: Args) -> list[tuple[str, bool, str]]:
+    """config_rules' share for the game the learner meets first: the observation, the reward's
+    weights and the warm start."""
+    o, w = args.obs, args.warm
+    return [
+        ("obs.frame_stack", o.frame_stack >= 1, "be >= 1"),
+        ("obs.decision_ms", o.decision_ms >= 1, "be >= 1 (game milliseconds per decision)"),
+        ("obs.reveal", set(o.reveal) <= {"enemy_spell_aim"}, "name only enemy_spell_aim (the flag read_env wires)"),
+        ("obs.max_steps", o.max_steps >= 0, "be >= 0 (0 plays whole battles)"),
+        *[(f"reward.{k}", math.isfinite(x) and x >= 0, "be finite and >= 0 (a shaping weight)")
+          for k, x in dataclasses.asdict(args.reward).items()],
+        ("warm.rung", w.rung in ("", *(f"scripted:{x}" for x in farm.SCRIPTED_NAMES)),
+         f"be empty or scripted:<name>, a name of {', '.join(farm.SCRIPTED_NAMES)}"),
+        ("warm.rung", not w.rung or o.frame_stack == 1,
+         "be empty under --obs.frame-stack above 1 (the cloned rows are single frames)"),
+        ("warm.battles", w.battles >= 1, "be >= 1"),
+        ("warm.epochs", w.epochs >= 1, "be >= 1"),
+        ("warm.lr", w.lr > 0, "be > 0"),
+    ]
+
+
 def config_rules(args: Args) -> list[tuple[str, bool, str]]:
     """Every size, count, fraction and divisibility the code relies on, one rule a line: (field,
-    holds, what it must be). All in one place so a bad value stops before a run directory exists
-    (design 1.3); each `holds` guards its own arithmetic, so one bad value never raises in another's."""
-    o, r, n, p, A, L, G = args.obs, args.rollout, args.net, args.ppo, args.advantage, args.ladder, args.ladder.gate
+    holds, what it must be). All in one place (the game's share in game_rules) so a bad value stops
+    before a run directory exists (design 1.3); each `holds` guards its own arithmetic, so one bad
+    value never raises in another's."""
+    r, n, p, A, L, G = args.rollout, args.net, args.ppo, args.advantage, args.ladder, args.ladder.gate
     battles = r.workers * r.games_per_worker
     mix_ok = len(L.mix) == 3 and min(L.mix) >= 0 and abs(sum(L.mix) - 1.0) <= 1e-9
     # one cycle's learner seats: every battle's learner seat plus the second seat of a mirror battle
@@ -656,12 +694,7 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
     return [
         ("master_seed", 0 <= args.master_seed < 2 ** 63, "be in [0, 2**63): every stream derives from it"),
         ("timestep_limit", args.timestep_limit >= 1, "be >= 1"),
-        ("obs.frame_stack", o.frame_stack >= 1, "be >= 1"),
-        ("obs.decision_ms", o.decision_ms >= 1, "be >= 1 (game milliseconds per decision)"),
-        ("obs.reveal", set(o.reveal) <= {"enemy_spell_aim"}, "name only enemy_spell_aim (the flag read_env wires)"),
-        ("obs.max_steps", o.max_steps >= 0, "be >= 0 (0 plays whole battles)"),
-        *[(f"reward.{k}", math.isfinite(w) and w >= 0, "be finite and >= 0 (a shaping weight)")
-          for k, w in dataclasses.asdict(args.reward).items()],
+        *game_rules(args),
         ("rollout.workers", r.workers >= 1, "be >= 1"),
         ("rollout.games_per_worker", r.games_per_worker >= 1, "be >= 1"),
         ("rollout.shards_per_worker", r.shards_per_worker >= 1, "be >= 1"),
@@ -2060,9 +2093,13 @@ def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: boo
     env = read_env(args, comm)                # geometry, codec table and T x R, read off a reset env
     learner = Learner(args, env, comm)        # the network, its optimizers, scaler, backoff, positions
     env.mask_disagreements = run_startup_gates(args, env, learner.model, quiet or not comm.voice)   # design 3.8
+    # a warm start (WarmArgs) makes v0 the clone of a scripted rung; every rank clones alike
+    cloned = warm_start(args, env, learner.model, quiet or not comm.voice) if resume is None and args.warm.rung else None
     t0 = time.perf_counter() if t_start is None else t_start
     if comm.voice:
         run = open_run(args, env, learner, resume, allow_drift, quiet, t0)    # identity; a resume restores
+        if cloned is not None:
+            (run.path / "warm.json").write_bytes(msgspec.json.format(canonical_json(cloned)))
         lad = LadderLoop(args, run.path, run.rid, args.master_seed, env.n_battles, env.spec, env.table, env.device,
                          env.seed)
         opening = start_ladder(lad, run, learner, env)   # v0 admitted free, or the checkpoint's pool
@@ -2167,6 +2204,87 @@ def reward_spec(reward: RewardArgs) -> farm.ComponentSpec | None:
     reward, so a run at the defaults keeps its env spec, and its id)."""
     kw = {k: w for k, w in dataclasses.asdict(reward).items() if w != farm.REWARD_WEIGHTS[k]}
     return farm.ComponentSpec("farm.default_potential_reward", kw) if kw else None
+
+
+# The warm start (WarmArgs, design 5.4): the rung plays itself, both seats' choice rows (more than one legal
+# action) are packed with the run's codec table, and the actor is fitted to the rung's actions by
+# cross-entropy. Its battles and permutations draw from streams of their own (warm/...), so the
+# clone is a function of the master seed and the arguments, like everything else (design 2.2).
+
+class Cloned(NamedTuple):
+    rows: np.ndarray      # uint8 (n, row_bytes): the choice rows, packed as the rollout packs them
+    seats: np.ndarray     # int64 (n,): 0 blue, 1 red (which static planes unpack scatters in)
+    actions: np.ndarray   # int64 (n,): what the rung chose
+    game_steps: int       # decisions of every battle played, forced ones included
+
+
+def clone_rows(args: Args, env: Env) -> Cloned:
+    """args.warm.battles battles of the rung against itself, one episode each, on the run's env."""
+    name, n = args.warm.rung.removeprefix("scripted:"), args.warm.battles
+    vec = farm.build_vec(env.spec, n, autoreset_seed_fn=lambda g, k: derive_int(args.master_seed, f"warm/battle/{g}/ordinal/{k}"))
+    players = [farm.make_scripted(name) for _ in range(2 * n)]
+    rngs = [derive_generator(args.master_seed, f"warm/slot/{i}") for i in range(2 * n)]
+    packer, buf = codec.Packer(env.table), np.zeros((2 * n, env.table.row_bytes), np.uint8)
+    obs, _ = vec.reset()
+    live, steps, out = np.ones(n, bool), 0, ([], [], [])
+    while live.any():
+        acts = np.array([players[i].act({k: v[i] for k, v in obs.items()}, obs["action_mask"][i], rngs[i])
+                         for i in range(2 * n)], np.int64)
+        choice = np.repeat(live, 2) & (np.asarray(obs["action_mask"]).sum(-1) > 1)
+        if choice.any():
+            packer.pack(obs, buf, 0)
+            out[0].append(buf[choice].copy())
+            out[1].append(np.flatnonzero(choice) % 2)
+            out[2].append(acts[choice])
+        steps += int(live.sum())
+        obs, _, term, trunc, _ = vec.step(acts)
+        live &= ~(term | trunc)[0::2]   # a battle's first episode only: the vec env resets it
+    vec.close()
+    if not out[0]:
+        raise ConfigError(f"--warm.rung {args.warm.rung}: {n} battles gave no choice row to clone")
+    return Cloned(np.concatenate(out[0]), np.concatenate(out[1]).astype(np.int64), np.concatenate(out[2]), steps)
+
+
+def warm_start(args: Args, env: Env, model: ActorCritic, quiet: bool) -> dict[str, float]:
+    """Fit the actor to the rung's choices (cross-entropy, its own Adam, the PPO minibatch size and
+    gradient clip); returns the loss and the clone's agreement with the rung (its most probable
+    action is the rung's) before and after, which the console line shows."""
+    data = clone_rows(args, env)
+    dev, n, mb = env.device, len(data.actions), args.ppo.minibatch_size
+    opt = torch.optim.Adam(model.actor_parameters(), lr=args.warm.lr, eps=args.ppo.adam_eps)
+    gen = torch_generator(args.master_seed, "warm/permutation")
+
+    def batch(idx: np.ndarray) -> tuple[MaskedCategorical, torch.Tensor]:
+        o = codec.unpack(env.table, torch.as_tensor(data.rows[idx], device=dev), env.statics,
+                         torch.as_tensor(data.seats[idx], device=dev))
+        return model.dist(o), torch.as_tensor(data.actions[idx], device=dev)
+
+    def measure() -> tuple[float, float]:
+        loss = agree = 0.0
+        with torch.no_grad():
+            for i in range(0, n, mb):
+                d, a = batch(np.arange(i, min(i + mb, n)))
+                loss -= float(d.log_prob(a).sum())
+                agree += float((d.mode() == a).sum())
+        return loss / n, agree / n
+
+    before = measure()
+    for _ in range(args.warm.epochs):
+        perm = torch.randperm(n, generator=gen).numpy()
+        for i in range(0, n, mb):
+            d, a = batch(perm[i:i + mb])
+            loss = -d.log_prob(a).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.actor_parameters(), args.ppo.max_grad_norm)
+            opt.step()
+    after = measure()   # <run>/warm.json keeps these numbers (set_up writes it)
+    if not quiet:
+        print(f"warm start: {args.warm.rung} cloned from {n:,} choice rows of {args.warm.battles} battles "
+              f"({data.game_steps:,} game-steps), {args.warm.epochs} epochs: cross-entropy {before[0]:.3f} -> "
+              f"{after[0]:.3f}, agreement with the rung {before[1]:.3f} -> {after[1]:.3f}", flush=True)
+    return {"rows": n, "game_steps": data.game_steps, "loss_before": before[0], "loss_after": after[0],
+            "agree_before": before[1], "agree_after": after[1]}
 
 
 class Learner:
@@ -2938,8 +3056,9 @@ def user_code_digest(entry: Path | str | None = None) -> dict[str, str]:
 
 def algo_digest(args: Args) -> str:
     """PPO, GAE and schedule config, and the precision (autocast changes every number)."""
+    warm = {"warm": args.warm} if args.warm.rung else {}   # only when on: every earlier run id holds
     return sha256_hex(canonical_json({"ppo": args.ppo, "advantage": args.advantage,
-                                      "autocast_dtype": args.net.autocast_dtype}))
+                                      "autocast_dtype": args.net.autocast_dtype, **warm}))
 
 
 def rollout_digest(args: Args, T: int, R: int) -> str:

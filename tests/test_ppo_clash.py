@@ -853,6 +853,8 @@ def test_refusals_that_need_two_fields():
 BAD_VALUES = [
     ("master_seed", -1, {}), ("timestep_limit", 0, {}), ("obs.frame_stack", 0, {}), ("obs.decision_ms", 0, {}),
     ("obs.reveal", ["enemy_hand"], {}), ("obs.max_steps", -1, {}), ("reward.crown", -0.1, {}), ("reward.tower_hp", float("nan"), {}), ("reward.elixir", -1, {}),
+    ("warm.rung", "scripted:nope", {}), ("warm.rung", "scripted:noop", {"obs.frame_stack": 2}),
+    ("warm.battles", 0, {"warm.rung": "scripted:noop"}), ("warm.epochs", 0, {}), ("warm.lr", 0, {}),
     ("rollout.workers", 0, {}), ("rollout.games_per_worker", 0, {}), ("rollout.shards_per_worker", 0, {}),
     ("rollout.games_per_worker", 15, {"rollout.shards_per_worker": 2}), ("rollout.spin_us", -1, {}),
     ("rollout.round_timeout_s", 0, {}), ("rollout.max_restarts_per_worker", -1, {}),
@@ -936,6 +938,32 @@ def test_the_reward_weights_reach_the_env_and_their_defaults_leave_its_spec_and_
     assert [w for _, w in env.envs[0].reward_fn.terms] == [1.0, 0.2, 0.5, 0.05]
     env.close()
     assert P.read_env(a).facts.env_spec_digest != P.read_env(base).facts.env_spec_digest
+
+
+def test_a_warm_start_clones_the_rungs_own_choices_deterministically_and_only_a_run_asking_changes_its_id():
+    """WarmArgs (docs/learning.md section 3): the rung plays itself; every cloned row is a choice
+    row whose recorded action its own packed mask allows, both seats' rows are there, and the
+    fitted actor agrees with the rung more than before; the same seed clones the same weights; the
+    warm section enters the identity only when on."""
+    short = ["--profile", "smoke", "--obs.max-steps", "60"]   # battles truncated: a fast test
+    base = P.parse_args(short)
+    env = P.read_env(base)
+    rnd = P.parse_args([*short, "--warm.rung", "scripted:random_legal", "--warm.battles", "1"])
+    data = P.clone_rows(rnd, env)
+    mask = P.codec.host_mask(env.table, data.rows)
+    assert (mask.sum(1) > 1).all() and mask[np.arange(len(data.actions)), data.actions].all()
+    assert set(data.seats.tolist()) == {0, 1} and (data.actions != 0).any()
+    assert data.game_steps >= len(data.actions) // 2
+    a = P.parse_args([*short, "--warm.rung", "scripted:noop", "--warm.battles", "1",
+                      "--warm.epochs", "4", "--warm.lr", "0.01"])
+    models = [P.ActorCritic(env.geo, a.net, a.master_seed) for _ in range(2)]
+    got = [P.warm_start(a, env, m, quiet=True) for m in models]
+    assert got[0] == got[1] and got[0]["loss_after"] < got[0]["loss_before"] - 1.0
+    assert got[0]["agree_after"] > 0.9 > got[0]["agree_before"], got[0]   # the noop rung: hold on every choice
+    for (k, x), y in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+        assert torch.equal(x, y), k
+    assert P.algo_digest(a) != P.algo_digest(base) == P.sha256_hex(P.canonical_json(
+        {"ppo": base.ppo, "advantage": base.advantage, "autocast_dtype": base.net.autocast_dtype}))
 
 
 def test_the_bad_values_cover_every_rule_and_every_profile_keeps_them(monkeypatch):
@@ -2091,6 +2119,28 @@ def test_every_cycle_collects_exactly_the_planned_learner_rows_and_pool_seats_ar
     assert spec.step == 0   # v0: the initial actor, admitted free as the first champion
     assert f"snap:{sid}" == json.loads((run / "ladder" / "pool.json").read_text())["v0"]
     assert {s for s, _, _ in seen["dists"]} == {sid}   # the only resident before any admission
+
+
+@pytest.mark.slow
+def test_a_warm_started_run_admits_the_clone_as_v0_and_records_the_cloning(tmp_path):
+    """--warm.rung: the run's v0 snapshot holds the cloned actor (a fresh clone's weights, to the
+    snapshot's fp16), warm.json holds the cloning's numbers, and the run trains on from there."""
+    argv = ["--profile", "smoke", "--obs.max-steps", "60", "--warm.rung", "scripted:random_legal",
+            "--warm.battles", "1", "--runs-dir", str(tmp_path)]
+    args = P.parse_args(argv)
+    run = P.train(args, max_iterations=1, quiet=True)
+    warm = json.loads((run / "warm.json").read_text())
+    P.apply_determinism(args)
+    env = P.read_env(args)
+    clone = P.ActorCritic(env.geo, args.net, args.master_seed)
+    assert P.warm_start(args, env, clone, quiet=True) == warm and warm["rows"] > 0
+    untrained = P.ActorCritic(env.geo, args.net, args.master_seed).state_dict()
+    sid = json.loads((run / "ladder" / "pool.json").read_text())["v0"].removeprefix("snap:")
+    _, tensors = P.ladder.SnapshotStore(run).load(sid)
+    mine = clone.state_dict()
+    assert all(np.array_equal(v, mine[k].half().numpy()) for k, v in tensors.items())
+    assert any(not torch.equal(mine[k], untrained[k]) for k in tensors)
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
 
 
 @pytest.mark.slow
