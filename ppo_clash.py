@@ -2206,10 +2206,10 @@ def reward_spec(reward: RewardArgs) -> farm.ComponentSpec | None:
     return farm.ComponentSpec("farm.default_potential_reward", kw) if kw else None
 
 
-# The warm start (WarmArgs, design 5.4): the rung plays itself, both seats' choice rows (more than one legal
-# action) are packed with the run's codec table, and the actor is fitted to the rung's actions by
-# cross-entropy. Its battles and permutations draw from streams of their own (warm/...), so the
-# clone is a function of the master seed and the arguments, like everything else (design 2.2).
+# The warm start (WarmArgs, design 5.4): the rung plays itself, both seats' choice rows (more
+# than one legal action) are packed with the run's codec table, and the actor is fitted to the
+# rung's actions by cross-entropy. Its battles and permutations draw from streams of their own
+# (warm/...), so the clone is a function of the master seed and the arguments (design 2.2).
 
 class Cloned(NamedTuple):
     rows: np.ndarray      # uint8 (n, row_bytes): the choice rows, packed as the rollout packs them
