@@ -1137,8 +1137,9 @@ def git_commit() -> str:
 # The learning benchmark as one command: train the profile from its master seed for the protocol's
 # game-step budget in a new run directory (as `python ppo_clash.py` would), then the yardstick
 # (every scripted rung, paired seeds from the run's frozen set, 95% bootstrap intervals; ladder.py
-# yardstick's function) on v0, the untrained policy, and on the run's final champion. The table and
-# the bar's verdict go to stdout; --write appends them, dated, with the commit, to docs/learning.md.
+# yardstick's function) on v0 (the untrained policy, or a warm start's clone) and on the run's
+# final champion. The table and the bar's verdict go to stdout; --write appends them, dated, with
+# the commit, to docs/learning.md. A stopped benchmark continues with --resume RUN.
 
 LEARNING_DOC = ROOT / "docs" / "learning.md"   # the protocol, and where --write appends
 BAR = {"scripted:random_legal": 0.85, "scripted:patient": 0.60}   # issue 14's bar: at least this score
@@ -1255,7 +1256,8 @@ def cmd_learn(cmd: "Learn") -> int:
     pool = ladder.read_pool(run)
     if pool is None or pool.champion is None:
         raise CheckError(f"{run}: no ladder/pool.json champion after training; nothing to measure")
-    players = {"v0": f"{pool.v0}, untrained", "champion": f"{pool.champion} at {n_iter * env.T * env.n_battles:,} game-steps"}
+    v0_is = f"the warm start's clone of {args.warm.rung}" if args.warm.rung else "untrained"
+    players = {"v0": f"{pool.v0}, {v0_is}", "champion": f"{pool.champion} at {n_iter * env.T * env.n_battles:,} game-steps"}
     rows_of = {"v0": ladder.yardstick_run(run, pool.v0, cmd.seeds)}
     discarded = last_discarded(run, pool)
     if discarded is not None:   # shown before the champion; the bar is the champion's alone
