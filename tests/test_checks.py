@@ -546,9 +546,8 @@ def test_learn_stops_resumes_then_measures_and_a_shipped_folder_is_measured_and_
     measured, the command that continues it); the same command again is refused (the run exists),
     --resume without the run's change is refused by field, with it the run finishes: the yardstick's
     table, a row a rung, v0 (never displaced at this budget) measured once, its games appended to the
-    run's log. Its snapshot folder
-    copied out as a shipped model (spec.json, actor.safetensors, the run's eval_env.json) is then
-    measured by `ladder.py yardstick --snapshot <folder> --master-seed 5 --json` with no run (one
+    run's log. Its snapshot folder copied out as a shipped model (spec.json, actor.safetensors, the
+    run's eval_env.json) is then measured by `ladder.py yardstick --snapshot <folder> --master-seed 5 --json` with no run (one
     JSON object a rung, on master seed 5's seeds, recorded nowhere) and played by `checks.py play`."""
     import ladder
     change = tmp_path / "change.json"    # an experiment's one change, merged over the profile
