@@ -143,6 +143,10 @@ class WarmArgs:
     """passes of cross-entropy over those rows"""
     lr: float = 1e-3
     """the cloning's own Adam learning rate (PPO's optimizers start fresh after it)"""
+    critic_iterations: int = 0
+    """PPO's first iterations step the critic only, so the clone plays on unchanged until a critic
+    fitted to its own play judges it (an untrained critic's advantages are noise at full weight:
+    explained variance -0.1 at the first iteration, 0.6 by the seventh [M: docs/learning.md S3])"""
 
 
 @dataclass
@@ -675,6 +679,8 @@ def game_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("warm.battles", w.battles >= 1, "be >= 1"),
         ("warm.epochs", w.epochs >= 1, "be >= 1"),
         ("warm.lr", w.lr > 0, "be > 0"),
+        ("warm.critic_iterations", w.critic_iterations >= 0, "be >= 0"),
+        ("warm.critic_iterations", not w.critic_iterations or bool(w.rung), "be 0 without --warm.rung"),
     ]
 
 
@@ -1726,9 +1732,10 @@ def unfilled_empty_tensors() -> Iterator[None]:
 
 def _epochs(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer, data: Any,
             ppo: "PPOArgs", acc: _Acc, perm0: np.ndarray, *, ent_coef: float, ent_coef_noop: float,
-            master_seed: int, iteration: int, debug: bool, comm: Comm) -> int:
+            master_seed: int, iteration: int, debug: bool, comm: Comm, actor_steps: bool) -> int:
     """ppo_update's passes: each batch's summed gradient (summed over the ranks too), clipped per
-    optimizer, then one step of each. Returns the steps taken."""
+    optimizer, then one step of each (of the critic's alone when not actor_steps). Returns the
+    steps taken."""
     pa, pc = ac.actor_parameters(), ac.critic_parameters()
     steps = 0
     # every rank runs as many batches as the fullest one, an emptier rank's extra batches adding
@@ -1752,7 +1759,8 @@ def _epochs(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch
                                         f"{start // ppo.batch_size}: actor norm {float(gna)}, critic norm {float(gnc)}")
             acc.grad_norm_actor.append(gna.detach())
             acc.grad_norm_critic.append(gnc.detach())
-            opt_actor.step()
+            if actor_steps:
+                opt_actor.step()
             opt_critic.step()
             steps += 1
     return steps
@@ -1761,9 +1769,11 @@ def _epochs(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch
 def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer, data: Any,
                ppo: "PPOArgs", *, ent_coef: float, ent_coef_noop: float, master_seed: int, iteration: int,
                debug: bool, check_ratio: bool, ratio_atol: float,
-               ratio_outliers: list[dict[str, Any]] | None = None, comm: Comm = SOLO) -> dict[str, float]:
+               ratio_outliers: list[dict[str, Any]] | None = None, comm: Comm = SOLO,
+               actor_steps: bool = True) -> dict[str, float]:
     """n_epochs passes over data in batches of ppo.batch_size (the last one smaller, never
-    dropped), one optimizer step per batch, each optimizer's gradient clipped on its own.
+    dropped), one optimizer step per batch, each optimizer's gradient clipped on its own; the
+    actor's optimizer steps only when actor_steps (WarmArgs.critic_iterations).
     The permutation comes from ppo/minibatch/iteration/{i}/epoch/{e} (design 2.2). ratio_outliers:
     see ratio_invariant (filled only when given; nothing of it enters the returned row)."""
     acc = _Acc(ppo.n_epochs)
@@ -1774,7 +1784,8 @@ def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: to
         acc.ratio_dev = comm.most(ratio_invariant(ac, data, perm0, ppo.minibatch_size, check_ratio, ratio_atol,
                                                   ratio_outliers))   # the worst rank's: its alarm halts
         steps = _epochs(ac, opt_actor, opt_critic, data, ppo, acc, perm0, ent_coef=ent_coef, ent_coef_noop=ent_coef_noop,
-                        master_seed=master_seed, iteration=iteration, debug=debug, comm=comm)
+                        master_seed=master_seed, iteration=iteration, debug=debug, comm=comm,
+                        actor_steps=actor_steps)
     acc.reduce(comm)
     s = {k: float(v) for k, v in acc.s.items()}
     nc = max(acc.choice_rows, 1)
@@ -2727,7 +2738,8 @@ def update(learner: Learner, view: RectView, roll: Rollout, crit: Critic, adv: A
     upd: dict[str, Any] = ppo_update(learner.model, learner.opt_a, learner.opt_c, data, p, ent_coef=sched["ent_coef"],
                                      ent_coef_noop=sched["ent_coef_noop"], master_seed=args.master_seed, iteration=it,
                                      debug=debug, check_ratio=debug or it % p.check_ratio_invariant_every == 0,
-                                     ratio_atol=ratio_atol(args), ratio_outliers=outliers, comm=learner.comm)
+                                     ratio_atol=ratio_atol(args), ratio_outliers=outliers, comm=learner.comm,
+                                     actor_steps=it >= args.warm.critic_iterations)
     upd["run/lr_backoff"] = learner.backoff.observe(upd["ppo/kl"])
     if upd["run/lr_backoff"]:
         learner.backoff.apply(learner.opt_a, learner.opt_c)

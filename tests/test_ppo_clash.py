@@ -719,6 +719,22 @@ def test_an_update_drops_nothing_steps_once_per_batch_and_moves_the_actor(mode):
     assert oa.state[ac.actor_parameters()[0]]["step"] == out["ppo/optimizer_steps"]
 
 
+def test_an_update_without_actor_steps_moves_only_the_critic():
+    """WarmArgs.critic_iterations: the actor keeps its weights bit for bit and its Adam holds no
+    state (so its first real step is a first step), while the critic takes every step."""
+    geo, net, data = make_data(perturb=0.0)
+    ppo = P.PPOArgs(batch_size=16, minibatch_size=8, n_epochs=2, lr_actor=1e-3, lr_critic=1e-3)
+    ac = P.ActorCritic(geo, net, master_seed=0)
+    actor = [p.detach().clone() for p in ac.actor_parameters()]
+    oa, oc = P.make_optimizers(ac, ppo)
+    out = P.ppo_update(ac, oa, oc, data, ppo, ent_coef=0.01, ent_coef_noop=0.02, master_seed=1, iteration=0,
+                       debug=True, check_ratio=True, ratio_atol=1e-4, actor_steps=False)
+    assert all(torch.equal(a, p) for a, p in zip(actor, ac.actor_parameters()))
+    assert out["ppo/update_magnitude_actor"] == 0 and out["ppo/kl"] == pytest.approx(0, abs=1e-6)
+    assert not oa.state and oc.state[ac.critic_parameters()[0]]["step"] == out["ppo/optimizer_steps"] > 0
+    assert out["ppo/update_magnitude_critic"] > 0
+
+
 def test_schedules_are_in_env_steps():
     lin = P.Schedule("linear", 0.01, 0.003, 1000)
     geo = P.Schedule("geometric", 0.997, 0.999, 1000)
@@ -855,6 +871,7 @@ BAD_VALUES = [
     ("obs.reveal", ["enemy_hand"], {}), ("obs.max_steps", -1, {}), ("reward.crown", -0.1, {}), ("reward.tower_hp", float("nan"), {}), ("reward.elixir", -1, {}),
     ("warm.rung", "scripted:nope", {}), ("warm.rung", "scripted:noop", {"obs.frame_stack": 2}),
     ("warm.battles", 0, {"warm.rung": "scripted:noop"}), ("warm.epochs", 0, {}), ("warm.lr", 0, {}),
+    ("warm.critic_iterations", -1, {"warm.rung": "scripted:noop"}), ("warm.critic_iterations", 2, {}),
     ("rollout.workers", 0, {}), ("rollout.games_per_worker", 0, {}), ("rollout.shards_per_worker", 0, {}),
     ("rollout.games_per_worker", 15, {"rollout.shards_per_worker": 2}), ("rollout.spin_us", -1, {}),
     ("rollout.round_timeout_s", 0, {}), ("rollout.max_restarts_per_worker", -1, {}),
@@ -2124,11 +2141,12 @@ def test_every_cycle_collects_exactly_the_planned_learner_rows_and_pool_seats_ar
 @pytest.mark.slow
 def test_a_warm_started_run_admits_the_clone_as_v0_and_records_the_cloning(tmp_path):
     """--warm.rung: the run's v0 snapshot holds the cloned actor (a fresh clone's weights, to the
-    snapshot's fp16), warm.json holds the cloning's numbers, and the run trains on from there."""
+    snapshot's fp16), warm.json holds the cloning's numbers, and the run trains on from there:
+    the critic alone for --warm.critic-iterations, then both."""
     argv = ["--profile", "smoke", "--obs.max-steps", "60", "--warm.rung", "scripted:random_legal",
-            "--warm.battles", "1", "--runs-dir", str(tmp_path)]
+            "--warm.battles", "1", "--warm.critic-iterations", "1", "--runs-dir", str(tmp_path)]
     args = P.parse_args(argv)
-    run = P.train(args, max_iterations=1, quiet=True)
+    run = P.train(args, max_iterations=2, quiet=True)
     warm = json.loads((run / "warm.json").read_text())
     P.apply_determinism(args)
     env = P.read_env(args)
@@ -2140,7 +2158,9 @@ def test_a_warm_started_run_admits_the_clone_as_v0_and_records_the_cloning(tmp_p
     mine = clone.state_dict()
     assert all(np.array_equal(v, mine[k].half().numpy()) for k, v in tensors.items())
     assert any(not torch.equal(mine[k], untrained[k]) for k in tensors)
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["ppo/update_magnitude_actor"] > 0 for r in rows] == [False, True]
+    assert all(r["ppo/update_magnitude_critic"] > 0 for r in rows)
 
 
 @pytest.mark.slow
