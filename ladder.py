@@ -17,7 +17,8 @@ Writes (same folder):
     games.jsonl, aggregate.json (a derived cache that always equals a rebuild of the log)
     gates/<candidate>.json      one GateDecision per candidate (section 5)
     ratings.json                the latest RatingTable (written by the trainer's refit)
-`plot` writes one picture, runs/<id>/strength.png unless told otherwise, and nothing else.
+`plot` writes one picture, runs/<id>/strength.png unless told otherwise (several runs: --out),
+and nothing else.
     eval_seeds.json, snapshots/<id>/, pool.json, eval_env.json
 Nothing is pickled: JSON (msgspec) and safetensors only. Never a checkpoint or a metric file.
 
@@ -43,6 +44,8 @@ CLI (section 12):
     python ladder.py rate runs/<id> [--context CTX]          the fitted table (torch-free)
     python ladder.py plot runs/<id> [--out FILE.png]         strength over training (section 11;
                                                              matplotlib, the [plot] extra)
+    python ladder.py plot RUN RUN ... --out FILE.png [--labels A B ...]
+                                                             several runs' learning signals
     python ladder.py eval --run runs/<id> --a ID --b ID [--seeds N]
                                                              a paired comparison, appended
     python ladder.py gate --run runs/<id> --candidate ID [--champion ID]
@@ -1871,9 +1874,13 @@ def read_strength(run: Path) -> StrengthData:
     steps = {snapshot_player_id(s): store.spec(s).step for s in store.ids()} if store.root.is_dir() else {}
     pool = read_pool(run)
     gates = {d.candidate: d.outcome for d in read_gate_decisions(run)}
+    return StrengthData(context, table, steps, pool.champion_chain if pool else [], gates, read_metric_rows(run))
+
+
+def read_metric_rows(run: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's rows, one an iteration; none before the first iteration ends."""
     metrics = Path(run) / "metrics.jsonl"
-    rows = [msgspec.json.decode(x) for x in metrics.read_bytes().splitlines() if x.strip()] if metrics.exists() else []
-    return StrengthData(context, table, steps, pool.champion_chain if pool else [], gates, rows)
+    return [msgspec.json.decode(x) for x in metrics.read_bytes().splitlines() if x.strip()] if metrics.exists() else []
 
 
 def draw_strength(data: StrengthData, title: str, out: Path) -> None:
@@ -1886,16 +1893,46 @@ def draw_strength(data: StrengthData, title: str, out: Path) -> None:
     _draw_ratings(fig.add_subplot(grid[0, :]), data)
     _draw_probe(fig.add_subplot(grid[1, :]), data.rows)
     for i, (key, label) in enumerate(PLOT_SIGNALS):
-        ax = fig.add_subplot(grid[2, i])
-        pts = [(r["run/cumulative_env_steps"], r[key]) for r in data.rows if isinstance(r.get(key), (int, float))]
-        if pts:
-            ax.plot(*zip(*pts), lw=0.8)
-        ax.set_title(label, fontsize=9)
-        ax.tick_params(labelsize=7)
+        _draw_signal(fig.add_subplot(grid[2, i]), key, label, [("", data.rows)], fontsize=9)
     fig.suptitle(title, fontsize=11)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
     plt.close(fig)
+
+
+def draw_signals(series: Sequence[tuple[str, Sequence[dict[str, Any]]]], title: str, out: Path) -> None:
+    """Several runs' learning signals side by side: a panel a signal, a line a run, one colour a
+    run in every panel, the legend in the last cell (the screens of docs/learning.md 3.2). The
+    runs' ratings are not drawn: each run's table is fitted in its own context, not comparable."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cols = 3
+    nrows = -(-(len(PLOT_SIGNALS) + 1) // cols)   # the signals, and a cell for the legend
+    fig, axes = plt.subplots(nrows, cols, figsize=(14, 3.6 * nrows), constrained_layout=True, squeeze=False)
+    cells = list(axes.flat)
+    for ax, (key, label) in zip(cells, PLOT_SIGNALS):
+        _draw_signal(ax, key, label, series, fontsize=10)
+        ax.set_xlabel("game-steps", fontsize=8)
+    handles, names = cells[0].get_legend_handles_labels()
+    for ax in cells[len(PLOT_SIGNALS):]:
+        ax.axis("off")
+    cells[len(PLOT_SIGNALS)].legend(handles, names, loc="center", fontsize=10)
+    fig.suptitle(title, fontsize=11)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+def _draw_signal(ax: Any, key: str, label: str, series: Sequence[tuple[str, Sequence[dict[str, Any]]]],
+                 fontsize: int) -> None:
+    """One metric key against game-steps, a line a (name, rows) series, coloured by its position so
+    a run keeps its colour across panels; a run without the key still takes its colour's slot."""
+    for i, (name, rows) in enumerate(series):
+        pts = [(r["run/cumulative_env_steps"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        ax.plot(*(zip(*pts) if pts else ([], [])), lw=0.8, color=f"C{i % 10}", label=name)
+    ax.set_title(label, fontsize=fontsize)
+    ax.tick_params(labelsize=7)
 
 
 def _draw_ratings(ax: Any, data: StrengthData) -> None:
@@ -1970,13 +2007,29 @@ def _draw_probe(ax: Any, rows: Sequence[dict[str, Any]]) -> None:
 
 
 def cmd_plot(args: Any) -> int:
-    run = Path(args.run)
-    if not run.is_dir():
-        raise CliError(f"{run}: no such directory (pass a run directory, runs/<id>)")
+    runs = [Path(r) for r in args.runs]
+    if not runs:
+        raise CliError("name a run directory, runs/<id> (or several, to draw their learning signals side by side)")
+    for run in runs:
+        if not run.is_dir():
+            raise CliError(f"{run}: no such directory (pass a run directory, runs/<id>)")
+    if len(runs) > 1 and args.out is None:
+        raise CliError(f"{len(runs)} runs are drawn into one picture, which belongs to none of them: name it with --out FILE.png")
+    labels = list(args.labels) or [r.name for r in runs]
+    if len(runs) == 1 and args.labels:
+        raise CliError("--labels names the lines of several runs; one run's picture has none")
+    if len(labels) != len(runs):
+        raise CliError(f"--labels: {len(labels)} labels for {len(runs)} runs (one each, in the runs' order)")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         raise CliError("plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)") from None
+    if len(runs) > 1:
+        series = [(label, read_metric_rows(run)) for label, run in zip(labels, runs)]
+        draw_signals(series, f"learning signals of {len(runs)} runs", Path(args.out))
+        print(f"wrote {args.out}")
+        return 0
+    run = runs[0]
     data = read_strength(run)
     out = Path(args.out) if args.out else run / "strength.png"
     draw_strength(data, f"{run.name}: {len(data.rows)} iterations, "
@@ -2349,11 +2402,15 @@ class Gate(_Runner):
 
 @dataclasses.dataclass(kw_only=True)
 class Plot:
-    """Draw the run's strength over training (torch-free; needs matplotlib, the [plot] extra)."""
-    run: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN")]
-    """the run directory, runs/<id> (a live one is drawn as far as it has got)"""
+    """Draw the run's strength over training, or several runs' learning signals side by side
+    (torch-free; needs matplotlib, the [plot] extra)."""
+    runs: Annotated[tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(metavar="RUN")]
+    """the run directory, runs/<id> (a live one is drawn as far as it has got); several: their
+    learning signals in one picture"""
     out: Optional[str] = None
-    """the picture's path (default: runs/<id>/strength.png)"""
+    """the picture's path (default: runs/<id>/strength.png; several runs need one)"""
+    labels: tuple[str, ...] = ()
+    """several runs: a legend label each, in their order (default: the run directories' names)"""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -1132,6 +1132,42 @@ def test_plot_draws_the_strength_of_a_run_without_torch_and_writes_nothing_else(
     assert r.returncode == 0 and png_size(tmp_path / "pics" / "s.png") == (1260, 900)
 
 
+def test_plot_of_several_runs_draws_their_signals_in_one_picture_and_refuses_what_it_cannot_label(tmp_path):
+    """The screens' comparison (docs/learning.md 3.2): one picture, named by --out, a line a run."""
+    a, b = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
+    planted_strength_run(a)
+    b.mkdir(parents=True)
+    (b / "metrics.jsonl").write_text(json.dumps({"run/iteration": 1, "run/cumulative_env_steps": 10}) + "\n")
+    out = tmp_path / "pics" / "cmp.png"
+    r = run_cli("plot", str(a), str(b), "--labels", "S0", "S1", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines() == [f"wrote {out}"]
+    assert png_size(out) == (1260, 648)                                   # 14 x 7.2 inches at 90 dpi
+    assert not (a / "strength.png").exists() and not (b / "strength.png").exists()
+    for argv, message in (
+            ((str(a), str(b)), "2 runs are drawn into one picture, which belongs to none of them: name it with --out FILE.png"),
+            ((str(a), str(b), "--out", str(out), "--labels", "S0"), "--labels: 1 labels for 2 runs (one each, in the runs' order)"),
+            ((str(a), "--labels", "S0"), "--labels names the lines of several runs; one run's picture has none"),
+            ((str(a), str(tmp_path / "nope"), "--out", str(out)), f"{tmp_path / 'nope'}: no such directory (pass a run directory, runs/<id>)"),
+            ((), "name a run directory, runs/<id> (or several, to draw their learning signals side by side)")):
+        r = run_cli("plot", *argv)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"ladder.py plot: {message}"], (argv, r.stderr)
+
+
+def test_a_signal_panel_keeps_each_run_in_its_colour_even_when_a_run_lacks_the_key():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [{"run/cumulative_env_steps": 10 * i, "ppo/kl": 0.1 * i} for i in range(1, 4)]
+    fig, ax = plt.subplots()
+    L._draw_signal(ax, "ppo/kl", "kl", [("a", rows), ("b", [{"run/cumulative_env_steps": 5}]), ("c", rows[:2])], 9)
+    assert [line.get_label() for line in ax.lines] == ["a", "b", "c"]
+    assert [line.get_color() for line in ax.lines] == ["C0", "C1", "C2"]
+    assert list(ax.lines[0].get_xdata()) == [10, 20, 30] and list(ax.lines[0].get_ydata()) == [0.1, 0.2, 0.30000000000000004]
+    assert len(ax.lines[1].get_xdata()) == 0 and list(ax.lines[2].get_xdata()) == [10, 20]
+    plt.close(fig)
+
+
 def test_rung_labels_a_few_elo_apart_are_stacked_and_a_rung_off_the_axis_is_named_not_drawn():
     """A real cpu run's top panel: four rungs within 18 Elo printed over each other, and noop at 0
     stretched the axis from the snapshots' 420-770 down to 0; level_labels places them."""
