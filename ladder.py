@@ -17,9 +17,9 @@ Writes (same folder):
     games.jsonl, aggregate.json (a derived cache that always equals a rebuild of the log)
     gates/<candidate>.json      one GateDecision per candidate (section 5)
     ratings.json                the latest RatingTable (written by the trainer's refit)
+    eval_seeds.json, snapshots/<id>/, pool.json, eval_env.json
 `plot` writes one picture, runs/<id>/strength.png unless told otherwise (several runs: --out),
 and nothing else.
-    eval_seeds.json, snapshots/<id>/, pool.json, eval_env.json
 Nothing is pickled: JSON (msgspec) and safetensors only. Never a checkpoint or a metric file.
 
 Where to start reading: GameResult and ResultLog (section 2), the one record everything else
