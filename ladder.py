@@ -1885,31 +1885,22 @@ def read_metric_rows(run: Path) -> list[dict[str, Any]]:
 
 def draw_strength(data: StrengthData, title: str, out: Path) -> None:
     """One figure: ratings over game-steps, probe scores over game-steps, the learning signals."""
-    import matplotlib
-    matplotlib.use("Agg")   # a file, never a window: this runs on servers and in tests
-    import matplotlib.pyplot as plt
-    fig = plt.figure(figsize=(14, 10), constrained_layout=True)
+    fig = _pyplot().figure(figsize=(14, 10), constrained_layout=True)
     grid = fig.add_gridspec(3, len(PLOT_SIGNALS), height_ratios=(3, 2, 1.4))
     _draw_ratings(fig.add_subplot(grid[0, :]), data)
     _draw_probe(fig.add_subplot(grid[1, :]), data.rows)
     for i, (key, label) in enumerate(PLOT_SIGNALS):
         _draw_signal(fig.add_subplot(grid[2, i]), key, label, [("", data.rows)], fontsize=9)
-    fig.suptitle(title, fontsize=11)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
+    _save(fig, title, out)
 
 
 def draw_signals(series: Sequence[tuple[str, Sequence[dict[str, Any]]]], title: str, out: Path) -> None:
     """Several runs' learning signals side by side: a panel a signal, a line a run, one colour a
     run in every panel, the legend in the last cell (the screens of docs/learning.md 3.2). The
     runs' ratings are not drawn: each run's table is fitted in its own context, not comparable."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     cols = 3
     nrows = -(-(len(PLOT_SIGNALS) + 1) // cols)   # the signals, and a cell for the legend
-    fig, axes = plt.subplots(nrows, cols, figsize=(14, 3.6 * nrows), constrained_layout=True, squeeze=False)
+    fig, axes = _pyplot().subplots(nrows, cols, figsize=(14, 3.6 * nrows), constrained_layout=True, squeeze=False)
     cells = list(axes.flat)
     for ax, (key, label) in zip(cells, PLOT_SIGNALS):
         _draw_signal(ax, key, label, series, fontsize=10)
@@ -1918,10 +1909,21 @@ def draw_signals(series: Sequence[tuple[str, Sequence[dict[str, Any]]]], title: 
     for ax in cells[len(PLOT_SIGNALS):]:
         ax.axis("off")
     cells[len(PLOT_SIGNALS)].legend(handles, names, loc="center", fontsize=10)
+    _save(fig, title, out)
+
+
+def _pyplot() -> Any:
+    import matplotlib
+    matplotlib.use("Agg")   # a file, never a window: this runs on servers and in tests
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig: Any, title: str, out: Path) -> None:
     fig.suptitle(title, fontsize=11)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
-    plt.close(fig)
+    _pyplot().close(fig)
 
 
 def _draw_signal(ax: Any, key: str, label: str, series: Sequence[tuple[str, Sequence[dict[str, Any]]]],

@@ -1107,6 +1107,14 @@ def planted_strength_run(run: Path) -> dict[str, str]:
     return ids
 
 
+def pixels_near(path: Path, colour: str) -> int:
+    """How many of the PNG's pixels lie within 0.1 of an '#rrggbb' colour in every channel."""
+    import matplotlib.image
+    import numpy as np
+    rgb = np.array([int(colour[i:i + 2], 16) for i in (1, 3, 5)]) / 255
+    return int((np.abs(matplotlib.image.imread(path)[..., :3] - rgb).max(-1) < 0.1).sum())
+
+
 def png_size(path: Path) -> tuple[int, int]:
     head = path.read_bytes()[:24]
     assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
@@ -1143,6 +1151,9 @@ def test_plot_of_several_runs_draws_their_signals_in_one_picture_and_refuses_wha
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines() == [f"wrote {out}"]
     assert png_size(out) == (1260, 648)                                   # 14 x 7.2 inches at 90 dpi
+    # the lines are there, not only the axes: run a's five signals in C0 (~1,000 pixels [M]) and
+    # run b's legend handle in C1 (b has one row, so no line: ~26 pixels [M]); an empty grid has neither
+    assert pixels_near(out, "#1f77b4") > 500 and pixels_near(out, "#ff7f0e") > 10
     assert not (a / "strength.png").exists() and not (b / "strength.png").exists()
     for argv, message in (
             ((str(a), str(b)), "2 runs are drawn into one picture, which belongs to none of them: name it with --out FILE.png"),
