@@ -198,7 +198,13 @@ class NetArgs:
     separate_trunks: bool = True
     """actor and critic trunks apart: the mask and entropy bonus never touch the critic, structurally"""
     noop_bias: float = 0.0
-    """added to the no-op logit. 0: a near-uniform start is self-limiting (design 5.4)"""
+    """added to the pointer head's no-op logit. 0: a near-uniform start is self-limiting (design 5.4)"""
+    policy_head: Literal["pointer", "factored"] = "pointer"
+    """pointer: one softmax over the no-op and every (card, tile). factored: the same flat
+    log-probabilities in three stages, wait or act, then which card or button, then which tile
+    (design 5.1)"""
+    factored_act_init: float = 0.1
+    """the factored head's P(act) at initialisation, its gate's bias; a starting value, not a shape"""
     autocast_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """bf16 keeps fp32's exponent range, so finfo.min masking is safe and no GradScaler is needed"""
     device: str = "cuda"
@@ -720,6 +726,9 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("net.vector_embed", n.vector_embed >= 1, "be >= 1"),
         ("net.value_hidden", n.value_hidden >= 1, "be >= 1"),
         ("net.noop_bias", math.isfinite(n.noop_bias), "be finite"),
+        ("net.noop_bias", n.policy_head == "pointer" or n.noop_bias == 0,
+         "be 0 under --net.policy-head factored, which has no no-op logit (--net.factored-act-init sets its P(act))"),
+        ("net.factored_act_init", 0 < n.factored_act_init < 1, "be in (0, 1): a probability"),
         ("net.device", n.device.split(":")[0] in ("cpu", "cuda", "mps"), "be cpu, cuda, cuda:N or mps"),
         ("ppo.n_epochs", p.n_epochs >= 1, "be >= 1"),
         ("ppo.timesteps_per_iteration", p.timesteps_per_iteration >= seats,
@@ -948,6 +957,27 @@ class MaskedCategorical:
         return self.mask.sum(-1)
 
 
+def factored_log_probs(gate: torch.Tensor, choices: torch.Tensor, tiles: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The factored head's three stages as one (B, A) row of flat log-probabilities in the env's
+    encoding [no-op, (slot, tile) in C order, buttons], all float32 (design 5.1):
+      p(no-op)          = 1 - sigmoid(gate)
+      p(slot s, tile t) = sigmoid(gate) * softmax(choices over candidates)[s] * softmax(tiles[s] over its legal tiles)[t]
+      p(button b)       = sigmoid(gate) * softmax(choices over candidates)[P + b]
+    gate (B,), choices (B, P + NB), tiles (B, P, H*W). A slot is a candidate when any of its tiles
+    is legal, a button when it is; a row without a candidate waits at log-prob exactly 0. The
+    legal entries sum to one, so MaskedCategorical's log_softmax over them gives them back; an
+    illegal entry is 0 here and masked there, and takes no gradient."""
+    B, P, HW = tiles.shape
+    fmin = torch.finfo(torch.float32).min
+    tile_ok = mask[:, 1:1 + P * HW].reshape(B, P, HW)
+    choice_ok = torch.cat([tile_ok.any(-1), mask[:, 1 + P * HW:]], -1)
+    acts = choice_ok.any(-1)
+    wait = torch.where(acts, F.logsigmoid(-gate), torch.zeros_like(gate))
+    play = F.logsigmoid(gate)[:, None] + torch.log_softmax(choices.masked_fill(~choice_ok, fmin), -1).masked_fill(~choice_ok, 0.0)
+    tile_lp = torch.log_softmax(tiles.masked_fill(~tile_ok, fmin), -1).masked_fill(~tile_ok, 0.0)
+    return torch.cat([wait[:, None], (play[:, :P, None] + tile_lp).reshape(B, -1), play[:, P:]], -1).masked_fill(~mask, 0.0)
+
+
 def refuse_clear_noop(mask: torch.Tensor) -> None:
     """The no-op is always legal, so a row without it is a bug upstream: refused by row number."""
     if not bool(mask[:, 0].all()):
@@ -1151,8 +1181,9 @@ class PointerHead(nn.Module):
         self.scale = C ** -0.5          # logit_scale "rsqrt_c"
         self.noop_bias = float(net.noop_bias)
 
-    def forward(self, x: torch.Tensor, vector: torch.Tensor, rows: Rows | None = None) -> torch.Tensor:
-        """x: the trunk's rows; vector: the whole batch's, of which `rows` are x's (None: all)."""
+    def forward(self, x: torch.Tensor, vector: torch.Tensor, mask: torch.Tensor, rows: Rows | None = None) -> torch.Tensor:
+        """x: the trunk's rows; vector: the whole batch's, of which `rows` are x's (None: all). The
+        mask is not read: the logits are masked in MaskedCategorical (FactoredHead reads it)."""
         B, P = x.shape[0], self.geo.hand_size
         if rows is not None:
             vector = vector[rows.idx]
@@ -1166,6 +1197,54 @@ class PointerHead(nn.Module):
         if self.buttons is not None:
             parts.append(at_batch_shape(self.buttons, pooled, rows).float())
         return torch.cat(parts, -1)  # float32 always (design 5.2)
+
+
+class FactoredHead(nn.Module):
+    """factored_log_probs from three stages (design 5.1): the gate, act against wait, on the pooled
+    board; each hand slot's card query (the pointer's q) against a projection of the pooled
+    board, plus the slot's own bias, and the buttons on the pooled board, for which card or
+    button; the card query's inner product with every tile, over sqrt(C), for where. Under the
+    pointer head a card's share of the probability grows with its count of legal tiles, and the
+    no-op starts at one over the legal count; here the card is chosen before its tiles are
+    counted, and waiting starts at 1 - factored_act_init."""
+
+    def __init__(self, geo: NetGeometry, net: "NetArgs") -> None:
+        super().__init__()
+        C = net.channels
+        self.geo = geo
+        self.cards_at, self.cost_at, self.afford_at = geo.field(HAND_CARDS), geo.field(HAND_COST), geo.field(HAND_AFFORDABLE)
+        self.K = geo.card_vocab()
+        self.fp = nn.Sequential(*_conv_gn(C, C, net.norm_groups), nn.ReLU())
+        self.card = nn.Embedding(self.K, C)
+        self.q = nn.Linear(C + 2, C)
+        self.qb = nn.Linear(C + 2, 1)
+        self.board = nn.Linear(2 * C, C)
+        self.gate = nn.Linear(2 * C, 1)
+        self.buttons = nn.Linear(2 * C, geo.n_buttons) if geo.n_buttons else None
+        self.scale = C ** -0.5          # logit_scale "rsqrt_c", on the tiles and the slots alike
+
+    def forward(self, x: torch.Tensor, vector: torch.Tensor, mask: torch.Tensor, rows: Rows | None = None) -> torch.Tensor:
+        """x: the trunk's rows; vector and mask: the whole batch's, of which `rows` are x's (None: all)."""
+        B, P = x.shape[0], self.geo.hand_size
+        if rows is not None:
+            vector, mask = vector[rows.idx], mask[rows.idx]
+        fp = self.fp(x)
+        card_id = vector[:, self.cards_at].reshape(B, P, self.K).argmax(-1)
+        q_in = torch.cat([self.card(card_id), vector[:, self.cost_at, None], vector[:, self.afford_at, None]], -1).to(fp.dtype)
+        q = at_batch_shape(self.q, q_in, rows)
+        tiles = torch.einsum("bcyx,bkc->bkyx", fp, q) * self.scale
+        pooled = torch.cat([fp.mean((2, 3)), fp.amax((2, 3))], 1)
+        slots = (torch.einsum("bc,bkc->bk", at_batch_shape(self.board, pooled, rows), q) * self.scale
+                 + at_batch_shape(self.qb, q_in, rows)[..., 0])
+        choices = [slots.float()]
+        if self.buttons is not None:
+            choices.append(at_batch_shape(self.buttons, pooled, rows).float())
+        gate = at_batch_shape(self.gate, pooled, rows)[:, 0].float()
+        return factored_log_probs(gate, torch.cat(choices, -1), tiles.reshape(B, P, -1).float(), mask)
+
+
+HEADS = {"pointer": PointerHead, "factored": FactoredHead}
+"""--net.policy-head: both write (B, A) float32 in the env's encoding, which MaskedCategorical reads."""
 
 
 class ValueHead(nn.Module):
@@ -1200,7 +1279,7 @@ class ActorCritic(nn.Module):
         self.geo, self.net = geo, net
         self.actor_trunk = Trunk(geo, net)
         self.critic_trunk = Trunk(geo, net) if net.separate_trunks else None
-        self.policy = PointerHead(geo, net)
+        self.policy = HEADS[net.policy_head](geo, net)
         self.value_head = ValueHead(geo, net)
         self.autocast = net.autocast_dtype
         init_weights(self, torch_generator(master_seed, "torch/init"))
@@ -1220,7 +1299,7 @@ class ActorCritic(nn.Module):
 
     def logits(self, obs: Any, rows: Rows | None = None) -> torch.Tensor:
         with self._ctx(obs.vector.device.type):
-            return self.policy(self.actor_trunk(obs, rows), obs.vector, rows).float()
+            return self.policy(self.actor_trunk(obs, rows), obs.vector, obs.mask, rows).float()
 
     def value(self, obs: Any) -> torch.Tensor:
         with self._ctx(obs.vector.device.type):
@@ -1263,12 +1342,13 @@ class ActorCritic(nn.Module):
 
 
 def init_weights(model: ActorCritic, gen: torch.Generator) -> None:
-    """design 5.4: orthogonal, gain sqrt(2) on hidden convs/linears, 0.01 on the pointer head's
-    q, qb, no-op (and button) linears, 1.0 on the value head's last linear, zero biases,
-    embeddings N(0, 0.02). Every draw from the torch/init generator: weights = f(master_seed)."""
-    small = {id(model.policy.q), id(model.policy.qb), id(model.policy.noop)}
-    if model.policy.buttons is not None:
-        small.add(id(model.policy.buttons))
+    """design 5.4: orthogonal, gain sqrt(2) on hidden convs/linears, 0.01 on the policy head's
+    linears (the pointer's q, qb, no-op and buttons; the factored head's q, qb, board, gate and
+    buttons), 1.0 on the value head's last linear, zero biases but the factored gate's, which is
+    the log-odds of net.factored_act_init; embeddings N(0, 0.02). Every draw from the torch/init
+    generator: weights = f(master_seed)."""
+    head = model.policy
+    small = {id(m) for m in head.modules() if isinstance(m, nn.Linear)}
     last_value = model.value_head.mlp[-1]
     for m in model.modules():
         if isinstance(m, (nn.Conv2d, nn.Linear)):
@@ -1280,11 +1360,14 @@ def init_weights(model: ActorCritic, gen: torch.Generator) -> None:
             if m.padding_idx is not None:
                 with torch.no_grad():
                     m.weight[m.padding_idx].zero_()
+    if isinstance(head, FactoredHead):
+        p = model.net.factored_act_init
+        nn.init.constant_(head.gate.bias, math.log(p / (1 - p)))
 
 
 def arch_description(geo: NetGeometry, net: "NetArgs") -> dict[str, Any]:
     """What arch_digest covers: every shape-determining number and the forward's constants."""
-    d = {"geometry": msgspec.to_builtins(geo), "head": "pointer", "trunk": "Trunk/ResBlock/GroupNorm",
+    d = {"geometry": msgspec.to_builtins(geo), "head": net.policy_head, "trunk": "Trunk/ResBlock/GroupNorm",
          "channels": net.channels, "blocks": net.blocks, "norm_groups": net.norm_groups,
          "vector_embed": net.vector_embed, "value_hidden": net.value_hidden, "coord_conv": net.coord_conv,
          "separate_trunks": net.separate_trunks, "logit_scale": "rsqrt_c", "noop_bias": float(net.noop_bias)}
@@ -3067,10 +3150,13 @@ def user_code_digest(entry: Path | str | None = None) -> dict[str, str]:
 
 
 def algo_digest(args: Args) -> str:
-    """PPO, GAE and schedule config, and the precision (autocast changes every number)."""
-    warm = {"warm": args.warm} if args.warm.rung else {}   # only when on: every earlier run id holds
+    """PPO, GAE and schedule config, the precision (autocast changes every number), and the
+    starting points arch_digest leaves out: the warm start, the factored head's P(act)."""
+    # each only when on: every earlier run id holds
+    warm = {"warm": args.warm} if args.warm.rung else {}
+    act = {"factored_act_init": args.net.factored_act_init} if args.net.policy_head == "factored" else {}
     return sha256_hex(canonical_json({"ppo": args.ppo, "advantage": args.advantage,
-                                      "autocast_dtype": args.net.autocast_dtype, **warm}))
+                                      "autocast_dtype": args.net.autocast_dtype, **warm, **act}))
 
 
 def rollout_digest(args: Args, T: int, R: int) -> str:
@@ -4592,7 +4678,7 @@ def console_block(row: dict[str, Any], fired: Sequence[tuple[Alarm, float]] = ()
 
 
 # --- 12. Snapshots and the ladder's players (design 7.6, 7.3, 3.2) ------------------------------
-# A snapshot is the ACTOR alone (actor trunk + pointer head), fp16 in safetensors, with a
+# A snapshot is the ACTOR alone (actor trunk + policy head), fp16 in safetensors, with a
 # ladder.SnapshotSpec naming the arch/obs/codec digests it was built for. Two ways it plays:
 #   - in training (pool seats, group >= 0), from the rectangle's packed rows exactly like the
 #     learner's rows (codec.unpack of the same rows), one batched forward per group;

@@ -5,6 +5,7 @@ geometries, never from literal widths. torch CPU, tiny networks."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -216,6 +217,48 @@ def test_a_masked_logit_gets_exactly_zero_gradient():
     assert (logits.grad[mask] != 0.0).any()
 
 
+def test_factored_log_probs_are_the_three_stages_by_hand_and_only_legal_entries_carry_mass():
+    """Two hand slots of three tiles and one button (A = 8), rows planted: every kind legal; slot 0
+    with no legal tile (not a candidate); the button alone; nothing but the no-op (waits at
+    log-prob exactly 0). Each legal entry is p(act) x p(choice | candidates) x p(tile | slot)
+    computed here in float64, the legal entries sum to one, MaskedCategorical gives them back, and
+    neither an illegal entry nor the gate of a row that must wait takes a gradient."""
+    g = torch.Generator().manual_seed(3)
+    gate = torch.randn(4, generator=g).requires_grad_(True)
+    choices = torch.randn(4, 3, generator=g).requires_grad_(True)
+    tiles = torch.randn(4, 2, 3, generator=g).requires_grad_(True)
+    mask = torch.tensor([[1, 1, 0, 1, 0, 1, 1, 1],
+                         [1, 0, 0, 0, 1, 0, 1, 0],
+                         [1, 0, 0, 0, 0, 0, 0, 1],
+                         [1, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    flat = P.factored_log_probs(gate, choices, tiles, mask)
+    gd, cd, td = gate.detach(), choices.detach(), tiles.detach()
+    assert flat.shape == (4, 8) and flat.dtype == torch.float32
+    for b in range(4):
+        tile_ok = mask[b, 1:7].view(2, 3)
+        cand = [bool(tile_ok[0].any()), bool(tile_ok[1].any()), bool(mask[b, 7])]
+        p_act = 1 / (1 + math.exp(-float(gd[b]))) if any(cand) else 0.0
+        z = sum(math.exp(float(cd[b, c])) for c in range(3) if cand[c])
+        want = {0: 1 - p_act}
+        for s in range(2):
+            zt = sum(math.exp(float(td[b, s, t])) for t in range(3) if tile_ok[s, t])
+            for t in range(3):
+                if tile_ok[s, t]:
+                    want[1 + 3 * s + t] = p_act * math.exp(float(cd[b, s])) / z * math.exp(float(td[b, s, t])) / zt
+        if cand[2]:
+            want[7] = p_act * math.exp(float(cd[b, 2])) / z
+        assert sorted(want) == torch.nonzero(mask[b]).flatten().tolist(), b
+        for a, pa in want.items():
+            assert math.exp(flat[b, a].item()) == pytest.approx(pa, rel=1e-5, abs=1e-7), (b, a)
+        assert sum(want.values()) == pytest.approx(1.0)
+    assert (flat[~mask] == 0).all() and _bits(flat[3, :1]) == bytes(4)       # a row that must wait: +0.0
+    d = P.MaskedCategorical(flat, mask)
+    assert torch.allclose(d.logp[mask], flat[mask], atol=1e-6)
+    (d.entropy().sum() + d.log_prob(torch.tensor([1, 4, 7, 0])).sum()).backward()
+    assert gate.grad[3] == 0 and (gate.grad[:3] != 0).all()
+    assert (tiles.grad.view(4, 6)[~mask[:, 1:7]] == 0).all() and (choices.grad[1, 0] == 0) and (choices.grad[2, :2] == 0).all()
+
+
 # --- 4. networks ----------------------------------------------------------------------------------
 
 
@@ -235,6 +278,51 @@ def test_network_shapes_follow_the_env_on_two_geometries(kind):
     assert obs.mask.gather(1, a[:, None]).all() and torch.isfinite(lp).all()
     bf = P.ActorCritic(geo, tiny_net(autocast_dtype="bfloat16"), master_seed=1)   # the bf16 path, on CPU
     assert bf.logits(obs).dtype == torch.float32 and bf.value(obs).dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind", ["default", "spell_aim"])
+def test_the_factored_head_starts_waiting_at_one_minus_its_act_init_and_picks_cards_evenly(kind):
+    """design 5.1, 5.4: on real rows of two geometries the factored head's choice rows wait with
+    probability 1 - factored_act_init (the gate's bias; its weights start at gain 0.01), each
+    candidate slot takes an even share of the acting mass whatever its count of legal tiles
+    (the pointer head's shares follow the counts), forced rows wait at log-prob 0, and every
+    action is legal. The head is in arch_digest; its starting P(act) is in algo_digest."""
+    geo, batches = env_sample(kind)
+    obs = to_obs(batches)
+    net = tiny_net(policy_head="factored", factored_act_init=0.2)
+    ac = P.ActorCritic(geo, net, master_seed=1)
+    forced = torch.from_numpy(P.forced_rows(obs.mask.numpy()))
+    with torch.no_grad():
+        d, pointer = ac.dist(obs), P.ActorCritic(geo, tiny_net(), master_seed=1).dist(obs)
+    assert torch.allclose(d.logp[~forced, 0].exp(), torch.tensor(0.8), atol=0.005)
+    assert (d.logp[forced, 0] == 0).all()
+    H, W = geo.tiles
+    G = 1 + geo.hand_size * H * W
+    legal = obs.mask[:, 1:G].view(-1, geo.hand_size, H * W)
+    uneven = 0
+    for b in torch.nonzero(~forced).flatten().tolist():
+        cand = legal[b].any(-1)
+        share = d.logp[b, 1:G].exp().view(geo.hand_size, -1).sum(-1)[cand] / (1 - d.logp[b, 0].exp())
+        assert torch.allclose(share, torch.full_like(share, 1 / int(cand.sum())), atol=0.01), b
+        counts = legal[b].sum(-1)[cand].float()
+        if counts.max() > 2 * counts.min():       # the pointer's shares go with the tile counts
+            uneven += 1
+            p_share = pointer.logp[b, 1:G].exp().view(geo.hand_size, -1).sum(-1)[cand]
+            assert torch.allclose(p_share / p_share.sum(), counts / counts.sum(), atol=0.02), b
+    assert uneven >= 1    # the sample has a row where the two heads differ
+    a, _, _, _ = ac.act_and_hold(obs, torch.full((obs.mask.shape[0],), 0.95), forced.numpy())
+    assert obs.mask.gather(1, a[:, None]).all() and (a[~forced] != 0).any()
+    assert P.arch_description(geo, net)["head"] == "factored" and P.arch_description(geo, tiny_net())["head"] == "pointer"
+    assert P.arch_digest(geo, net) != P.arch_digest(geo, tiny_net())
+    assert P.arch_digest(geo, net) == P.arch_digest(geo, tiny_net(policy_head="factored", factored_act_init=0.5))
+    # the starting P(act) is in algo_digest instead, and only under the factored head (pointer run ids hold)
+    digest = {}
+    for head, p_act in (("pointer", 0.1), ("pointer", 0.5), ("factored", 0.1), ("factored", 0.5)):
+        a = P.profile_args("smoke")
+        a.net = dataclasses.replace(a.net, policy_head=head, factored_act_init=p_act)
+        digest[head, p_act] = P.algo_digest(a)
+    assert digest["pointer", 0.1] == digest["pointer", 0.5] == P.algo_digest(P.profile_args("smoke"))
+    assert len({digest["pointer", 0.1], digest["factored", 0.1], digest["factored", 0.5]}) == 3
 
 
 def test_card_identity_adds_an_embedded_card_id_per_tile_sized_from_the_space():
@@ -371,8 +459,8 @@ def test_a_forced_row_is_acted_without_a_forward_and_gets_exactly_what_the_forwa
 
 
 @pytest.mark.parametrize("threads", [1, pytest.param(2, marks=pytest.mark.slow)])   # 2: OpenMP spins under load
-@pytest.mark.parametrize("profile", ["smoke", "cpu"])
-def test_a_subset_forward_gives_its_rows_the_whole_batchs_logits_bit_for_bit(profile, threads):
+@pytest.mark.parametrize("profile, head", [("smoke", "pointer"), ("cpu", "pointer"), ("cpu", "factored")])
+def test_a_subset_forward_gives_its_rows_the_whole_batchs_logits_bit_for_bit(profile, head, threads):
     """The byte-identity the shortcut rests on (at_batch_shape, actor_rows), on random batches
     of real rows and random choice subsets, at the profiles' widths and both thread counts. A
     plain subset forward does not hold it on the CPU: MKL's gemm and the one-row convolution
@@ -380,7 +468,7 @@ def test_a_subset_forward_gives_its_rows_the_whole_batchs_logits_bit_for_bit(pro
     geo, batches = env_sample("default")
     obs = to_obs(batches)
     n_all = obs.vector.shape[0]
-    ac = P.ActorCritic(geo, P.profile_args(profile).net, master_seed=6)
+    ac = P.ActorCritic(geo, dataclasses.replace(P.profile_args(profile).net, policy_head=head), master_seed=6)
     rng = np.random.default_rng(11)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -878,7 +966,8 @@ BAD_VALUES = [
     ("rollout.launch_delay_s", -1, {}), ("rollout.overlap", True, {}), ("rollout.eval_workers", 0, {}),
     ("rollout.eval_games_per_worker", 0, {}),
     ("net.channels", 0, {}), ("net.blocks", -1, {}), ("net.norm_groups", 3, {}), ("net.vector_embed", 0, {}),
-    ("net.value_hidden", 0, {}), ("net.noop_bias", float("nan"), {}), ("net.device", "tpu", {}),
+    ("net.value_hidden", 0, {}), ("net.noop_bias", float("nan"), {}), ("net.noop_bias", 1.0, {"net.policy_head": "factored"}),
+    ("net.factored_act_init", 1.0, {}), ("net.device", "tpu", {}),
     ("ppo.n_epochs", 0, {}), ("ppo.timesteps_per_iteration", 5, {}), ("ppo.batch_size", 0, {}),
     ("ppo.minibatch_size", 128, {}), ("ppo.clip_range", 0, {}), ("ppo.dual_clip_c", 1, {}), ("ppo.vf_coef", 0, {}),
     ("ppo.ent_coef.start", -0.1, {}), ("ppo.ent_coef.end", -1, {}),
@@ -1463,6 +1552,23 @@ def test_a_smoke_run_of_three_iterations_end_to_end(tmp_path):
     # the pointer head starts near uniform (gain 0.01, design 5.4), so the first rollout holds at about
     # the uniform baseline of each row: a lift near 1
     assert rows[0]["policy/rollout_hold_lift"] == pytest.approx(1.0, abs=0.1)
+
+
+@pytest.mark.slow
+def test_a_smoke_run_with_the_factored_head_keeps_the_ratio_invariant_and_its_snapshot_rebuilds_it(tmp_path):
+    """--net.policy-head factored end to end: the rollout's log-probs are the update's (the debug
+    window's ratio check), nothing illegal is played, the first rollout waits on its choice rows
+    at about 1 - factored_act_init, and v0's snapshot records the head and rebuilds it."""
+    args = P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path), "--net.policy-head", "factored"])
+    run = P.train(args, quiet=True, max_iterations=2)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["ppo/ratio_max_abs_dev"] <= args.ppo.ratio_atol_fp32 and r["health/illegal_action_rate"] == 0 for r in rows)
+    assert rows[0]["policy/rollout_hold_rate"] == pytest.approx(1 - args.net.factored_act_init, abs=0.03)
+    store = P.ladder.SnapshotStore(run)
+    (sid,) = [p.name for p in (run / "ladder" / "snapshots").iterdir()]
+    spec, tensors = store.load(sid)
+    assert spec.arch["net"]["policy_head"] == "factored"
+    assert isinstance(P.actor_from_snapshot(spec, tensors, "cpu").policy, P.FactoredHead)
 
 
 def _run_files(run: Path) -> dict[str, Any]:
