@@ -1162,9 +1162,10 @@ class Trunk(nn.Module):
         return x + vmap.to(x.dtype)
 
 
-class PointerHead(nn.Module):
-    """logits = [noop, (P, H, W) tiles, buttons]: a card-conditioned inner product with every
-    tile (design 5.1). The head's shape is royalegym's encode(slot, x, y) = 1 + slot*H*W + y*W + x."""
+class CardQueries(nn.Module):
+    """What both policy heads share: each hand slot's query, from its card's embedding, cost and
+    affordability (q, and the slot bias qb), and the per-tile features fp it meets, an inner
+    product over sqrt(C) with every tile (design 5.1)."""
 
     def __init__(self, geo: NetGeometry, net: "NetArgs") -> None:
         super().__init__()
@@ -1176,71 +1177,73 @@ class PointerHead(nn.Module):
         self.card = nn.Embedding(self.K, C)
         self.q = nn.Linear(C + 2, C)
         self.qb = nn.Linear(C + 2, 1)
-        self.noop = nn.Linear(2 * C, 1)
-        self.buttons = nn.Linear(2 * C, geo.n_buttons) if geo.n_buttons else None
         self.scale = C ** -0.5          # logit_scale "rsqrt_c"
-        self.noop_bias = float(net.noop_bias)
 
-    def forward(self, x: torch.Tensor, vector: torch.Tensor, mask: torch.Tensor, rows: Rows | None = None) -> torch.Tensor:
-        """x: the trunk's rows; vector: the whole batch's, of which `rows` are x's (None: all). The
-        mask is not read: the logits are masked in MaskedCategorical (FactoredHead reads it)."""
+    def queries(self, x: torch.Tensor, vector: torch.Tensor, rows: Rows | None) -> tuple[torch.Tensor, ...]:
+        """(q_in, q, tiles, pooled) of x's rows, whose vector rows `vector` is: the slots' query
+        inputs (B, P, C+2) and queries (B, P, C), the tiles' inner products (B, P, H, W) and the
+        board's mean and max features (B, 2C)."""
         B, P = x.shape[0], self.geo.hand_size
-        if rows is not None:
-            vector = vector[rows.idx]
-        fp = self.fp(x)
-        card_id = vector[:, self.cards_at].reshape(B, P, self.K).argmax(-1)
-        q_in = torch.cat([self.card(card_id), vector[:, self.cost_at, None], vector[:, self.afford_at, None]], -1).to(fp.dtype)
-        tiles = (torch.einsum("bcyx,bkc->bkyx", fp, at_batch_shape(self.q, q_in, rows)) * self.scale
-                 + at_batch_shape(self.qb, q_in, rows)[..., None])
-        pooled = torch.cat([fp.mean((2, 3)), fp.amax((2, 3))], 1)
-        parts = [at_batch_shape(self.noop, pooled, rows).float() + self.noop_bias, tiles.reshape(B, -1).float()]
-        if self.buttons is not None:
-            parts.append(at_batch_shape(self.buttons, pooled, rows).float())
-        return torch.cat(parts, -1)  # float32 always (design 5.2)
-
-
-class FactoredHead(nn.Module):
-    """factored_log_probs from three stages (design 5.1): the gate, act against wait, on the pooled
-    board; each hand slot's card query (the pointer's q) against a projection of the pooled
-    board, plus the slot's own bias, and the buttons on the pooled board, for which card or
-    button; the card query's inner product with every tile, over sqrt(C), for where. Under the
-    pointer head a card's share of the probability grows with its count of legal tiles, and the
-    no-op starts at one over the legal count; here the card is chosen before its tiles are
-    counted, and waiting starts at 1 - factored_act_init."""
-
-    def __init__(self, geo: NetGeometry, net: "NetArgs") -> None:
-        super().__init__()
-        C = net.channels
-        self.geo = geo
-        self.cards_at, self.cost_at, self.afford_at = geo.field(HAND_CARDS), geo.field(HAND_COST), geo.field(HAND_AFFORDABLE)
-        self.K = geo.card_vocab()
-        self.fp = nn.Sequential(*_conv_gn(C, C, net.norm_groups), nn.ReLU())
-        self.card = nn.Embedding(self.K, C)
-        self.q = nn.Linear(C + 2, C)
-        self.qb = nn.Linear(C + 2, 1)
-        self.board = nn.Linear(2 * C, C)
-        self.gate = nn.Linear(2 * C, 1)
-        self.buttons = nn.Linear(2 * C, geo.n_buttons) if geo.n_buttons else None
-        self.scale = C ** -0.5          # logit_scale "rsqrt_c", on the tiles and the slots alike
-
-    def forward(self, x: torch.Tensor, vector: torch.Tensor, mask: torch.Tensor, rows: Rows | None = None) -> torch.Tensor:
-        """x: the trunk's rows; vector and mask: the whole batch's, of which `rows` are x's (None: all)."""
-        B, P = x.shape[0], self.geo.hand_size
-        if rows is not None:
-            vector, mask = vector[rows.idx], mask[rows.idx]
         fp = self.fp(x)
         card_id = vector[:, self.cards_at].reshape(B, P, self.K).argmax(-1)
         q_in = torch.cat([self.card(card_id), vector[:, self.cost_at, None], vector[:, self.afford_at, None]], -1).to(fp.dtype)
         q = at_batch_shape(self.q, q_in, rows)
         tiles = torch.einsum("bcyx,bkc->bkyx", fp, q) * self.scale
-        pooled = torch.cat([fp.mean((2, 3)), fp.amax((2, 3))], 1)
+        return q_in, q, tiles, torch.cat([fp.mean((2, 3)), fp.amax((2, 3))], 1)
+
+
+class PointerHead(CardQueries):
+    """logits = [noop, (P, H, W) tiles, buttons]: a card-conditioned inner product with every
+    tile plus the slot's bias, one softmax over all of them and the no-op (design 5.1). The head's
+    shape is royalegym's encode(slot, x, y) = 1 + slot*H*W + y*W + x."""
+
+    def __init__(self, geo: NetGeometry, net: "NetArgs") -> None:
+        super().__init__(geo, net)
+        C = net.channels
+        self.noop = nn.Linear(2 * C, 1)
+        self.buttons = nn.Linear(2 * C, geo.n_buttons) if geo.n_buttons else None
+        self.noop_bias = float(net.noop_bias)
+
+    def forward(self, x: torch.Tensor, vector: torch.Tensor, mask: torch.Tensor, rows: Rows | None = None) -> torch.Tensor:
+        """x: the trunk's rows; vector: the whole batch's, of which `rows` are x's (None: all). The
+        mask is not read: the logits are masked in MaskedCategorical (FactoredHead reads it)."""
+        if rows is not None:
+            vector = vector[rows.idx]
+        q_in, _, tiles, pooled = self.queries(x, vector, rows)
+        tiles = tiles + at_batch_shape(self.qb, q_in, rows)[..., None]
+        parts = [at_batch_shape(self.noop, pooled, rows).float() + self.noop_bias, tiles.reshape(x.shape[0], -1).float()]
+        if self.buttons is not None:
+            parts.append(at_batch_shape(self.buttons, pooled, rows).float())
+        return torch.cat(parts, -1)  # float32 always (design 5.2)
+
+
+class FactoredHead(CardQueries):
+    """factored_log_probs from three stages (design 5.1): the gate, act against wait, on the pooled
+    board; each slot's card query against a projection of the pooled board, plus the slot's
+    bias, and the buttons on the pooled board, for which card or button; the card query's inner
+    product with every tile, for where. Under the pointer head a card's share of the probability
+    grows with its count of legal tiles, and the no-op starts at one over the legal count; here
+    the card is chosen before its tiles are counted, and waiting starts at 1 - factored_act_init."""
+
+    def __init__(self, geo: NetGeometry, net: "NetArgs") -> None:
+        super().__init__(geo, net)
+        C = net.channels
+        self.board = nn.Linear(2 * C, C)
+        self.gate = nn.Linear(2 * C, 1)
+        self.buttons = nn.Linear(2 * C, geo.n_buttons) if geo.n_buttons else None
+
+    def forward(self, x: torch.Tensor, vector: torch.Tensor, mask: torch.Tensor, rows: Rows | None = None) -> torch.Tensor:
+        """x: the trunk's rows; vector and mask: the whole batch's, of which `rows` are x's (None: all)."""
+        if rows is not None:
+            vector, mask = vector[rows.idx], mask[rows.idx]
+        q_in, q, tiles, pooled = self.queries(x, vector, rows)
         slots = (torch.einsum("bc,bkc->bk", at_batch_shape(self.board, pooled, rows), q) * self.scale
                  + at_batch_shape(self.qb, q_in, rows)[..., 0])
         choices = [slots.float()]
         if self.buttons is not None:
             choices.append(at_batch_shape(self.buttons, pooled, rows).float())
         gate = at_batch_shape(self.gate, pooled, rows)[:, 0].float()
-        return factored_log_probs(gate, torch.cat(choices, -1), tiles.reshape(B, P, -1).float(), mask)
+        return factored_log_probs(gate, torch.cat(choices, -1), tiles.flatten(2).float(), mask)
 
 
 HEADS = {"pointer": PointerHead, "factored": FactoredHead}
