@@ -24,8 +24,8 @@ How to read it. Sections 1-7 are the method and section 8 is the loop that runs 
 stops after the loop has read the whole method. Sections 9-12 are the run's bookkeeping.
   1. Arguments and profiles        what can be set, and the presets (start with Args)
   2. Geometry, read off the env    every width the network needs, never a literal
-  3. The masked distribution       the one place a mask meets a logit
-  4. Networks                      two trunks, a pointer head, a value head
+  3. The masked distribution       where a mask meets a logit; the factored head's three stages
+  4. Networks                      two trunks, a policy head (pointer or factored), a value head
   5. GAE and return scaling        advantages over the rectangle in one backward scan
   6. The PPO update                minibatches, forced rows, the ratio invariant
   7. Iteration invariants          what must hold before a batch is trained on
@@ -914,8 +914,9 @@ def geometry_from_env(obs_space: Any, builder: Any, frame_stack: int = 1) -> Net
 
 
 # --- 3. The masked distribution (design 5.3) -----------------------------------------------------
-# The only place a mask meets a logit. Mask BEFORE the softmax with finfo.min (never -inf, whose
-# 0 * -inf is NaN in the entropy); logits are float32 so the masking and log_softmax are exact.
+# Where a mask meets a logit (and factored_log_probs, which reads the mask for its candidates).
+# Mask BEFORE the softmax with finfo.min (never -inf, whose 0 * -inf is NaN in the entropy);
+# logits are float32 so the masking and log_softmax are exact.
 
 
 class MaskedCategorical:

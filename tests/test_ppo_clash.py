@@ -318,9 +318,9 @@ def test_the_factored_head_starts_waiting_at_one_minus_its_act_init_and_picks_ca
     # the starting P(act) is in algo_digest instead, and only under the factored head (pointer run ids hold)
     digest = {}
     for head, p_act in (("pointer", 0.1), ("pointer", 0.5), ("factored", 0.1), ("factored", 0.5)):
-        a = P.profile_args("smoke")
-        a.net = dataclasses.replace(a.net, policy_head=head, factored_act_init=p_act)
-        digest[head, p_act] = P.algo_digest(a)
+        args = P.profile_args("smoke")
+        args.net = dataclasses.replace(args.net, policy_head=head, factored_act_init=p_act)
+        digest[head, p_act] = P.algo_digest(args)
     assert digest["pointer", 0.1] == digest["pointer", 0.5] == P.algo_digest(P.profile_args("smoke"))
     assert len({digest["pointer", 0.1], digest["factored", 0.1], digest["factored", 0.5]}) == 3
 
