@@ -90,6 +90,7 @@ def test_bad_input_exits_2_with_one_line_naming_the_thing(tmp_path):
 # --- identity -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_runs_differing_only_in_run_name_have_one_run_id_and_lr_actor_moves_only_algo_digest(tmp_path):
     """Computed the way open_run computes it; --diff names exactly the field that moved."""
     smoke = ["--profile", "smoke", "--runs-dir", str(tmp_path)]

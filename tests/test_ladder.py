@@ -903,6 +903,7 @@ def test_eval_runner_feeds_each_seat_its_own_named_stream_and_plays_full_matches
         runner(None, seeds).play("scripted:nobody", "scripted:noop", 2)
 
 
+@pytest.mark.slow
 def test_eval_runner_replays_a_comparison_byte_for_byte_whatever_the_batching(tmp_path):
     out = []
     for at_once in (1, 4):
@@ -939,6 +940,7 @@ def test_eval_runner_plays_snapshots_through_the_builder_and_refuses_mismatches_
     assert len(L.ResultLog(tmp_path).read().games) == 2
 
 
+@pytest.mark.slow
 def test_probe_writes_probe_rows_and_publishes_score_vs_each_rung(tmp_path):
     with runner(tmp_path) as r:
         games, m = L.run_probe(r, legal_from_uniforms, env_steps=12_345, probe_games=4, resamples=500)
@@ -962,6 +964,7 @@ def run_cli_timed(*args, timeout=120):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_eval_cli_without_torch_appends_games_and_rate_ranks_random_legal_above_noop(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"master_seed": 5, "ladder": {"eval_seed_count": 8}}))
     r = run_cli_timed("eval", "--run", str(tmp_path), "--a", "scripted:random_legal", "--b",
@@ -998,6 +1001,7 @@ ONE_COPY = ("import runpy, sys\n"
             "      'runner_module', ppo_clash.ladder.EvalRunner.__module__, 'copies', len(copies))\n")
 
 
+@pytest.mark.slow
 def test_the_cli_process_holds_one_ladder_module_when_it_imports_ppo_clash(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"master_seed": 5, "ladder": {"eval_seed_count": 2}}))
     r = subprocess.run([sys.executable, "-c", ONE_COPY, "eval", "--run", str(tmp_path), "--a",
@@ -1140,6 +1144,7 @@ def test_plot_draws_the_strength_of_a_run_without_torch_and_writes_nothing_else(
     assert r.returncode == 0 and png_size(tmp_path / "pics" / "s.png") == (1260, 900)
 
 
+@pytest.mark.slow
 def test_plot_of_several_runs_draws_their_signals_in_one_picture_and_refuses_what_it_cannot_label(tmp_path):
     """The screens' comparison (docs/learning.md 3.2): one picture, named by --out, a line a run."""
     a, b = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
