@@ -325,6 +325,34 @@ def test_the_factored_head_starts_waiting_at_one_minus_its_act_init_and_picks_ca
     assert len({digest["pointer", 0.1], digest["factored", 0.1], digest["factored", 0.5]}) == 3
 
 
+def test_the_factored_head_s_gate_and_card_choice_read_the_board():
+    """design 5.1: whether to act and which card both depend on the pooled board, not only on the
+    hand. Two boards under the same hand and mask, on real rows: the wait probability and each
+    choice row's card shares differ. The heads start at gain 0.01, so the board's two Linears get
+    weights of 0.2 here (and the gate no bias), where a difference is visible."""
+    geo, batches = env_sample("default")
+    obs = to_obs(batches)
+    net = tiny_net(policy_head="factored")
+    head = P.FactoredHead(geo, net)
+    with torch.no_grad():
+        for lin in (head.board, head.gate):
+            lin.weight.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(5))
+        head.gate.bias.zero_()
+    H, W = geo.tiles
+    G = 1 + geo.hand_size * H * W
+    choice = ~torch.from_numpy(P.forced_rows(obs.mask.numpy()))
+    waits, shares = [], []
+    for seed in (1, 2):
+        x = torch.randn(obs.mask.shape[0], net.channels, H, W, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            p = head(x, obs.vector, obs.mask)[choice].exp() * obs.mask[choice]    # an illegal entry's 0 is no mass
+        waits.append(p[:, 0])
+        shares.append(p[:, 1:G].reshape(len(p), geo.hand_size, -1).sum(-1) / (1 - p[:, :1]))
+    assert torch.allclose(shares[0].sum(-1), torch.ones(len(shares[0])), atol=1e-5)
+    assert (waits[0] - waits[1]).abs().max() > 0.05
+    assert (shares[0] - shares[1]).abs().max() > 0.05
+
+
 def test_card_identity_adds_an_embedded_card_id_per_tile_sized_from_the_space():
     from royalegym import RustEngine
     from royalegym.env import ClashParallelEnv, ClashSelfPlayVecEnv
