@@ -1187,6 +1187,15 @@ def last_discarded(run: Path, pool: "ladder.Pool") -> tuple[str, int] | None:
     return steps[-1][1], steps[-1][0]
 
 
+def champion_label(run: Path, pool: "ladder.Pool", game_steps: int) -> str:
+    """The champion's column head: its snapshot's own game-step, which is not the run's end when no
+    later candidate passed its gate (the champion of a 1M run can be its 200k snapshot)."""
+    if pool.champion == pool.v0:
+        return f"{pool.champion}: v0 was never displaced"
+    step = ladder.SnapshotStore(run).spec(pool.champion.removeprefix("snap:")).step
+    return f"{pool.champion}, its snapshot at {step:,} game-steps, still the champion at {game_steps:,}"
+
+
 def learn_args(cmd: "Learn") -> P.Args:
     """The run's arguments: the profile, the --config change merged over it, the master seed."""
     args = P.parse_args(["--profile", cmd.profile] + (["--config", cmd.config] if cmd.config else []))
@@ -1257,7 +1266,7 @@ def cmd_learn(cmd: "Learn") -> int:
     if pool is None or pool.champion is None:
         raise CheckError(f"{run}: no ladder/pool.json champion after training; nothing to measure")
     v0_is = f"the warm start's clone of {args.warm.rung}" if args.warm.rung else "untrained"
-    players = {"v0": f"{pool.v0}, {v0_is}", "champion": f"{pool.champion} at {n_iter * env.T * env.n_battles:,} game-steps"}
+    players = {"v0": f"{pool.v0}, {v0_is}", "champion": champion_label(run, pool, n_iter * env.T * env.n_battles)}
     rows_of = {"v0": ladder.yardstick_run(run, pool.v0, cmd.seeds)}
     discarded = last_discarded(run, pool)
     if discarded is not None:   # shown before the champion; the bar is the champion's alone
@@ -1265,8 +1274,6 @@ def cmd_learn(cmd: "Learn") -> int:
                    "champion": players["champion"]}
         rows_of["last candidate"] = ladder.yardstick_run(run, discarded[0], cmd.seeds)
     rows_of["champion"] = rows_of["v0"] if pool.champion == pool.v0 else ladder.yardstick_run(run, pool.champion, cmd.seeds)
-    if pool.champion == pool.v0:
-        players["champion"] = f"{pool.champion}: v0 was never displaced"
     lines = learn_lines(cmd, run, n_iter, wall_s, players, rows_of)
     print("\n".join(lines))
     if cmd.write:

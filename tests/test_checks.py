@@ -510,7 +510,8 @@ def test_the_bar_is_judged_rung_by_rung():
 
 def test_learn_measures_the_last_candidate_only_when_its_gate_discarded_it(tmp_path):
     """A screen's gate may keep v0 champion; the newest candidate (by game-step, not by file name)
-    is then measured too, so the table shows what the learner had become."""
+    is then measured too, so the table shows what the learner had become. The champion's column
+    head gives its snapshot's game-step."""
     import ladder
     ids = {}
     for name, step in (("old", 200), ("new", 300), ("early", 100)):
@@ -532,6 +533,11 @@ def test_learn_measures_the_last_candidate_only_when_its_gate_discarded_it(tmp_p
     assert checks.last_discarded(tmp_path, ladder.Pool(v0=ids["early"], champion_chain=[ids["new"]])) is None
     gate("new", "admit-as-cycle")
     assert checks.last_discarded(tmp_path, pool) is None          # admitted: not a discarded candidate
+    # the champion's column names its own snapshot's game-step, not the run's end
+    assert checks.champion_label(tmp_path, pool, 1000) == f"{ids['early']}: v0 was never displaced"
+    promoted = ladder.Pool(v0=ids["early"], champion_chain=[ids["early"], ids["old"]])
+    assert checks.champion_label(tmp_path, promoted, 1000) == \
+        f"{ids['old']}, its snapshot at 200 game-steps, still the champion at 1,000"
 
 
 def test_learn_refuses_a_budget_or_seed_count_it_cannot_honour_before_training(tmp_path):
