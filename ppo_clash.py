@@ -2861,6 +2861,14 @@ class RectData:
 
 # 6. The ladder step.
 
+def crossed(last: int, step: int, every: int) -> bool:
+    """A multiple of `every` game-steps lies in (last, step]: a cadence falls on fixed marks
+    (design 7.4), so it does not drift by each gate's rounding up to a whole iteration, and a
+    1,000,000-step run with a 200,000 cadence gates its last iteration."""
+    every = max(every, 1)
+    return step // every > last // every
+
+
 def ladder_step(lad: LadderLoop, learner: Learner, episodes: list[Any], env: Env, args: Args, quiet: bool) -> dict[str, Any]:
     """The ladder's work after an update, in this order (design 10.1): the kind="train" results,
     the gate on its cadence, a floor admit, a refit, the probe; returns the row's ladder keys that
@@ -2868,14 +2876,14 @@ def ladder_step(lad: LadderLoop, learner: Learner, episodes: list[Any], env: Env
     L, step = args.ladder, learner.env_steps
     lad.record_train(episodes, learner.iteration, step)
     row: dict[str, Any] = {}
-    if step - lad.last_candidate_step >= max(L.candidate_every_env_steps, 1):
+    if crossed(lad.last_candidate_step, step, L.candidate_every_env_steps):
         t0 = time.perf_counter()
         dec = lad.gate(learner.model, learner.iteration, step, env.facts.action_digest)
         row["time/gate"] = time.perf_counter() - t0
         if not quiet:
             print(f"gate {dec.candidate} vs {dec.champion}: {dec.outcome}"
                   + (f" (failed: {', '.join(dec.failed)})" if dec.failed else ""), flush=True)
-    if step - lad.last_floor_step >= max(L.floor_admit_every_env_steps, 1):
+    if crossed(lad.last_floor_step, step, L.floor_admit_every_env_steps):
         lad.floor(learner.model, step, env.facts.action_digest)
     if L.refit_every_iterations and learner.iteration % L.refit_every_iterations == 0:
         lad.refit()
