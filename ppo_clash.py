@@ -2018,7 +2018,11 @@ def train(args: Args, *, max_iterations: int | None = None, quiet: bool = False,
     comm = open_comm(args)    # torchrun's ranks, or SOLO (design 3.10)
     try:
         with process_settings_kept():
-            return _train(args, max_iterations, quiet, resume, allow_identity_drift, comm)
+            path = _train(args, max_iterations, quiet, resume, allow_identity_drift, comm)
+        if comm.on:   # no rank tears gloo down while a peer's last exchange with it is in flight
+            import torch.distributed as dist
+            dist.barrier()
+        return path
     finally:
         close_comm(comm)
 

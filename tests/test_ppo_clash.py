@@ -703,6 +703,7 @@ def _rank_grads(rank: int, world: int, init_file: str, out: str) -> None:
                            debug=True, check_ratio=False, ratio_atol=1e-4, comm=comm)
         torch.save({"row": row, "weights": {k: v.clone() for k, v in ac.state_dict().items()}, "n": mine.n},
                    f"{out}/update{rank}.pt")
+        dist.barrier()   # as ppo_clash.train: neither rank tears gloo down under the other's last exchange
     finally:
         dist.destroy_process_group()
 
