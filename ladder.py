@@ -2198,24 +2198,42 @@ def _eval_workers(args: Any, run: Path | None) -> int:
 
 
 def cmd_eval(args: Any) -> int:
-    """Play --a against --b on the first --seeds frozen seeds, both sides, append the games."""
-    run = Path(args.run)
-    n_prior = sum(1 for g in ResultLog(run).read().games if {g.a, g.b} == {args.a, args.b}) \
-        if (ladder_dir(run) / "games.jsonl").exists() else 0
-    with _open_runner(args, (args.a, args.b)) as r:
-        n_seeds = args.seeds if args.seeds is not None else len(r.seeds.seeds)
+    """Play --a against --b on the first --seeds frozen seeds, both sides. Two of a run's players on
+    its own seed set: the games are appended to its log. A snapshot folder (a shipped model) on
+    either side, or --master-seed S: printed only, as `yardstick` does."""
+    run = Path(args.run) if args.run else None
+    store = SnapshotStore(run)
+    a, b = (_folder_or_id(p, store) if os.sep in p or Path(p).is_dir() else p for p in (args.a, args.b))
+    recorded = run is not None and not store.folders and args.master_seed is None
+    if run is None and args.master_seed is None:
+        raise CliError("pass --run RUN (its players on its frozen seeds), or --master-seed S with "
+                       "snapshot folders such as models/<name>")
+    loose = [p for p in (a, b) if run is None and p.startswith("snap:") and p[5:] not in store.folders]
+    if loose:
+        raise CliError(f"{loose[0]}: a run's snapshot needs --run RUN; without one, pass a snapshot folder")
+    envs = {str(f): (f / "eval_env.json").read_bytes() for f in store.folders.values() if (f / "eval_env.json").is_file()}
+    if run is None and len(set(envs.values())) > 1:
+        raise CliError(f"{' and '.join(sorted(envs))}: their eval_env.json differ; two players are "
+                       "compared in one evaluation env")
+    n_prior = sum(1 for g in ResultLog(run).read().games if {g.a, g.b} == {a, b}) \
+        if recorded and (ladder_dir(run) / "games.jsonl").exists() else 0
+    runner = _open_runner(args, (a, b)) if recorded else _runner_for(args, run, (a, b), store, False, print)
+    with runner as r:
+        n_seeds = min(args.seeds or len(r.seeds.seeds), len(r.seeds.seeds))
         # The acting streams are addressed by how many games the pair already has, so a second
         # `eval` of the same pair adds new games rather than replaying the first byte for byte.
-        cid = f"cli/{args.a}/vs/{args.b}/after/{n_prior}"
-        games = r.play(args.a, args.b, 2 * n_seeds, comparison_id=cid)
+        cid = f"cli/{a}/vs/{b}/after/{n_prior}"
+        games = r.play(a, b, 2 * n_seeds, comparison_id=cid)
         secs = r.seconds
-    ps = paired_scores(games, args.a, args.b)
+    ps = paired_scores(games, a, b)
     lo, hi = bootstrap_interval(ps.x, r.seeds.master_seed, f"{cid}/summary", 10_000)
     rho = paired_rho(ps)
-    print(f"{args.a} vs {args.b}: score {ps.mean:.3f} over {len(ps.x)} seeds ({ps.n_battles} battles), "
+    print(f"{a} vs {b}: score {ps.mean:.3f} over {len(ps.x)} seeds ({ps.n_battles} battles), "
           f"95% bootstrap interval [{lo:.3f}, {hi:.3f}], paired_rho "
           f"{'n/a' if rho is None else f'{rho:.3f}'}, context {r.context}")
-    print(f"appended {len(games)} kind=eval games to {ResultLog(run).path} in {secs:.1f} s")
+    print(f"appended {len(games)} kind=eval games to {ResultLog(run).path} in {secs:.1f} s" if recorded else
+          f"played {len(games)} battles in {secs:.1f} s on master seed {r.seeds.master_seed}'s seed set; "
+          "recorded nowhere (only a run's own players on its frozen set go to its log)")
     return 0
 
 
@@ -2281,7 +2299,7 @@ def cmd_yardstick(args: Any) -> int:
     recorded = run is not None and not store.folders and args.master_seed is None
     prior = collections.Counter(frozenset((g.a, g.b)) for g in ResultLog(run).read().games) if recorded else {}
     say(f"yardstick: {snap} against every scripted rung, both sides of each seed")
-    with _yardstick_runner(args, run, snap, store, recorded, say) as r:
+    with _runner_for(args, run, (snap,), store, recorded, say) as r:
         n_seeds = min(args.seeds or YARDSTICK_SEEDS, len(r.seeds.seeds))
         for row in yardstick(r, snap, n_seeds, prior):
             print(msgspec.json.encode(row).decode() if args.json else
@@ -2323,7 +2341,7 @@ def _yardstick_player(args: Any, run: Path | None, store: SnapshotStore) -> str:
     """The yardstick's snapshot as snap:<id> (a bare id is one too); a snapshot folder is added to
     `store`."""
     if args.snapshot and (Path(args.snapshot).is_dir() or os.sep in args.snapshot):   # a path: a folder
-        return snapshot_player_id(store.add_folder(args.snapshot))
+        return _folder_or_id(args.snapshot, store)
     if run is None:
         raise CliError("pass --run RUN (its champion, or --snapshot snap:<id>) or --snapshot <folder> "
                        "(a snapshot folder, such as a shipped model under models/)")
@@ -2335,16 +2353,21 @@ def _yardstick_player(args: Any, run: Path | None, store: SnapshotStore) -> str:
     return snap if snap.startswith("snap:") else snapshot_player_id(snap)
 
 
-def _yardstick_runner(args: Any, run: Path | None, snap: str, store: SnapshotStore, recorded: bool,
+def _folder_or_id(folder: str, store: SnapshotStore) -> str:
+    """A snapshot folder (a path) as the player snap:<id>, added to `store`."""
+    return snapshot_player_id(store.add_folder(folder))
+
+
+def _runner_for(args: Any, run: Path | None, players: Sequence[str], store: SnapshotStore, recorded: bool,
                       say: Callable[[str], None]) -> EvalRunner:
     """The run's runner when the games are recorded; otherwise one that logs nothing, on the run's
     env or the folder's (its eval_env.json, else farm.default_env_spec()) and the seeds asked for."""
     if recorded:
-        return _open_runner(args, (snap,))
+        return _open_runner(args, players)
     folder = next(iter(store.folders.values()), None)
     if run is not None:
         env, where = read_run_env(run)
-    elif (folder / "eval_env.json").is_file():
+    elif folder is not None and (folder / "eval_env.json").is_file():
         env, where = msgspec.json.decode((folder / "eval_env.json").read_bytes(), type=EnvFactorySpec), \
             str(folder / "eval_env.json")
     else:
@@ -2353,7 +2376,8 @@ def _yardstick_runner(args: Any, run: Path | None, snap: str, store: SnapshotSto
     count = max(args.seeds or YARDSTICK_SEEDS, 1)
     seeds = draw_eval_seeds(args.master_seed, count) if args.master_seed is not None else read_run_seeds(run)
     r = EvalRunner(env, seeds, store=store, battles_at_once=args.battles_at_once, workers=_eval_workers(args, run))
-    r.players.policy_builder = _snapshot_builder(run, args.device, table=r.table, store=store)
+    if any(p.startswith("snap:") for p in players):
+        r.players.policy_builder = _snapshot_builder(run, args.device, table=r.table, store=store)
     return r
 
 
@@ -2384,13 +2408,18 @@ class _Runner:
 
 @dataclasses.dataclass(kw_only=True)
 class Eval(_Runner):
-    """Play a paired comparison between two players on the run's frozen seeds."""
+    """Play a paired comparison between two players on the run's frozen seeds (appended to its
+    log), or on a seed set drawn from --master-seed, where snapshot folders can play (printed only)."""
+    run: Optional[str] = None
+    """the run directory, runs/<id> (optional with --master-seed)"""
     a: str
-    """scripted:<name> or snap:<id>"""
+    """scripted:<name>, snap:<id> of the run, or a snapshot folder such as models/<name>"""
     b: str
-    """scripted:<name> or snap:<id>"""
+    """scripted:<name>, snap:<id> of the run, or a snapshot folder such as models/<name>"""
     seeds: Optional[int] = None
-    """seeds to play, each from both sides (default: the whole frozen set)"""
+    """seeds to play, each from both sides (default: the whole frozen set, or 20 of a --master-seed set)"""
+    master_seed: Optional[int] = None
+    """draw the seed set from this master seed instead of the run's frozen set (printed only)"""
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -555,7 +555,8 @@ def test_learn_stops_resumes_then_measures_and_a_shipped_folder_is_measured_and_
     table, a row a rung, v0 (never displaced at this budget) measured once, its games appended to the
     run's log. Its snapshot folder copied out as a shipped model (spec.json, actor.safetensors, the
     run's eval_env.json) is then measured by `ladder.py yardstick --snapshot <folder> --master-seed 5 --json` with no run (one
-    JSON object a rung, on master seed 5's seeds, recorded nowhere) and played by `checks.py play`."""
+    JSON object a rung, on master seed 5's seeds, recorded nowhere), compared by `ladder.py eval --a
+    <folder> --master-seed 5` (printed, recorded nowhere) and played by `checks.py play`."""
     import ladder
     change = tmp_path / "change.json"    # an experiment's one change, merged over the profile
     change.write_text('{"ppo": {"lr_critic": 0.0004}}')
@@ -596,6 +597,11 @@ def test_learn_stops_resumes_then_measures_and_a_shipped_folder_is_measured_and_
     assert all(o["snapshot"] == v0 and o["master_seed"] == 5 and o["battles"] == 2 and
                o["lower"] <= o["score"] <= o["upper"] for o in objs)
     assert f"evaluation env from {model / 'eval_env.json'}" in got.err and "recorded nowhere" in got.err
+    assert len((run / "ladder" / "games.jsonl").read_text().splitlines()) == len(games)
+    assert ladder.main(["eval", "--a", str(model), "--b", "scripted:noop", "--master-seed", "5", "--seeds", "2"]) == 0
+    got = capsys.readouterr().out
+    assert f"{v0} vs scripted:noop: score " in got and "over 2 seeds (4 battles)" in got, got
+    assert "played 4 battles" in got and "on master seed 5's seed set; recorded nowhere" in got, got
     assert len((run / "ladder" / "games.jsonl").read_text().splitlines()) == len(games)
     code, out, err = run_main("play", "--blue", str(model), "--red", "scripted:noop", "--every", "1000")
     assert code == 0, err[-3000:]

@@ -1214,6 +1214,31 @@ def test_plot_of_a_run_without_games_says_so_and_without_matplotlib_says_how_to_
         "ladder.py plot: plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)"]
 
 
+def test_eval_of_snapshot_folders_refuses_what_it_cannot_compare_in_one_line(tmp_path, capsys):
+    """ladder.py eval without a run: it needs --master-seed (no frozen set), a run's snap:<id>
+    needs the run, a path that is not a snapshot folder is named, and two folders whose evaluation
+    envs differ are refused (a comparison plays in one env). All before any battle."""
+    folders = []
+    for name, spec in (("m", "{}"), ("n", "{ }")):
+        f = tmp_path / "models" / name
+        f.mkdir(parents=True)
+        (f / "spec.json").write_text(spec)
+        (f / "actor.safetensors").write_bytes(b"")
+        (f / "eval_env.json").write_text(f'{{"env": "{name}"}}')
+        folders.append(str(f))
+    for argv, want in ((["eval", "--a", folders[0], "--b", "scripted:push"],
+                        "pass --run RUN (its players on its frozen seeds), or --master-seed S with snapshot folders"),
+                       (["eval", "--a", "snap:0123abcd", "--b", folders[0], "--master-seed", "1"],
+                        "snap:0123abcd: a run's snapshot needs --run RUN; without one, pass a snapshot folder"),
+                       (["eval", "--a", str(tmp_path / "nope"), "--b", "scripted:push", "--master-seed", "1"],
+                        "nope: not a snapshot folder (it needs spec.json and actor.safetensors)"),
+                       (["eval", "--a", folders[0], "--b", folders[1], "--master-seed", "1"],
+                        f"{folders[0]} and {folders[1]}: their eval_env.json differ")):
+        assert L.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("ladder.py eval: ") and want in err and err.count("\n") == 1, err
+
+
 def test_yardstick_refuses_what_it_cannot_measure_in_one_line(tmp_path, capsys):
     """ladder.py yardstick without a run: a snapshot folder needs --master-seed (no frozen set to
     use), a path that is not a snapshot folder is named, and nothing at all asks for --run."""
