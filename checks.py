@@ -1167,7 +1167,7 @@ def learn_lines(cmd: "Learn", run: Path, n_iter: int, wall_s: float, players: di
               if cmd.config else "")
     out = [f"--profile {cmd.profile}, master seed {cmd.master_seed if cmd.master_seed is not None else 'the profile default'}, "
            f"{cmd.game_steps:,} game-steps ({n_iter} iterations, {wall_s / 60:.0f} min of training), "
-           f"{rows[names[0]][0]['seeds']} seeds a rung from both sides; run {run}{change}", "",
+           f"{rows[names[0]][0]['seeds']} seeds a rung from both sides; run {run.name}{change}", "",
            "| rung | " + " | ".join(f"{n} ({players[n]})" for n in names) + " |",
            "|---|" + "---|" * len(names)]
     for i, r in enumerate(rows[names[0]]):

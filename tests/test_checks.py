@@ -580,6 +580,7 @@ def test_learn_stops_resumes_then_measures_and_a_shipped_folder_is_measured_and_
     assert f"continuing {run} from {saved}" in out and len((run / "metrics.jsonl").read_text().splitlines()) == 2
     assert json.loads((run / "config.json").read_text())["ppo"]["lr_critic"] == 0.0004
     assert f'the change, --config {change}: {{"ppo":{{"lr_critic":0.0004}}}}' in out
+    assert f"from both sides; run {run.name};" in out     # the run's id: a committed entry names no machine's path
     table = [x for x in out.splitlines() if x.startswith("| scripted:")]
     assert [x.split()[1] for x in table] == [f"scripted:{n}" for n in farm.SCRIPTED_NAMES]
     assert "v0 was never displaced" in out and "2 iterations" in out and "The bar (the champion):" in out

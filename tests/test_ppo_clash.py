@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -323,6 +324,36 @@ def test_the_factored_head_starts_waiting_at_one_minus_its_act_init_and_picks_ca
         digest[head, p_act] = P.algo_digest(args)
     assert digest["pointer", 0.1] == digest["pointer", 0.5] == P.algo_digest(P.profile_args("smoke"))
     assert len({digest["pointer", 0.1], digest["factored", 0.1], digest["factored", 0.5]}) == 3
+
+
+@pytest.mark.parametrize("head", ["pointer", "factored"])
+def test_both_heads_write_ability_buttons_after_the_grid_on_a_geometry_that_has_them(head):
+    """design 5.1: A = 1 + P*H*W + NB. Today's env has no buttons, so the geometry of real rows is
+    widened by two here: the mask gains two columns (button 0 legal on every other row, button 1
+    never). On each head, a legal button carries probability mass that sums with the rest to one,
+    an illegal one none, the button's log-prob takes a gradient through the head's `buttons`
+    Linear, and the buttons' readiness reaches the trunk (it rides with the vector): flipping
+    button 0's bit changes the trunk's output."""
+    geo, batches = env_sample("default")
+    obs = to_obs(batches)
+    geo2 = msgspec.structs.replace(geo, n_actions=geo.n_actions + 2)
+    assert geo2.n_buttons == 2
+    B, G = obs.mask.shape[0], geo.n_actions
+    extra = torch.zeros(B, 2, dtype=torch.bool)
+    extra[::2, 0] = True
+    obs2 = obs._replace(mask=torch.cat([obs.mask, extra], -1))
+    with torch.random.fork_rng():
+        torch.manual_seed(4)
+        ac = P.ActorCritic(geo2, tiny_net(policy_head=head), master_seed=4)
+    d = ac.dist(obs2)
+    prob = d.logp.exp() * obs2.mask
+    assert torch.allclose(prob.sum(-1), torch.ones(B), atol=1e-5)
+    assert (prob[::2, G] > 0).all() and (prob[1::2, G] == 0).all() and (prob[:, G + 1] == 0).all()
+    d.logp[::2, G].sum().backward()
+    assert ac.policy.buttons.weight.grad[0].abs().sum() > 0 and ac.policy.buttons.weight.grad[1].abs().sum() == 0
+    flipped = obs2._replace(mask=torch.cat([obs.mask, ~extra[:, :1], extra[:, 1:]], -1))
+    with torch.no_grad():   # the trunk itself, so the renormalisation over the mask cannot stand in
+        assert (ac.actor_trunk(obs2) - ac.actor_trunk(flipped)).abs().amax() > 1e-4
 
 
 def test_the_factored_head_s_gate_and_card_choice_read_the_board():
