@@ -2203,7 +2203,7 @@ def cmd_eval(args: Any) -> int:
     either side, or --master-seed S: printed only, as `yardstick` does."""
     run = Path(args.run) if args.run else None
     store = SnapshotStore(run)
-    a, b = (_folder_player(p, store) if os.sep in p or Path(p).is_dir() else p for p in (args.a, args.b))
+    a, b = (_folder_player(p, store) for p in (args.a, args.b))
     recorded = run is not None and not store.folders and args.master_seed is None
     if run is None and args.master_seed is None:
         raise CliError("pass --run RUN (its players on its frozen seeds), or --master-seed S with "
@@ -2340,8 +2340,9 @@ def yardstick_run(run: Path, snap: str, n_seeds: int, device: str = "cpu") -> li
 def _yardstick_player(args: Any, run: Path | None, store: SnapshotStore) -> str:
     """The yardstick's snapshot as snap:<id> (a bare id is one too); a snapshot folder is added to
     `store`."""
-    if args.snapshot and (Path(args.snapshot).is_dir() or os.sep in args.snapshot):   # a path: a folder
-        return _folder_player(args.snapshot, store)
+    folder = _folder_player(args.snapshot, store) if args.snapshot else None
+    if folder is not None and folder != args.snapshot:   # it was a path: a snapshot folder
+        return folder
     if run is None:
         raise CliError("pass --run RUN (its champion, or --snapshot snap:<id>) or --snapshot <folder> "
                        "(a snapshot folder, such as a shipped model under models/)")
@@ -2353,9 +2354,12 @@ def _yardstick_player(args: Any, run: Path | None, store: SnapshotStore) -> str:
     return snap if snap.startswith("snap:") else snapshot_player_id(snap)
 
 
-def _folder_player(folder: str, store: SnapshotStore) -> str:
-    """A snapshot folder (a path) as the player snap:<id>, added to `store`."""
-    return snapshot_player_id(store.add_folder(folder))
+def _folder_player(text: str, store: SnapshotStore) -> str:
+    """A player named on the command line: a path (a snapshot folder) becomes snap:<id>, added to
+    `store`; anything else (scripted:<name>, snap:<id>) is returned as it is."""
+    if os.sep in text or Path(text).is_dir():
+        return snapshot_player_id(store.add_folder(text))
+    return text
 
 
 def _runner_for(args: Any, run: Path | None, players: Sequence[str], store: SnapshotStore, recorded: bool,
