@@ -496,8 +496,14 @@ def profile_args(name: str) -> Args:
                      # in royalegym's own round robin (docs/ladder.md section 7)
                      "ladder.probe_opponents": ladder.PROBE_RUNGS if smoke else
                      ("scripted:random_legal", "scripted:push", "scripted:patient"),
-                     "ladder.eval_seed_count": 8 if smoke else 100,
-                     "ladder.gate": GateArgs(champion_games=16 if smoke else 200, anchor_games=8 if smoke else 40,
+                     # the gate's power against a slow learner [A, docs/learning.md 3.3]: n=600 promotes
+                     # a candidate scoring 0.57 against its champion 7 times in 10 (n=200: 3 in 10). The
+                     # anchor condition's 15 pp is sized to its 40 battles [A: 0.39 / sqrt(20) = 0.087,
+                     # the sd of a paired difference over 20 seeds, 0.39 a seed M], so an equal candidate
+                     # fails it 4% of the time (2 pp: 41%) and one 25 pp worse 87% (docs/running.md 6).
+                     "ladder.eval_seed_count": 8 if smoke else 300,
+                     "ladder.gate": GateArgs(champion_games=16 if smoke else 600, anchor_games=8 if smoke else 40,
+                                             anchor_tolerance_pp=_GATE.anchor_tolerance_pp if smoke else 15.0,
                                              stratified_snapshots=1 if smoke else 2,
                                              stratified_games=4 if smoke else 20, bootstrap_resamples=200 if smoke else 2000),
                      "checkpoint.every_env_steps": 2_000 if smoke else 100_000,
