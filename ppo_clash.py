@@ -197,6 +197,10 @@ class NetArgs:
     """two coordinate planes: the arena is not translation-invariant (own half, river, bridges, towers)"""
     separate_trunks: bool = True
     """actor and critic trunks apart: the mask and entropy bonus never touch the critic, structurally"""
+    global_pool: bool = False
+    """after the residual blocks, every tile's features plus a linear map of the board's mean and max
+    features (design 5.1): a tile's logit then reads the whole board, not only the tiles its
+    convolutions reach (13 x 13 at 2 blocks). Zero-initialised, so v0 is the network without it"""
     noop_bias: float = 0.0
     """added to the pointer head's no-op logit. 0: a near-uniform start is self-limiting (design 5.4)"""
     policy_head: Literal["pointer", "factored"] = "pointer"
@@ -1088,7 +1092,8 @@ def edge_taps(H: int, W: int) -> torch.Tensor:
 
 class Trunk(nn.Module):
     """cat[spatial, mask_planes, coords, broadcast vector embedding, card-id embedding]
-    -> Conv3x3 GN ReLU -> N residual blocks  ->  (B, C, H, W).
+    -> Conv3x3 GN ReLU -> N residual blocks [-> + Linear(mean, max) ReLU: net.global_pool]
+    ->  (B, C, H, W).
 
     The stem is that one convolution, computed in parts: the board's own planes
     (and card-id embeddings) through the convolution, the coordinate planes and the broadcast
@@ -1115,6 +1120,7 @@ class Trunk(nn.Module):
         self.n_board = k * (S + P)      # the stem kernel's input channels, in parts' order
         self.stem = nn.Sequential(*_conv_gn(in_ch, net.channels, net.norm_groups), nn.ReLU())
         self.body = nn.Sequential(*[ResBlock(net.channels, net.norm_groups) for _ in range(net.blocks)])
+        self.glob = nn.Linear(2 * net.channels, net.channels) if net.global_pool else None
         self.in_channels = in_ch
 
     def forward(self, obs: Any, rows: Rows | None = None) -> torch.Tensor:
@@ -1140,7 +1146,11 @@ class Trunk(nn.Module):
             e = self.card_ids(obs.card_ids)                      # (B, k*c, H, W, 8)
             parts.append(e.permute(0, 1, 4, 2, 3).reshape(B, -1, H, W).to(obs.spatial.dtype))
         _, norm, relu = self.stem
-        return self.body(relu(norm(self.stem_conv(torch.cat(parts, 1), vmap))))
+        x = self.body(relu(norm(self.stem_conv(torch.cat(parts, 1), vmap))))
+        if self.glob is None:
+            return x
+        g = at_batch_shape(self.glob, torch.cat([x.mean((2, 3)), x.amax((2, 3))], 1), rows)
+        return F.relu(x + g[:, :, None, None])
 
     def _kernel(self, part: str) -> torch.Tensor:
         """The stem kernel's slice for one part of cat[board, coords, vector, card ids]."""
@@ -1355,13 +1365,18 @@ def init_weights(model: ActorCritic, gen: torch.Generator) -> None:
     """design 5.4: orthogonal, gain sqrt(2) on hidden convs/linears, 0.01 on the policy head's
     linears (the pointer's q, qb, no-op and buttons; the factored head's q, qb, board, gate and
     buttons), 1.0 on the value head's last linear, zero biases but the factored gate's, which is
-    the log-odds of net.factored_act_init; embeddings N(0, 0.02). Every draw from the torch/init
-    generator: weights = f(master_seed)."""
+    the log-odds of net.factored_act_init; embeddings N(0, 0.02); the trunks' global-pool linears
+    zero, drawing nothing, so every other weight and v0's function are the network's without it.
+    Every draw from the torch/init generator: weights = f(master_seed)."""
     head = model.policy
     small = {id(m) for m in head.modules() if isinstance(m, nn.Linear)}
     last_value = model.value_head.mlp[-1]
+    zero = {id(t.glob) for t in (model.actor_trunk, model.critic_trunk) if t is not None and t.glob is not None}
     for m in model.modules():
-        if isinstance(m, (nn.Conv2d, nn.Linear)):
+        if id(m) in zero:
+            nn.init.zeros_(m.weight)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, (nn.Conv2d, nn.Linear)):
             gain = 0.01 if id(m) in small else 1.0 if m is last_value else math.sqrt(2.0)
             nn.init.orthogonal_(m.weight, gain=gain, generator=gen)
             nn.init.zeros_(m.bias)
@@ -1381,6 +1396,8 @@ def arch_description(geo: NetGeometry, net: "NetArgs") -> dict[str, Any]:
          "channels": net.channels, "blocks": net.blocks, "norm_groups": net.norm_groups,
          "vector_embed": net.vector_embed, "value_hidden": net.value_hidden, "coord_conv": net.coord_conv,
          "separate_trunks": net.separate_trunks, "logit_scale": "rsqrt_c", "noop_bias": float(net.noop_bias)}
+    if net.global_pool:   # only when on: every earlier run id holds
+        d["global_pool"] = "mean_max_linear_relu"
     if geo.card_id_channels:
         d["card_id_embed"] = CARD_ID_EMBED
     return d

@@ -407,6 +407,36 @@ def test_card_identity_adds_an_embedded_card_id_per_tile_sized_from_the_space():
     assert "card_id_embed" in P.arch_description(geo, tiny_net())
 
 
+@pytest.mark.parametrize("kind", ["default", "spell_aim"])
+def test_the_global_pool_starts_as_the_network_without_it_then_adds_a_map_of_the_whole_board(kind):
+    """net.global_pool (design 5.1), on both geometries: zero-initialised without a draw, so every
+    other weight, the logits and the values are the plain network's bit for bit; with weights,
+    the trunk's output is relu(body + W [mean, max] + b) of the body's output, the same bias on
+    every tile; the arch digest moves only when it is on (earlier run ids hold)."""
+    geo, batches = env_sample(kind)
+    obs = to_obs(batches[4:16])
+    plain, pooled = P.ActorCritic(geo, tiny_net(), 5), P.ActorCritic(geo, tiny_net(global_pool=True), 5)
+    extra = {k for k in pooled.state_dict() if ".glob." in k}
+    assert extra == {f"{t}.glob.{w}" for t in ("actor_trunk", "critic_trunk") for w in ("weight", "bias")}
+    ps = plain.state_dict()
+    assert all(_bits(v) == _bits(ps[k]) for k, v in pooled.state_dict().items() if k not in extra)
+    with torch.no_grad():
+        assert _bits(pooled.logits(obs)) == _bits(plain.logits(obs))
+        assert _bits(pooled.value(obs)) == _bits(plain.value(obs))
+        trunk = pooled.actor_trunk
+        trunk.glob.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(1))
+        trunk.glob.bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(2))
+        body: list[torch.Tensor] = []
+        trunk.body.register_forward_hook(lambda mod, inp, out: body.append(out))
+        got = trunk(obs)
+        x = body[0]
+        g = torch.cat([x.mean((2, 3)), x.amax((2, 3))], 1) @ trunk.glob.weight.T + trunk.glob.bias
+        assert torch.allclose(got, torch.relu(x + g[:, :, None, None]), atol=1e-6)
+        assert not torch.equal(got, x) and not torch.equal(pooled.logits(obs), plain.logits(obs))
+    assert "global_pool" not in P.arch_description(geo, tiny_net())
+    assert P.arch_digest(geo, tiny_net(global_pool=True)) != P.arch_digest(geo, tiny_net())
+
+
 def test_the_two_geometries_differ_by_one_plane_and_their_arch_digests_differ():
     g1, _ = env_sample("default")
     g2, _ = env_sample("spell_aim")
@@ -521,16 +551,21 @@ def test_a_forced_row_is_acted_without_a_forward_and_gets_exactly_what_the_forwa
 
 
 @pytest.mark.parametrize("threads", [1, pytest.param(2, marks=pytest.mark.slow)])   # 2: OpenMP spins under load
-@pytest.mark.parametrize("profile, head", [("smoke", "pointer"), ("cpu", "pointer"), ("cpu", "factored")])
-def test_a_subset_forward_gives_its_rows_the_whole_batchs_logits_bit_for_bit(profile, head, threads):
+@pytest.mark.parametrize("profile, head, glob", [("smoke", "pointer", False), ("cpu", "pointer", False),
+                                                ("cpu", "factored", False), ("cpu", "pointer", True)])
+def test_a_subset_forward_gives_its_rows_the_whole_batchs_logits_bit_for_bit(profile, head, glob, threads):
     """The byte-identity the shortcut rests on (at_batch_shape, actor_rows), on random batches
     of real rows and random choice subsets, at the profiles' widths and both thread counts. A
     plain subset forward does not hold it on the CPU: MKL's gemm and the one-row convolution
-    backend change a row's last bits with the batch around it [M: docs/throughput.md]."""
+    backend change a row's last bits with the batch around it [M: docs/throughput.md]. The
+    global pool's linear gets random weights: at its zero start it would hold trivially."""
     geo, batches = env_sample("default")
     obs = to_obs(batches)
     n_all = obs.vector.shape[0]
-    ac = P.ActorCritic(geo, dataclasses.replace(P.profile_args(profile).net, policy_head=head), master_seed=6)
+    ac = P.ActorCritic(geo, dataclasses.replace(P.profile_args(profile).net, policy_head=head, global_pool=glob), master_seed=6)
+    if glob:
+        with torch.no_grad():
+            ac.actor_trunk.glob.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(3))
     rng = np.random.default_rng(11)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
