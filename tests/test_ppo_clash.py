@@ -1049,7 +1049,8 @@ def test_the_cpu_gate_sees_a_slow_learner_and_its_anchor_condition_is_sized_to_i
     import ladder
     from math import comb
     from statistics import NormalDist
-    g, seeds = P.profile_args("cpu").ladder.gate, P.profile_args("cpu").ladder.eval_seed_count
+    lad = P.profile_args("cpu").ladder
+    g, seeds = lad.gate, lad.eval_seed_count
     n = g.champion_games
     clears = [k for k in range(n + 1) if ladder.wilson_interval(k / n, n)[0] >= g.champion_lower_bound]
     promote = lambda p: sum(comb(n, k) * p ** k * (1 - p) ** (n - k) for k in clears)  # noqa: E731
