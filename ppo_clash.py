@@ -1033,6 +1033,11 @@ class ResBlock(nn.Module):
         return F.relu(x + self.a(x))
 
 
+def board_pool(x: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) -> (B, 2C): each channel's mean and max over the board."""
+    return torch.cat([x.mean((2, 3)), x.amax((2, 3))], 1)
+
+
 def legal_frac(mask: torch.Tensor, geo: NetGeometry) -> torch.Tensor:
     """(B, P): the mean of each hand slot's slice of the mask; the critic's view of legality."""
     H, W = geo.tiles
@@ -1149,7 +1154,7 @@ class Trunk(nn.Module):
         x = self.body(relu(norm(self.stem_conv(torch.cat(parts, 1), vmap))))
         if self.glob is None:
             return x
-        g = at_batch_shape(self.glob, torch.cat([x.mean((2, 3)), x.amax((2, 3))], 1), rows)
+        g = at_batch_shape(self.glob, board_pool(x), rows)
         return F.relu(x + g[:, :, None, None])
 
     def _kernel(self, part: str) -> torch.Tensor:
@@ -1206,7 +1211,7 @@ class CardQueries(nn.Module):
         q_in = torch.cat([self.card(card_id), vector[:, self.cost_at, None], vector[:, self.afford_at, None]], -1).to(fp.dtype)
         q = at_batch_shape(self.q, q_in, rows)
         tiles = torch.einsum("bcyx,bkc->bkyx", fp, q) * self.scale
-        return q_in, q, tiles, torch.cat([fp.mean((2, 3)), fp.amax((2, 3))], 1)
+        return q_in, q, tiles, board_pool(fp)
 
 
 class PointerHead(CardQueries):
@@ -1277,7 +1282,7 @@ class ValueHead(nn.Module):
                                  nn.Linear(net.value_hidden, 1))
 
     def forward(self, x: torch.Tensor, obs: Any) -> torch.Tensor:
-        pooled = torch.cat([x.mean((2, 3)), x.amax((2, 3))], 1)
+        pooled = board_pool(x)
         feat = torch.cat([pooled, self.vfeat(obs.vector).to(pooled.dtype), legal_frac(obs.mask, self.geo).to(pooled.dtype)], 1)
         return self.mlp(feat).squeeze(-1).float()
 
