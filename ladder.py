@@ -2287,19 +2287,20 @@ def cmd_yardstick(args: Any) -> int:
     """A snapshot against every scripted rung, paired on frozen seeds, one line a rung (--json: one
     object a rung on stdout, the rest on stderr). The snapshot: the run's champion by default, a
     run's snap:<id>, or a snapshot folder (a shipped model, models/<name>/). The seeds: the run's
-    frozen set, or with --master-seed S a set drawn from S, which nobody tuned on. Only a run's own
-    snapshot on its own seed set is appended to its log (kind="eval" games, so `rate` puts the rungs
-    on the scale); anything else is printed and recorded nowhere."""
+    frozen set, or with --master-seed S a set drawn from S, which nobody tuned on. --release-mode
+    plays it by another decode than the run's. Only a run's own snapshot on its own seed set, in its
+    own release mode, is appended to its log (kind="eval" games, so `rate` puts the rungs on the
+    scale); anything else is printed and recorded nowhere."""
     say = (lambda m: print(m, file=sys.stderr)) if args.json else print
     run = Path(args.run) if args.run else None
     store = SnapshotStore(run)
     snap = _yardstick_player(args, run, store)
     if run is None and args.master_seed is None:
         raise CliError(f"--snapshot {args.snapshot} without --run has no frozen seed set: pass --master-seed S")
-    recorded = run is not None and not store.folders and args.master_seed is None
+    recorded = run is not None and not store.folders and args.master_seed is None and args.release_mode is None
     prior = collections.Counter(frozenset((g.a, g.b)) for g in ResultLog(run).read().games) if recorded else {}
     say(f"yardstick: {snap} against every scripted rung, both sides of each seed")
-    with _runner_for(args, run, (snap,), store, recorded, say) as r:
+    with _runner_for(args, run, (snap,), store, recorded, say, args.release_mode) as r:
         n_seeds = min(args.seeds or YARDSTICK_SEEDS, len(r.seeds.seeds))
         for row in yardstick(r, snap, n_seeds, prior):
             print(msgspec.json.encode(row).decode() if args.json else
@@ -2311,7 +2312,8 @@ def cmd_yardstick(args: Any) -> int:
             f"`python ladder.py rate {run}` now places the scripted rungs on the same scale")
     else:
         say(f"played {len(farm.SCRIPTED_NAMES) * 2 * n_seeds} battles in {secs:.0f} s on master seed {r.seeds.master_seed}'s "
-            "seed set; recorded nowhere (only a run's own snapshot on its frozen set goes to its log)")
+            "seed set; recorded nowhere (only a run's own snapshot on its frozen set, in its own release mode, "
+            "goes to its log)")
     return 0
 
 
@@ -2363,9 +2365,10 @@ def _folder_player(text: str, store: SnapshotStore) -> str:
 
 
 def _runner_for(args: Any, run: Path | None, players: Sequence[str], store: SnapshotStore, recorded: bool,
-                say: Callable[[str], None]) -> EvalRunner:
+                say: Callable[[str], None], release_mode: str | None = None) -> EvalRunner:
     """The run's runner when the games are recorded; otherwise one that logs nothing, on the run's
-    env or the folder's (its eval_env.json, else farm.default_env_spec()) and the seeds asked for."""
+    env or the folder's (its eval_env.json, else farm.default_env_spec()) and the seeds asked for.
+    release_mode: how snapshots act, None for the run's own (recorded games always are)."""
     if recorded:
         return _open_runner(args, players)
     folder = next(iter(store.folders.values()), None)
@@ -2381,7 +2384,8 @@ def _runner_for(args: Any, run: Path | None, players: Sequence[str], store: Snap
     seeds = draw_eval_seeds(args.master_seed, count) if args.master_seed is not None else read_run_seeds(run)
     r = EvalRunner(env, seeds, store=store, battles_at_once=args.battles_at_once, workers=_eval_workers(args, run))
     if any(p.startswith("snap:") for p in players):
-        r.players.policy_builder = _snapshot_builder(run, args.device, table=r.table, store=store)
+        r.players.policy_builder = _snapshot_builder(run, args.device, table=r.table, store=store,
+                                                     release_mode=release_mode)
     return r
 
 
@@ -2463,6 +2467,9 @@ class Yardstick(_Runner):
     json: bool = False
     """one JSON object a rung on stdout (snapshot, rung, score, lower, upper, seeds, battles,
     master_seed); everything else on stderr"""
+    release_mode: Optional[str] = None
+    """how the snapshot acts: stochastic, argmax or plugin:<module>:<function>, a decode of your own
+    (default: the run's ladder.release_mode, else stochastic); given, the games are printed only"""
 
 
 COMMANDS = {Rate: cmd_rate, Plot: cmd_plot, Eval: cmd_eval, Gate: cmd_gate, Yardstick: cmd_yardstick}

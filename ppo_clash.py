@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import difflib
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -55,7 +56,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Literal, NamedTuple, Sequence
 
 import msgspec
 import numpy as np
@@ -341,10 +342,14 @@ class LadderArgs:
     """who the scripted share trains against, drawn uniformly per episode"""
     gate: GateArgs = field(default_factory=GateArgs)
     """the gate's numbers (design 7.4)"""
-    release_mode: Literal["stochastic", "argmax"] = "stochastic"
-    """how a snapshot or the probed learner picks its action in evaluation (design 7.5): sampled from
-    its own stream, or the most probable legal action. One mode per run (it is in the identity):
+    release_mode: str = "stochastic"
+    """how a snapshot or the probed learner picks its action in evaluation (design 7.5): stochastic
+    (sampled from its own stream), argmax (the most probable legal action) or
+    plugin:<module>:<function> (your decode, decode_fn). One mode per run (it is in the identity):
     rating both variants would double the pool for no decision value"""
+    opponent_mode: str = "stochastic"
+    """how a pool snapshot picks its action in TRAINING battles, the same three kinds; the learner's
+    own seats always sample. Training battles are not rated, so it is not in the ladder context"""
 
 
 @dataclass
@@ -824,6 +829,8 @@ def check_consistency(args: Args) -> None:
             value = field_value(args, path)
             shown = (" ".join(map(str, value)) or "(none)") if isinstance(value, tuple) else repr(value)
             raise ConfigError(f"{flag(path)} {shown}: must {rule}")
+    for path in ("ladder.release_mode", "ladder.opponent_mode"):   # a plugin is imported now, not mid-run
+        decode_fn(field_value(args, path), path)
 
 
 def resolve_device(args: Args) -> torch.device:
@@ -966,6 +973,73 @@ class MaskedCategorical:
 
     def n_legal(self) -> torch.Tensor:
         return self.mask.sum(-1)
+
+
+# How a frozen player turns its distribution into an action (design 7.5): ladder.release_mode for
+# the snapshots and the probed learner in evaluation, ladder.opponent_mode for the pool's seats in
+# training battles. The learner's own seats always sample: PPO's ratio needs the behaviour policy.
+# (the distribution, its rows' vector (B, V) float32, their uniforms (B,) float32) -> (B,) int64 actions
+Decode = Callable[[MaskedCategorical, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sample_decode(d: MaskedCategorical, vector: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return d.sample(u)
+
+
+def argmax_decode(d: MaskedCategorical, vector: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return d.mode()
+
+
+def decode_fn(mode: str, path: str) -> Decode:
+    """The Decode a mode names; path: the config field that named it, for the error. "stochastic"
+    samples at the seat's uniform, "argmax" takes the most probable legal action, and
+    "plugin:<module>:<function>" calls your function as fn(logp, mask, vector, u): copies of the
+    rows' masked log-probs (B, A) and mask (B, A), their decoded observation vector (B, V) and
+    the seat's uniforms (B,), so a plugin that draws stays a function of the master seed (design
+    2.2). It returns one legal action a row; anything else stops the run, naming the row."""
+    if mode == "stochastic":
+        return sample_decode
+    if mode == "argmax":
+        return argmax_decode
+    kind, module, name = (mode.split(":") + ["", ""])[:3]
+    if kind != "plugin" or not module or not name or mode.count(":") != 2:
+        raise ConfigError(f"{flag(path)} {mode!r}: must be stochastic, argmax or plugin:<module>:<function>")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{flag(path)} {mode!r}: cannot load {module}.{name} ({e}); the module must import "
+                          f"from where you run (the repository root is on the path)") from None
+    if not callable(fn):
+        raise ConfigError(f"{flag(path)} {mode!r}: {module}.{name} is not a function")
+
+    def plugin(d: MaskedCategorical, vector: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        a = torch.as_tensor(fn(d.logp.clone(), d.mask.clone(), vector, u))
+        n, A = d.mask.shape
+        bad = "" if a.shape == (n,) and not a.is_floating_point() else f"returned {a.dtype} of shape {tuple(a.shape)}"
+        if not bad:
+            a = a.to(device=d.mask.device, dtype=torch.int64)
+            ok = (a >= 0) & (a < A)
+            ok &= d.mask.gather(1, a.clamp(0, A - 1).unsqueeze(-1)).squeeze(-1)
+            if not bool(ok.all()):
+                r = int(torch.nonzero(~ok)[0])
+                bad = f"chose action {int(a[r])} on row {r}, which its mask forbids"
+        if bad:
+            raise ConfigError(f"{flag(path)} {mode!r} {bad}: a decode returns one legal action (int) for each "
+                              f"of the {n} rows")
+        return a
+    return plugin
+
+
+def plugin_files(*modes: str) -> list[Path]:
+    """The source files of the plugins these modes name, for the run's user_code (design 2.4): a
+    new body of a decode is another player."""
+    out = []
+    for m in modes:
+        if m.startswith("plugin:"):
+            spec = importlib.util.find_spec(m.split(":")[1])
+            if spec is not None and spec.origin and spec.origin.endswith(".py"):
+                out.append(Path(spec.origin))
+    return out
 
 
 def factored_log_probs(gate: torch.Tensor, choices: torch.Tensor, tiles: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -1337,7 +1411,7 @@ class ActorCritic(nn.Module):
         return MaskedCategorical(self.logits(obs, rows), mask, check_noop=check_noop)
 
     @torch.no_grad()
-    def act_and_hold(self, obs: Any, u: torch.Tensor, forced: np.ndarray, greedy: bool = False) -> Acted:
+    def act_and_hold(self, obs: Any, u: torch.Tensor, forced: np.ndarray, decode: Decode = sample_decode) -> Acted:
         """Rollout inference: actions from the caller's uniforms, their log-probs to store, and
         each row's p(no-op), the rollout's own hold probability (design 9.2's policy/rollout_hold_*,
         measured on the policy that chose, not the one the update moved). forced: forced_rows of
@@ -1345,10 +1419,10 @@ class ActorCritic(nn.Module):
         1, exactly what its forward would give. The actor runs on the other rows alone
         (actor_rows), bit for bit what the whole batch's forward gives them (design 3.6). Every
         index is decided on the host and copied to the device without a wait (host_index).
-        greedy: the mode, not a sample (ladder.release_mode "argmax"; u unused)."""
+        decode: how a frozen player picks (decode_fn); the learner's seats keep the sample."""
         if not forced.any():   # forced_rows has refused a clear no-op bit already
             d = self.dist(obs, check_noop=False)
-            a = d.mode() if greedy else d.sample(u)
+            a = decode(d, obs.vector, u)
             return Acted(a, d.log_prob(a), d.logp[:, 0].exp(), len(a))
         dev, n = obs.mask.device, len(forced)
         a = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -1359,7 +1433,7 @@ class ActorCritic(nn.Module):
             return Acted(a, lp, p0, 0)
         rows = Rows(host_index(idx, dev), n)
         d = self.dist(obs, check_noop=False, rows=rows)
-        ar = d.mode() if greedy else d.sample(u[rows.idx])
+        ar = decode(d, obs.vector[rows.idx], u[rows.idx])
         keep = np.flatnonzero(~forced[idx])    # a forced row that rode along keeps its exact values
         at, keep_t = host_index(idx[keep], dev), host_index(keep, dev)
         a[at], lp[at], p0[at] = ar[keep_t], d.log_prob(ar)[keep_t], d.logp[keep_t, 0].exp()
@@ -2709,7 +2783,8 @@ def act_round(rnd: Any, t: int, u: torch.Tensor, view: RectView, model: ActorCri
         prow = np.flatnonzero(rnd.group == g)
         ps = sl[prow].astype(np.int64)
         with torch.inference_mode():
-            out = lad.policy(g).act_and_hold(view.obs(np.full(prow.size, t), ps), u[ps], view.forced(t, ps))
+            out = lad.policy(g).act_and_hold(view.obs(np.full(prow.size, t), ps), u[ps], view.forced(t, ps),
+                                             lad.opponent_decode)
         acts[prow] = out.action.cpu().numpy()
         roll.rows_forward += out.forwarded
         roll.rows_skipped += prow.size - out.forwarded
@@ -3068,6 +3143,11 @@ def canonical_json(obj: Any) -> bytes:
     return msgspec.json.encode(obj, order="deterministic")
 
 
+def canonical_json_ordered(fields: dict[str, Any]) -> bytes:
+    """canonical_json of a dataclass's fields given as a dict in field order (a dict would be sorted)."""
+    return b"{" + b",".join(msgspec.json.encode(k) + b":" + canonical_json(v) for k, v in fields.items()) + b"}"
+
+
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -3174,11 +3254,12 @@ def code_tokens(source: bytes) -> bytes:
     return "\n".join(out).encode()
 
 
-def user_code_digest(entry: Path | str | None = None) -> dict[str, str]:
+def user_code_digest(entry: Path | str | None = None, extra: Sequence[Path] = ()) -> dict[str, str]:
     """The code that runs, by file name: the entry script (this file by default, whatever its name,
-    so a fork is identified as itself) and every project script it imports, followed through their
-    own imports. Hashed as tokens (code_tokens): a comment edit keeps run_id, a code edit moves it."""
-    todo = [Path(__file__ if entry is None else entry).resolve()]
+    so a fork is identified as itself), the files in `extra` (a decode plugin's module), and every
+    project script they import, followed through their own imports. Hashed as tokens
+    (code_tokens): a comment edit keeps run_id, a code edit moves it."""
+    todo = [Path(__file__ if entry is None else entry).resolve(), *(Path(p).resolve() for p in extra)]
     out: dict[str, str] = {}
     while todo:
         p = todo.pop()
@@ -3211,7 +3292,13 @@ def rollout_digest(args: Args, T: int, R: int) -> str:
 
 
 def ladder_digest(args: Args, eval_seed_set_sha: str) -> str:
-    return sha256_hex(canonical_json({"ladder": args.ladder, "eval_seed_set_sha": eval_seed_set_sha}))
+    # opponent_mode only when changed, so every earlier run id holds: the section's fields in their
+    # own order, as canonical_json writes a dataclass, less that one
+    L = args.ladder
+    lad = {f.name: getattr(L, f.name) for f in dataclasses.fields(L)
+           if f.name != "opponent_mode" or L.opponent_mode != "stochastic"}
+    return sha256_hex(canonical_json({"ladder": msgspec.Raw(canonical_json_ordered(lad)),
+                                      "eval_seed_set_sha": eval_seed_set_sha}))
 
 
 def make_identity(args: Args, facts: EnvFacts, *, arch: str, T: int, R: int, device: torch.device | str,
@@ -3248,7 +3335,8 @@ def compute_identity(args: Args, env: Env) -> RunIdentity:
     alone, so its sha enters ladder_digest before the run directory exists."""
     seed_sha = ladder.draw_eval_seeds(args.master_seed, args.ladder.eval_seed_count).sha256
     return make_identity(args, env.facts, arch=arch_digest(env.geo, args.net), T=env.T, R=env.R,
-                         device=env.device, eval_seed_set_sha=seed_sha, user_code=user_code_digest(),
+                         device=env.device, eval_seed_set_sha=seed_sha,
+                         user_code=user_code_digest(extra=plugin_files(args.ladder.release_mode, args.ladder.opponent_mode)),
                          world_size=env.world, backend=env.backend)
 
 
@@ -4774,11 +4862,10 @@ def actor_from_snapshot(spec: Any, tensors: dict[str, np.ndarray], device: torch
 
 def raw_obs_act(model: ActorCritic, table: Any, device: torch.device | str,
                 release_mode: str = "stochastic") -> Any:
-    """A ladder.ActFn over raw env observations: pack with the run's codec table, unpack, sample
-    MaskedCategorical with the caller's uniforms (one per seat, from that seat's own stream), or,
-    under release_mode "argmax", take its most probable legal action (the uniforms go unused)."""
-    if release_mode not in ("stochastic", "argmax"):
-        raise ConfigError(f"ladder.release_mode {release_mode!r}: 'stochastic' or 'argmax'")
+    """A ladder.ActFn over raw env observations: pack with the run's codec table, unpack, and pick
+    each row's action as release_mode says (decode_fn) from the caller's uniforms (one per seat,
+    from that seat's own stream)."""
+    decode = decode_fn(release_mode, "ladder.release_mode")
     packer = codec.Packer(table)
     st = list(table.static_index)
 
@@ -4791,8 +4878,7 @@ def raw_obs_act(model: ActorCritic, table: Any, device: torch.device | str,
             o = codec.unpack(table, torch.as_tensor(rows, device=device), statics,
                              torch.arange(B, device=device), None)
             a = model.act_and_hold(o, torch.as_tensor(np.asarray(u), dtype=torch.float32, device=device),
-                                   forced_rows(codec.host_mask(table, rows)),
-                                   greedy=release_mode == "argmax").action   # forced rows: no forward
+                                   forced_rows(codec.host_mask(table, rows)), decode).action   # forced rows: no forward
         return a.cpu().numpy()
     return act
 
@@ -4916,6 +5002,7 @@ class LadderLoop:
         self.cache = ladder.LoadedPolicyCache(
             self.store, lambda spec, t: actor_from_snapshot(spec, t, device), L.max_resident_opponents + 2,
             {"obs_digest": self.eval_obs_digest, "codec_table_digest": table.digest()})
+        self.opponent_decode = decode_fn(L.opponent_mode, "ladder.opponent_mode")
         self.gate_cfg = ladder.GateConfig(**{k: v for k, v in dataclasses.asdict(L.gate).items()
                                              if k in ladder.GateConfig.__struct_fields__})
 

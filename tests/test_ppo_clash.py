@@ -528,7 +528,7 @@ def test_a_forced_row_is_acted_without_a_forward_and_gets_exactly_what_the_forwa
         a = d.sample(u)
     assert _bits(out.action) == _bits(a) and _bits(out.log_prob) == _bits(d.log_prob(a))
     assert _bits(out.p_noop) == _bits(d.logp[:, 0].exp())
-    assert _bits(ac.act_and_hold(obs, u, forced.numpy(), greedy=True).action) == _bits(d.mode())
+    assert _bits(ac.act_and_hold(obs, u, forced.numpy(), P.argmax_decode).action) == _bits(d.mode())
     # one choice row: it rides with the first forced row (no one-row conv batch), and still equals
     one = torch.cat([torch.nonzero(forced).flatten()[:5], torch.nonzero(~forced).flatten()[:1]]).sort().values
     o1 = P.obs_rows(obs, one)
@@ -2293,15 +2293,109 @@ def test_raw_obs_act_samples_what_the_network_samples_on_the_packed_rows():
     g1, g2 = greedy(obs, u), greedy(obs, 1.0 - u)
     assert np.array_equal(g1, d.mode().numpy()) and np.array_equal(g1, g2)
     assert obs["action_mask"][np.arange(len(g1)), g1].all() and not np.array_equal(g1, a)
-    with pytest.raises(P.ConfigError, match="release_mode 'greedy'"):
+    with pytest.raises(P.ConfigError, match="--ladder.release-mode 'greedy': must be stochastic, argmax or plugin"):
         P.raw_obs_act(model, table, "cpu", "greedy")
+
+
+def _raw_batch():
+    """A tiny network, the default env's codec table and six raw observations with uniforms."""
+    spec = P.farm.default_env_spec()
+    _, table = P.farm.preflight(spec, frame_stack=1, master_seed=3)
+    geo, obs_list = env_sample("default")
+    obs = {k: np.concatenate([o[k] for o in obs_list[:6]]) for k in obs_list[0]}
+    obs = {k: v for k, v in obs.items() if k in ("spatial", "vector", "action_mask", "mask_planes", "card_ids")}
+    return P.ActorCritic(geo, tiny_net(), 9), table, obs, np.random.default_rng(0).random(len(obs["vector"]))
+
+
+def test_a_decode_plugin_gets_each_rows_distribution_vector_and_uniform_and_must_return_legal_actions(monkeypatch):
+    """ladder.release_mode plugin:<module>:<function> (design 7.5): the function is handed copies of
+    the rows' masked log-probs and mask, their vector and uniforms; what it returns is the action,
+    refused by row when illegal or not one integer a row. The shipped example, at temperature 1,
+    is the plain sample; colder, it plays the most probable play whenever it plays."""
+    import types
+    import docs.experiments.sharpen as sharpen
+    model, table, obs, u = _raw_batch()
+    legal = obs["action_mask"]
+    seen = {}
+
+    def record(logp, mask, vector, uu):
+        seen.update(logp=logp, mask=mask, vector=vector, u=uu)
+        logp[:] = 0.0   # a copy: the distribution the actor keeps is untouched
+        return torch.argmax(mask[:, 1:].to(torch.int64), -1) + 1   # the first legal play
+
+    mod = types.ModuleType("decode_probe")
+    mod.record, mod.bad_row, mod.floats = record, \
+        lambda lp, m, v, uu: torch.where(torch.arange(len(m)) == len(m) - 1, torch.argmin(m.to(torch.int64), -1), 0), \
+        lambda lp, m, v, uu: torch.zeros(len(m))
+    monkeypatch.setitem(sys.modules, "decode_probe", mod)
+    a = P.raw_obs_act(model, table, "cpu", "plugin:decode_probe:record")(obs, u)
+    forced = ~legal[:, 1:].any(-1)   # nothing but the no-op: taken without a forward
+    assert forced.any() and not forced.all() and len(seen["u"]) == (~forced).sum()
+    assert seen["vector"].shape == (len(seen["u"]), model.geo.vector_size) and seen["mask"].dtype == torch.bool
+    assert np.array_equal(seen["u"].numpy(), u[~forced].astype(np.float32))
+    assert np.array_equal(a[~forced], np.argmax(legal[~forced, 1:], -1) + 1) and (a[forced] == 0).all()
+    with pytest.raises(P.ConfigError, match=r"--ladder.release-mode 'plugin:decode_probe:bad_row' chose action \d+ "
+                                            r"on row \d+, which its mask forbids"):
+        P.raw_obs_act(model, table, "cpu", "plugin:decode_probe:bad_row")(obs, u)
+    with pytest.raises(P.ConfigError, match=r"returned torch.float32 of shape \(\d+,\): a decode returns one legal"):
+        P.raw_obs_act(model, table, "cpu", "plugin:decode_probe:floats")(obs, u)
+    # the example: temperature 1 is the sample, to the action; near 0 the most probable play
+    plain = P.raw_obs_act(model, table, "cpu")(obs, u)
+    ex = "plugin:docs.experiments.sharpen:wait_then_sharpen"
+    monkeypatch.setattr(sharpen, "TEMPERATURE", 1.0)
+    assert np.array_equal(P.raw_obs_act(model, table, "cpu", ex)(obs, u), plain)
+    monkeypatch.setattr(sharpen, "TEMPERATURE", 1e-6)   # an untrained head's logits differ by ~1e-4
+    cold = P.raw_obs_act(model, table, "cpu", ex)(obs, u)
+    greedy = P.raw_obs_act(model, table, "cpu", "argmax")(obs, u)
+    packed = _packed(table, obs)
+    o = P.codec.unpack(table, torch.as_tensor(packed), torch.as_tensor(P.codec.static_planes(table, obs)),
+                       torch.as_tensor(np.arange(len(u)) % 2))
+    d = model.dist(o)
+    rows, plays = np.arange(len(u)), cold != 0
+    best = d.logp[:, 1:].max(-1).values   # a value, not an index: an empty board's tiles tie
+    assert plays.any() and torch.equal(d.logp[rows, cold][plays], best[plays]) and legal[rows, cold].all()
+    assert np.array_equal(cold == 0, plain == 0) and not np.array_equal(greedy, cold)
+    # the plugin zeroed its logp: a copy, so the log-probs the actor reports are still its own
+    out = model.act_and_hold(o, torch.as_tensor(u, dtype=torch.float32), P.forced_rows(P.codec.host_mask(table, packed)),
+                             P.decode_fn("plugin:decode_probe:record", "ladder.opponent_mode"))
+    assert torch.equal(out.log_prob[~forced], d.log_prob(out.action)[~forced]) and (out.log_prob[~forced] < 0).all()
+
+
+def _packed(table, obs):
+    rows = np.zeros((len(obs["vector"]), table.row_bytes), np.uint8)
+    P.codec.Packer(table).pack(obs, rows, 0)
+    return rows
+
+
+def test_a_decode_mode_is_checked_at_config_time_and_a_plugins_code_is_part_of_the_run_identity():
+    """A malformed mode or one that does not import stops the run before it starts, naming the
+    field; a plugin's file joins user_code; opponent_mode enters ladder_digest only when changed,
+    so every run id from before the field holds."""
+    for mode, why in [("greedy", "must be stochastic, argmax or plugin:<module>:<function>"),
+                      ("plugin:docs.experiments.sharpen", "must be stochastic, argmax or plugin"),
+                      ("plugin:no_such_decode_module:f", r"cannot load no_such_decode_module.f \(No module named"),
+                      ("plugin:docs.experiments.sharpen:nothing", "cannot load docs.experiments.sharpen.nothing"),
+                      ("plugin:docs.experiments.sharpen:TEMPERATURE", "is not a function")]:
+        with pytest.raises(P.ConfigError, match=f"--ladder.opponent-mode '{re.escape(mode)}': .*{why}"):
+            P.parse_args(["--profile", "smoke", "--ladder.opponent-mode", mode])
+    ex = "plugin:docs.experiments.sharpen:wait_then_sharpen"
+    assert P.plugin_files("stochastic", ex) == [Path(__file__).resolve().parents[1] / "docs/experiments/sharpen.py"]
+    assert "sharpen.py" in P.user_code_digest(extra=P.plugin_files(ex)) and "sharpen.py" not in P.user_code_digest()
+    args = P.parse_args(["--profile", "cpu"])
+    L = args.ladder
+    Old = dataclasses.make_dataclass("Old", [(f.name, f.type) for f in dataclasses.fields(L) if f.name != "opponent_mode"])
+    old = Old(**{f.name: getattr(L, f.name) for f in dataclasses.fields(Old)})
+    assert P.ladder_digest(args, "s") == P.sha256_hex(P.canonical_json({"ladder": old, "eval_seed_set_sha": "s"}))
+    moved = P.parse_args(["--profile", "cpu", "--ladder.opponent-mode", "argmax"])
+    assert P.ladder_digest(moved, "s") != P.ladder_digest(args, "s")
 
 
 @pytest.fixture(scope="module")
 def gated_run(tmp_path_factory):
     """One smoke run whose ladder cadences are shrunk so a gate runs at iteration 3 (172 game-steps
     an iteration [A]: T=43 cycles x 4 battles), with check_iteration and the snapshot policies
-    wrapped to record what the loop did. Shared by the slow tests below (one run, ~40 s loaded)."""
+    wrapped to record what the loop did; the pool acts by --ladder.opponent-mode argmax. Shared by
+    the slow tests below (one run, ~40 s loaded)."""
     seen: dict[str, list] = {"trainable": [], "group": [], "legal": [], "dists": []}
     real_check, real_policy = P.check_iteration, P.LadderLoop.policy
 
@@ -2315,9 +2409,10 @@ def gated_run(tmp_path_factory):
         def __init__(self, sid, net):
             self.sid, self.net = sid, net
 
-        def act_and_hold(self, obs, u, forced):
-            seen["dists"].append((self.sid, obs, self.net.dist(obs).logp.detach().clone()))
-            return self.net.act_and_hold(obs, u, forced)
+        def act_and_hold(self, obs, u, forced, decode):
+            out = self.net.act_and_hold(obs, u, forced, decode)
+            seen["dists"].append((self.sid, obs, self.net.dist(obs).logp.detach().clone(), out.action))
+            return out
 
     def policy(self, g):
         return Rec(self.slots[g], real_policy(self, g))
@@ -2330,7 +2425,7 @@ def gated_run(tmp_path_factory):
                              "--ladder.candidate-every-env-steps", "400", "--ladder.refit-every-iterations", "1",
                              "--ladder.gate.champion-games", "8", "--ladder.gate.anchor-games", "4",
                              "--ladder.gate.bootstrap-resamples", "100", "--ladder.probe-every-iterations", "3",
-                             "--ladder.probe-games", "4"])
+                             "--ladder.probe-games", "4", "--ladder.opponent-mode", "argmax"])
         run = P.train(args, quiet=True)
     finally:
         mp.undo()
@@ -2351,14 +2446,16 @@ def test_every_cycle_collects_exactly_the_planned_learner_rows_and_pool_seats_ar
     # the parent acted them with the snapshot's own network: rebuilt from the store, same log-probs
     store = P.ladder.SnapshotStore(run)
     assert seen["dists"]
-    sid, obs, logp = seen["dists"][0]
+    sid, obs, logp, _ = seen["dists"][0]
     spec, tensors = store.load(sid)
     net = P.actor_from_snapshot(spec, tensors, "cpu")
     with torch.inference_mode():   # obs was decoded under the loop's inference_mode
         assert torch.equal(net.dist(obs).logp, logp)
     assert spec.step == 0   # v0: the initial actor, admitted free as the first champion
     assert f"snap:{sid}" == json.loads((run / "ladder" / "pool.json").read_text())["v0"]
-    assert {s for s, _, _ in seen["dists"]} == {sid}   # the only resident before any admission
+    assert {s for s, _, _, _ in seen["dists"]} == {sid}   # the only resident before any admission
+    # --ladder.opponent-mode argmax: every pool action is its row's most probable legal one
+    assert all(torch.equal(a, lp.argmax(-1)) for _, _, lp, a in seen["dists"])
 
 
 @pytest.mark.slow
@@ -2471,6 +2568,31 @@ def test_ladder_py_yardstick_plays_the_champion_against_every_rung_and_rate_plac
     rate = subprocess.run([sys.executable, str(ROOT / "ladder.py"), "rate", str(run)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert all(f"\nscripted:{n} " in rate.stdout for n in P.farm.SCRIPTED_NAMES), rate.stdout
+
+
+@pytest.mark.slow
+def test_ladder_py_yardstick_under_another_release_mode_plays_the_decode_and_records_nothing(gated_run, monkeypatch,
+                                                                                         capsys):
+    """`ladder.py yardstick --release-mode plugin:<module>:<function>`: the snapshot acts by that
+    function, and, not being the run's own mode, the games go to no log."""
+    import types
+    _, run, _ = gated_run
+    calls = []
+
+    def first_play(logp, mask, vector, u):
+        calls.append(len(u))
+        return torch.where(mask[:, 1:].any(-1), torch.argmax(mask[:, 1:].to(torch.int64), -1) + 1, 0)
+
+    monkeypatch.setitem(sys.modules, "decode_first", types.SimpleNamespace(first_play=first_play))
+    log = (run / "ladder" / "games.jsonl").read_bytes()
+    assert P.ladder.main(["yardstick", "--run", str(run), "--seeds", "1", "--release-mode",
+                          "plugin:decode_first:first_play"]) == 0
+    out, err = capsys.readouterr()
+    assert calls and out.count("  vs ") == len(P.farm.SCRIPTED_NAMES) and "recorded nowhere" in out
+    assert (run / "ladder" / "games.jsonl").read_bytes() == log
+    assert P.ladder.main(["yardstick", "--run", str(run), "--seeds", "1", "--release-mode", "plugin:decode_first"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ladder.py yardstick: --ladder.release-mode 'plugin:decode_first': must be") and err.count("\n") == 1
 
 
 def test_the_resident_table_keeps_a_live_episodes_group_and_reuses_only_free_slots():
