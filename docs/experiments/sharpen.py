@@ -11,7 +11,7 @@ a whole battle, while a sample spreads its plays over every legal tile. This kee
 own probability of waiting, p(no-op), and sharpens only the choice among the plays: softmax of
 the log-probs over TEMPERATURE. One uniform serves both draws (wait iff u < p(no-op); the rest of
 its range, rescaled, picks the play), so the action stays a function of the master seed.
-Measured on a 1M-step champion: no stronger than plain sampling (docs/learning.md 3.3).
+Measured on the best 1M weights: no stronger than plain sampling (docs/learning.md 3.3).
 """
 import torch
 
