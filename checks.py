@@ -635,7 +635,7 @@ def cmd_doctor(cmd: "Doctor") -> int:
 
 PLAY_BATTLE = "play/battle"
 PLAY_GAMMA = 1.0   # the evaluation farm's gamma (FarmComparison submits 1.0): the return is undiscounted
-PLAYER_KINDS = ("snap:", "scripted:", "checkpoint:")
+PLAYER_KINDS = ("snap:", "seed:", "scripted:", "checkpoint:")
 SAVED_BATTLE_FORMAT = "clash-ppo saved battle 1"
 
 
@@ -668,7 +668,7 @@ def parse_player(p: str) -> str:
         return p
     kind = next((k for k in PLAYER_KINDS if p.startswith(k)), None)
     if kind is None or not p[len(kind):]:
-        raise CheckError(f"player {p!r}: not snap:<id>, scripted:<name>, checkpoint:<dir> (a run's "
+        raise CheckError(f"player {p!r}: not snap:<id>, seed:<name>, scripted:<name>, checkpoint:<dir> (a run's "
                          "runs/<id>/checkpoints/<step>) or a snapshot folder (models/<name>)")
     if kind == "scripted:" and p[len(kind):] not in farm.SCRIPTED_NAMES:
         raise CheckError(f"{p}: unknown scripted player; farm.SCRIPTED_NAMES = {', '.join(farm.SCRIPTED_NAMES)}")
@@ -691,8 +691,8 @@ def play_run(players: Sequence[str], run: str | None) -> Path | None:
     if len(where) > 1:
         raise CheckError(f"players from more than one run ({', '.join(f'{k}: {v}' for k, v in found.items())}): "
                          "play takes one run, whose evaluation env and codec table both players saw")
-    if not where and any(p.startswith("snap:") for p in players):
-        raise CheckError("a snap:<id> player needs --run RUN_DIR, the run whose ladder/snapshots holds it")
+    if not where and any(p.startswith(ladder.SNAPSHOT_PLAYERS) for p in players):
+        raise CheckError("a snap:<id> or seed:<name> player needs --run RUN_DIR, the run whose ladder holds it")
     return next(iter(found.values()), None)
 
 
@@ -739,7 +739,7 @@ def open_play(cmd: "Play") -> PlaySetup:
                                                            table=runner.table, obs_digest=runner.obs_digest))
         runner.check_pair(*players)
         acts = {p: runner.players.act(p) for p in players}
-    except (ladder.SnapshotMismatch, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:   # ladder.SnapshotMismatch, or a seed the pool lacks
         raise CheckError(str(e)) from None
     return PlaySetup(runner, players, acts,
                      f"{where}, without truncation (ladder.eval_env_spec: it ends only at game over)", args)
@@ -1342,7 +1342,8 @@ class Play:
     """Watch one full battle between two players on a run's evaluation env: a text view every
     --every decisions and the result; --save F writes it so that `replay F` re-simulates it."""
     blue: str
-    """the blue player: snap:<id> (--run's ladder/snapshots), scripted:<name>, checkpoint:<dir>
+    """the blue player: snap:<id> (--run's ladder/snapshots), seed:<name> (a seed snapshot of --run's
+    pool), scripted:<name>, checkpoint:<dir>
     (runs/<id>/checkpoints/<step>; its run is the directory two levels up), or a snapshot folder
     (a shipped model: models/<name>, played on --run's env, else the default one)"""
     red: str

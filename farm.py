@@ -164,7 +164,7 @@ class Assignment(msgspec.Struct, frozen=True):
     battle: int
     ordinal: int                            # reset ordinal this assignment takes effect on
     role: int                               # 0 mirror, 1 pool, 2 scripted
-    opponent_id: str | None                 # "snap:<id>", "scripted:<name>", or None for mirror
+    opponent_id: str | None                 # "snap:<id>", "seed:<name>", "scripted:<name>", None: mirror
     group: tuple[int, int]                  # per seat: -1 learner, 0..P-1 resident snapshot,
                                             #           -2 scripted (worker-side), -3 dead
     learner_seat: int                       # 0 blue, 1 red; -1 for mirror (both)
@@ -1850,23 +1850,17 @@ class _AssignmentBook:
                 out[r]["seed"], out[r]["ordinal"] = seed & 0xFFFF_FFFF_FFFF_FFFF, k
         return out
 
-    def policy_ids(self, a: Assignment, seat: int, plan: SlotPlan | None) -> tuple[str, str]:
-        """(policy_id, opponent_id) of an episode record: who played the seat and against whom."""
+    def policy_ids(self, a: Assignment, seat: int) -> tuple[str, str]:
+        """(policy_id, opponent_id) of an episode record: who played the seat and against whom
+        (the learner, or the assignment's opponent: a scripted name or a pool member's id)."""
         if self.replay is not None:
             return self.replay.players(a, seat)
 
         def name(g: int) -> str:
-            if g == GROUP_LEARNER:
-                return "learner"
-            if g == GROUP_SCRIPTED:
-                return str(a.opponent_id)
-            if plan is not None and 0 <= g < len(plan.resident_snapshots):
-                return f"snap:{plan.resident_snapshots[g]}"
-            return str(a.opponent_id)
+            return "learner" if g == GROUP_LEARNER else str(a.opponent_id)
         return name(a.group[seat]), name(a.group[1 - seat])
 
-    def complete_record(self, raw: dict[str, Any], plan: SlotPlan | None, w: int,
-                        j: int) -> EpisodeRecord:
+    def complete_record(self, raw: dict[str, Any], w: int, j: int) -> EpisodeRecord:
         """A worker's record completed with what only the parent knows (policy, opponent,
         bucket: from the assignment the episode was played under); in the evaluation mode,
         checked against the parent's replay of the shard's queue."""
@@ -1878,7 +1872,7 @@ class _AssignmentBook:
                 f"{raw['eval_index']}, the parent's replay of its queue says "
                 f"{self.replay.plan_index.get((raw['battle'], raw['ordinal']))}")
         a = self.assignment[raw["battle"]]
-        pol, opp = self.policy_ids(a, raw["seat"], plan)
+        pol, opp = self.policy_ids(a, raw["seat"])
         raw.update(policy_id=pol, opponent_id=opp, bucket=bucket_of(a.role))
         return msgspec.convert(raw, EpisodeRecord)
 
@@ -2026,8 +2020,7 @@ class _Collection:
         self.finals = {}
         self.episodes = []
 
-    def read(self, iteration: int, c: int, j: int, w: int, io: ShardIO | None, dead: bool,
-             plan: SlotPlan | None) -> RolloutRound:
+    def read(self, iteration: int, c: int, j: int, w: int, io: ShardIO | None, dead: bool) -> RolloutRound:
         """File shard j's round at cycle c and return its views. io: the shard's answer, None
         when none arrived (a dead worker; at cycle 0, a reset publication already read)."""
         sl = slice(j * self.n_shard, (j + 1) * self.n_shard)
@@ -2037,7 +2030,7 @@ class _Collection:
             self._file_dead(c - 1, sl)
         elif io is not None and c > 0:
             self.metrics.count_round(j, io)
-            episodes = [self.book.complete_record(raw, plan, w, j)
+            episodes = [self.book.complete_record(raw, w, j)
                         for raw in self._file_answer(c, sl, io)]
             self.ended = sorted({e.battle for e in episodes})
             for b in self.ended:                 # ascending battle order; ends come in pairs
@@ -2273,8 +2266,7 @@ class _FarmCore:
         w, _ = self.shard_of(j)
         arrived = self._await_round(j, c, w, timeout_s)
         self._fresh[j] = False
-        rnd = self._collection.read(self.iteration, c, j, w, self._io(j) if arrived else None,
-                                    self.dead[w], self.plan)
+        rnd = self._collection.read(self.iteration, c, j, w, self._io(j) if arrived else None, self.dead[w])
         if c < self.T:
             self._await_submit = True
         else:

@@ -960,6 +960,10 @@ class SnapshotMismatch(ValueError):
     pass
 
 
+SNAPSHOT_PLAYERS = ("snap:", "seed:")
+"""The player ids a network plays: a run's snapshot, and a seed snapshot of its pool (design 7.3)."""
+
+
 def snapshot_player_id(snapshot_id: str) -> str:
     return f"snap:{snapshot_id}"
 
@@ -982,6 +986,19 @@ class SnapshotStore:
             raise FileNotFoundError(f"{folder}: not a snapshot folder (it needs spec.json and actor.safetensors)")
         sid = hashlib.sha256((folder / "spec.json").read_bytes()).hexdigest()[:16]
         self.folders[sid] = folder
+        return sid
+
+    def copy_in(self, folder: str | Path) -> str:
+        """A snapshot folder copied byte for byte into this run's archive (a seed snapshot, design
+        7.3): the same bytes hash to the same id, so the copy is the folder's player."""
+        sid = self.add_folder(folder)
+        final = self.root / sid
+        if not final.exists():
+            tmp = self.root / f".partial-{sid}"
+            for name in ("actor.safetensors", "spec.json"):
+                write_atomic(tmp / name, (Path(folder) / name).read_bytes())
+            os.replace(tmp, final)
+        del self.folders[sid]   # read from the run's copy from now on
         return sid
 
     def _folder(self, snapshot_id: str) -> Path:
@@ -1054,6 +1071,24 @@ class SnapshotStore:
         return spec, safetensors.numpy.load(blob)
 
 
+def check_seed(label: str, folder: str | Path, sha256: str, expect: Mapping[str, str]) -> SnapshotSpec:
+    """A seed snapshot (ladder.seed_snapshots, design 7.3) checked before its run exists: a
+    snapshot folder whose weights hash to `sha256` (what the config pins) and whose spec carries the
+    run's DIGEST_FIELDS (`expect`). `label` names it in every refusal: "ladder.seed_snapshots[i]
+    (seed:<name>)". Returns its spec."""
+    store = SnapshotStore(None)
+    try:
+        sid = store.add_folder(folder)
+        spec, _ = store.load(sid, expect)
+    except (OSError, SnapshotMismatch, msgspec.DecodeError) as e:   # DecodeError: a spec.json that is not one
+        raise SnapshotMismatch(f"{label}: {e}") from None
+    if spec.actor_sha256 != sha256:
+        raise SnapshotMismatch(f"{label}: {Path(folder) / 'actor.safetensors'} has sha256 {spec.actor_sha256}, "
+                               f"the config pins {sha256}; other weights than the ones named (copy the hash "
+                               f"from the folder's spec.json, actor_sha256, if this folder is the one you mean)")
+    return spec
+
+
 class LoadedPolicyCache:
     """At most `capacity` (max_resident_opponents + 2) built policies resident, least recently used
     evicted first. `build(spec, tensors)` is the caller's network builder (ppo_clash owns torch)."""
@@ -1082,6 +1117,8 @@ class PoolMember(msgspec.Struct):
     step: int                  # env steps at the snapshot
     cycle: bool = False        # admitted as a cycle by the gate (a diverse opponent)
     seed: bool = False         # a seed snapshot (never evicted, never v0, never the stand-in)
+    snapshot: str = ""         # a seed's snapshot id (a snap: member's id names its own)
+    weight: float = 1.0        # a seed's multiplier on its draw weight, after PFSP (design 7.3)
 
 
 class Pool(msgspec.Struct):
@@ -1092,11 +1129,13 @@ class Pool(msgspec.Struct):
     champion_chain: list[str] = []   # every champion in order; the last is the current one
     v0: str | None = None            # the first non-seed snapshot admitted
 
-    def admit(self, member: PoolMember, promote: bool) -> None:
+    def admit(self, member: PoolMember, promote: bool, sample: bool = True) -> None:
+        """sample False: a member the matchmaker does not draw (v0 beside seed snapshots)."""
         if any(m.id == member.id for m in self.members):
             raise ValueError(f"pool: {member.id} is already a member")
         self.members.append(member)
-        self.sampler.append(member.id)
+        if sample:
+            self.sampler.append(member.id)
         if self.v0 is None and not member.seed:
             self.v0 = member.id
         if promote:
@@ -1111,6 +1150,14 @@ class Pool(msgspec.Struct):
             if m.id == pid:
                 return m
         raise KeyError(f"pool: no member {pid}")
+
+    def seeds(self) -> dict[str, str]:
+        """seed:<name> -> the snapshot id it plays as."""
+        return {m.id: m.snapshot for m in self.members if m.seed}
+
+    def snapshot_id(self, pid: str) -> str:
+        """The snapshot a member plays as: a seed's copy, else the id's own."""
+        return self.seeds().get(pid) or pid.removeprefix("snap:")
 
 
 def write_pool(run_dir: str | Path, pool: Pool) -> Path:
@@ -1289,6 +1336,7 @@ class Matchmaker:
             p = [0.5] * len(cands)   # a constant p makes hard exactly uniform
             self.pfsp_effective, self.pfsp_learner_step = 0, None
         w = pfsp_weights(p, self.cfg.pfsp_power, self.cfg.pfsp_uniform_floor, self.cfg.weight_floor_scale)
+        w = w * np.array([pool.member(c).weight for c in cands])   # a seed's multiplier (1 for the rest)
         k = min(self.cfg.max_resident_opponents, len(cands))
         if k:
             rng = derive_generator(self.master_seed, f"match/battle/-1/ordinal/{iteration}")
@@ -1476,18 +1524,32 @@ class EvalPlayers:
     refused when a game between its two players would not measure the policies.
 
     "scripted:<name>" (farm.SCRIPTED_NAMES) is played inside the farm's workers, so its act is
-    None here; "snap:<id>" (ladder/snapshots/<id>) is built once by policy_builder(id) and kept;
+    None here; "snap:<id>" (ladder/snapshots/<id>) is built once by policy_builder(id) and kept,
+    and so is "seed:<name>", a seed snapshot, as the snapshot `seeds` (the run's pool) maps it to;
     any other id must have been given to register() (the probe's learner@{step})."""
 
-    def __init__(self, store: SnapshotStore | None, policy_builder: PolicyBuilder | None) -> None:
+    def __init__(self, store: SnapshotStore | None, policy_builder: PolicyBuilder | None,
+                 seeds: Mapping[str, str] | None = None) -> None:
         self.store, self.policy_builder = store, policy_builder
+        self.seeds = dict(seeds or {})
         self.policies: dict[str, ActFn] = {}
 
     def register(self, player_id: str, act: ActFn) -> None:
-        """An ad-hoc player (the probe's learner@{step}); never a scripted: or snap: id."""
-        if player_id.startswith(("scripted:", "snap:")):
-            raise ValueError(f"register({player_id!r}): scripted: and snap: ids are resolved, not registered")
+        """An ad-hoc player (the probe's learner@{step}); never a scripted:, snap: or seed: id."""
+        if player_id.startswith(("scripted:", *SNAPSHOT_PLAYERS)):
+            raise ValueError(f"register({player_id!r}): scripted:, snap: and seed: ids are resolved, not registered")
         self.policies[player_id] = act
+
+    def snapshot_of(self, player: str) -> str | None:
+        """The snapshot id a snap: or seed: player plays as; None for any other player."""
+        if player.startswith("snap:"):
+            return player.removeprefix("snap:")
+        if player.startswith("seed:"):
+            if player not in self.seeds:
+                raise ValueError(f"{player}: no such seed snapshot in this run's pool (its seeds: "
+                                 f"{sorted(self.seeds) or 'none'})")
+            return self.seeds[player]
+        return None
 
     def unregister(self, player_id: str) -> None:
         self.policies.pop(player_id, None)
@@ -1500,7 +1562,7 @@ class EvalPlayers:
     def check_pair(self, a: str, b: str, obs_digest: str) -> None:
         """Refuse a pairing the ladder could not interpret, naming the field and both values.
         obs_digest is the evaluation env's: a snapshot trained on another observation is refused."""
-        specs = {p: self.snapshot_spec(p.removeprefix("snap:")) for p in (a, b) if p.startswith("snap:")}
+        specs = {p: self.snapshot_spec(sid) for p in (a, b) if (sid := self.snapshot_of(p)) is not None}
         for p, sp in specs.items():
             if sp.frame_stack != 1:
                 raise SnapshotMismatch(
@@ -1529,13 +1591,14 @@ class EvalPlayers:
             return None
         if player in self.policies:
             return self.policies[player]
-        if player.startswith("snap:"):
+        sid = self.snapshot_of(player)
+        if sid is not None:
             if self.policy_builder is None:
                 raise ValueError(f"{player}: a snapshot needs a policy_builder (ppo_clash builds networks); "
                                  f"the runner was given none")
-            self.policies[player] = self.policy_builder(player.removeprefix("snap:"))
+            self.policies[player] = self.policy_builder(sid)
             return self.policies[player]
-        raise ValueError(f"player {player!r}: not scripted:<name>, snap:<id>, or a registered id "
+        raise ValueError(f"player {player!r}: not scripted:<name>, snap:<id>, seed:<name>, or a registered id "
                          f"{sorted(self.policies)}")
 
 
@@ -1682,7 +1745,8 @@ class EvalRunner:
             games = r.play("snap:ab12...", "scripted:noop", 40)       # 20 seeds x 2 sides
             decision, _ = WilsonGate(...).evaluate(..., play=r, ...)  # r is the gate's `play`
 
-    Player ids: "scripted:<name>", "snap:<id>", or an id given to register() (see EvalPlayers).
+    Player ids: "scripted:<name>", "snap:<id>", "seed:<name>" (a seed snapshot of the run's pool), or
+    an id given to register() (see EvalPlayers).
     Everything in a GameResult except `wall` is a pure function of the seed set, the ids, the
     comparison id and the policies: not of battles_at_once, nor of `workers`
     (tests/test_ladder.py replays a comparison both ways).
@@ -1706,7 +1770,9 @@ class EvalRunner:
         self.iteration, self.clock = iteration, clock
         self.log = ResultLog(run_dir) if run_dir is not None else None
         # store: where snap: players are read (default the run's; a shipped model's folder, unrecorded)
-        self.players = EvalPlayers(store or (SnapshotStore(run_dir) if run_dir is not None else None), policy_builder)
+        pool = read_pool(run_dir) if run_dir is not None else None
+        self.players = EvalPlayers(store or (SnapshotStore(run_dir) if run_dir is not None else None), policy_builder,
+                                   pool.seeds() if pool is not None else None)
         self.envs: list[Any] = []          # the farm of the comparison being played; [] between
         self.obs_digest = self.context = ""
         self.closed = False
@@ -2184,7 +2250,7 @@ def _open_runner(args: Any, players: Sequence[str]) -> EvalRunner:
     env, where = read_run_env(run)
     print(f"evaluation env from {where}", file=sys.stderr)
     seeds = read_run_seeds(run)
-    builder = _snapshot_builder(run, args.device) if any(p.startswith("snap:") for p in players) else None
+    builder = _snapshot_builder(run, args.device) if any(p.startswith(SNAPSHOT_PLAYERS) for p in players) else None
     return EvalRunner(env, seeds, run_dir=run, run_id=_run_id(run), policy_builder=builder,
                       battles_at_once=args.battles_at_once, workers=_eval_workers(args, run))
 
@@ -2353,12 +2419,12 @@ def _yardstick_player(args: Any, run: Path | None, store: SnapshotStore) -> str:
     if snap is None:
         raise CliError(f"{run}: no champion yet ({ladder_dir(run) / 'pool.json'} is absent or empty); "
                        "pass --snapshot snap:<id>")
-    return snap if snap.startswith("snap:") else snapshot_player_id(snap)
+    return snap if snap.startswith(SNAPSHOT_PLAYERS) else snapshot_player_id(snap)
 
 
 def _folder_player(text: str, store: SnapshotStore) -> str:
     """A player named on the command line: a path (a snapshot folder) becomes snap:<id>, added to
-    `store`; anything else (scripted:<name>, snap:<id>) is returned as it is."""
+    `store`; anything else (scripted:<name>, snap:<id>, seed:<name>) is returned as it is."""
     if os.sep in text or Path(text).is_dir():
         return snapshot_player_id(store.add_folder(text))
     return text
@@ -2383,7 +2449,9 @@ def _runner_for(args: Any, run: Path | None, players: Sequence[str], store: Snap
     count = max(args.seeds or YARDSTICK_SEEDS, 1)
     seeds = draw_eval_seeds(args.master_seed, count) if args.master_seed is not None else read_run_seeds(run)
     r = EvalRunner(env, seeds, store=store, battles_at_once=args.battles_at_once, workers=_eval_workers(args, run))
-    if any(p.startswith("snap:") for p in players):
+    pool = read_pool(run) if run is not None else None
+    r.players.seeds = pool.seeds() if pool is not None else {}
+    if any(p.startswith(SNAPSHOT_PLAYERS) for p in players):
         r.players.policy_builder = _snapshot_builder(run, args.device, table=r.table, store=store,
                                                      release_mode=release_mode)
     return r
@@ -2421,9 +2489,9 @@ class Eval(_Runner):
     run: Optional[str] = None
     """the run directory, runs/<id> (optional with --master-seed)"""
     a: str
-    """scripted:<name>, snap:<id> of the run, or a snapshot folder such as models/<name>"""
+    """scripted:<name>, snap:<id> or seed:<name> of the run, or a snapshot folder such as models/<name>"""
     b: str
-    """scripted:<name>, snap:<id> of the run, or a snapshot folder such as models/<name>"""
+    """scripted:<name>, snap:<id> or seed:<name> of the run, or a snapshot folder such as models/<name>"""
     seeds: Optional[int] = None
     """seeds to play, each from both sides (default: the whole frozen set, or 20 of a --master-seed set)"""
     master_seed: Optional[int] = None
@@ -2459,7 +2527,7 @@ class Yardstick(_Runner):
     run: Optional[str] = None
     """the run directory, runs/<id> (optional with --snapshot <folder>)"""
     snapshot: Optional[str] = None
-    """snap:<id> of the run, or a snapshot folder such as models/<name> (default: the run's champion)"""
+    """snap:<id> or seed:<name> of the run, or a snapshot folder such as models/<name> (default: the run's champion)"""
     seeds: Optional[int] = None
     """seeds a rung, each from both sides (default 20, at most the frozen set)"""
     master_seed: Optional[int] = None

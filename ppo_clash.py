@@ -49,6 +49,7 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import sys
 import threading
@@ -311,6 +312,21 @@ class GateArgs:
     """for the paired interval"""
 
 
+@dataclass(frozen=True)
+class SeedSnapshot:
+    """A frozen actor from outside the run (a shipped model, a clone of a rung), in the pool from
+    the first iteration as seed:<name> (design 7.3)."""
+    name: str
+    """the pool calls it seed:<name>: unique, without ':'"""
+    path: str
+    """a snapshot folder (spec.json and actor.safetensors): models/<name>/ or a run's
+    ladder/snapshots/<id>/. Copied into the run at start, so not in the identity"""
+    sha256: str
+    """sha256 of its actor.safetensors (spec.json's actor_sha256): the weights the run was meant to meet"""
+    weight: float = 1.0
+    """a multiplier on its draw weight, after PFSP's shape and floor"""
+
+
 @dataclass
 class LadderArgs:
     mix: tuple[float, float, float] = (0.50, 0.35, 0.15)
@@ -350,6 +366,9 @@ class LadderArgs:
     opponent_mode: str = "stochastic"
     """how a pool snapshot picks its action in TRAINING battles, the same three kinds; the learner's
     own seats always sample. Training battles are not rated, so it is not in the ladder context"""
+    seed_snapshots: tuple[SeedSnapshot, ...] = ()
+    """frozen actors the pool holds from the first iteration as seed:<name>, never evicted (design
+    7.3); with any, v0 is the first champion but not drawn in training. Set in a --config file"""
 
 
 @dataclass
@@ -607,10 +626,16 @@ def load_config_file(path: str | Path, base: Args | None = None) -> Args:
     return args
 
 
+CONFIG_FILE_ONLY = {"ladder.seed_snapshots": "a JSON list of {name, path, sha256, weight}"}
+"""Fields a flag cannot spell (a list of records): a --config file sets them."""
+
+
 def _cli_flags() -> dict[str, str]:
     """--flag spelling -> dotted path, for every leaf (tyro writes underscores as dashes)."""
     out = {}
     for p in field_paths():
+        if p in CONFIG_FILE_ONLY:
+            continue
         leaf_is_schedule = False
         out["--" + p.replace("_", "-")] = p
         out["--" + p] = p
@@ -658,6 +683,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Args:
         if tok.startswith("--") and tok not in ("--help", "-h"):
             name = tok.split("=", 1)[0]
             if name not in flags:
+                for path, shape in CONFIG_FILE_ONLY.items():
+                    if name.startswith(flag(path)) or name.startswith("--" + path):
+                        raise ConfigError(f"{name}: {path} is set in a --config file ({shape}), not by a flag")
                 raise ConfigError(f"unknown argument {name!r}" + _nearest(name, list(flags) + ["--profile", "--config"]))
     if profile is None:  # a config file names its own profile; the flag wins over it
         profile = read_config_file(config).get("profile", "laptop") if config else "laptop"
@@ -831,6 +859,23 @@ def check_consistency(args: Args) -> None:
             raise ConfigError(f"{flag(path)} {shown}: must {rule}")
     for path in ("ladder.release_mode", "ladder.opponent_mode"):   # a plugin is imported now, not mid-run
         decode_fn(field_value(args, path), path)
+    check_seed_snapshots(args.ladder.seed_snapshots)
+
+
+def check_seed_snapshots(seeds: Sequence[SeedSnapshot]) -> None:
+    """The seeds' own rules (their folders are read later, check_seeds): one line naming the entry."""
+    for i, sd in enumerate(seeds):
+        at = f"ladder.seed_snapshots[{i}]"
+        if not sd.name or ":" in sd.name:
+            raise ConfigError(f"{at}.name {sd.name!r}: must be a non-empty name without ':' (the pool calls it "
+                              f"seed:<name>)")
+        if sd.name in [x.name for x in seeds[:i]]:
+            raise ConfigError(f"{at}.name {sd.name!r}: must be unique; an earlier entry has it")
+        if re.fullmatch("[0-9a-f]{64}", sd.sha256) is None:
+            raise ConfigError(f"{at}.sha256 {sd.sha256!r}: must be 64 lowercase hex digits (the folder's "
+                              f"spec.json holds it as actor_sha256)")
+        if not (math.isfinite(sd.weight) and sd.weight > 0):
+            raise ConfigError(f"{at}.weight {sd.weight!r}: must be a positive number")
 
 
 def resolve_device(args: Args) -> torch.device:
@@ -2301,12 +2346,13 @@ def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: boo
     cloned = warm_start(args, env, learner.model, quiet or not comm.voice) if resume is None and args.warm.rung else None
     t0 = time.perf_counter() if t_start is None else t_start
     if comm.voice:
+        seeds = check_seeds(args, env, learner.model) if resume is None else []
         run = open_run(args, env, learner, resume, allow_drift, quiet, t0)    # identity; a resume restores
         if cloned is not None:
             (run.path / "warm.json").write_bytes(msgspec.json.format(canonical_json(cloned)))
         lad = LadderLoop(args, run.path, run.rid, args.master_seed, env.n_battles, env.spec, env.table, env.device,
                          env.seed)
-        opening = start_ladder(lad, run, learner, env)   # v0 admitted free, or the checkpoint's pool
+        opening = start_ladder(lad, run, learner, env, seeds)   # v0 and the seeds, or the checkpoint's pool
         comm.share((str(run.path), run.rid, run.identity, lad.shared()))
     else:
         path, rid, identity, shared = comm.share(None)   # after rank 0 wrote the run, its seeds and v0
@@ -2559,14 +2605,37 @@ def boundary_now(source: Any, lad: LadderLoop) -> Boundary:
                     [int(g) for g in source.generation], source.in_flight())
 
 
-def start_ladder(lad: LadderLoop, run: Run, learner: Learner, env: Env) -> list[Any] | None:
+def start_ladder(lad: LadderLoop, run: Run, learner: Learner, env: Env, seeds: Sequence[Any]) -> list[Any] | None:
     """A resumed run restores the pool and returns the saved assignment table (the farm's opening
     plan). A new run admits v0, the initial actor, as the first champion, so the pool and the
-    gauge exist from the first iteration (design 7.4)."""
+    gauge exist from the first iteration (design 7.4), and its seed snapshots (`seeds`: their
+    specs, check_seeds)."""
     if run.ladder_saved is not None:
         return lad.load(run.ladder_saved)
-    lad.admit(lad.snapshot(learner.model, learner.env_steps, env.facts.action_digest), learner.env_steps, promote=True)
+    # with seed snapshots the training pool is theirs (design 7.3): v0 is the champion, not drawn
+    lad.admit(lad.snapshot(learner.model, learner.env_steps, env.facts.action_digest), learner.env_steps, promote=True,
+              sample=not seeds)
+    lad.admit_seeds(seeds)
     return None
+
+
+def check_seeds(args: Args, env: Env, model: ActorCritic) -> list[Any]:
+    """design 7.3: each of ladder.seed_snapshots read before the run directory exists, so a wrong
+    one stops with nothing written: its weights must hash to the sha256 the config pins and its
+    spec carry this run's arch, observation (the evaluation env's) and codec table digests.
+    Returns their specs, in order."""
+    if not args.ladder.seed_snapshots:
+        return []
+    es, _, _ = ladder._eval_preflight(msgspec.json.encode(ladder.eval_env_spec(env.spec)), args.master_seed)
+    expect = {"arch_digest": arch_digest(model.geo, model.net), "obs_digest": es.obs_digest,
+              "codec_table_digest": env.table.digest()}
+    specs = []
+    for i, sd in enumerate(args.ladder.seed_snapshots):
+        try:
+            specs.append(ladder.check_seed(f"ladder.seed_snapshots[{i}] (seed:{sd.name})", sd.path, sd.sha256, expect))
+        except ladder.SnapshotMismatch as e:
+            raise ConfigError(str(e)) from None
+    return specs
 
 
 def open_farm(args: Args, env: Env, start_ordinals: list[int] | None, assign: Any,
@@ -3292,11 +3361,15 @@ def rollout_digest(args: Args, T: int, R: int) -> str:
 
 
 def ladder_digest(args: Args, eval_seed_set_sha: str) -> str:
-    # opponent_mode only when changed, so every earlier run id holds: the section's fields in their
-    # own order, as canonical_json writes a dataclass, less that one
+    # opponent_mode and seed_snapshots only when set, so every earlier run id holds: the section's
+    # fields in their own order, as canonical_json writes a dataclass, less those two. A seed's path
+    # is where one machine keeps it: its name, weights and weight are the player
     L = args.ladder
     lad = {f.name: getattr(L, f.name) for f in dataclasses.fields(L)
-           if f.name != "opponent_mode" or L.opponent_mode != "stochastic"}
+           if f.name not in ("opponent_mode", "seed_snapshots") or getattr(L, f.name) != f.default}
+    if L.seed_snapshots:
+        lad["seed_snapshots"] = [{"name": sd.name, "sha256": sd.sha256, "weight": sd.weight}
+                                 for sd in L.seed_snapshots]
     return sha256_hex(canonical_json({"ladder": msgspec.Raw(canonical_json_ordered(lad)),
                                       "eval_seed_set_sha": eval_seed_set_sha}))
 
@@ -4966,8 +5039,8 @@ class LadderLoop:
     Why a stable resident table: an Assignment carries its opponent's GROUP id for the whole
     episode, and an episode spans iteration boundaries, while Matchmaker.plan redraws the resident
     set every iteration. So group g means self.slots[g] for the run, a slot is reused only once no
-    live assignment points at it, and SlotPlan.resident_snapshots is this table (bare sha16 ids:
-    the farm names the seat "snap:" + entry)."""
+    live assignment points at it, and SlotPlan.resident_snapshots is this table (bare sha16 ids,
+    a seed's its copy's: the farm names the seat by the assignment's opponent id)."""
 
     def __init__(self, args: Args, run: Path, rid: str, seed: int, n_battles: int, env_spec: Any, table: Any,
                  device: torch.device, match_seed: int | None = None, voice: bool = True) -> None:
@@ -5012,18 +5085,27 @@ class LadderLoop:
                               codec_table_digest=self.table.digest(), step=step, context=self.context,
                               run_id_=self.rid)
 
-    def admit(self, pid: str, step: int, promote: bool, cycle: bool = False) -> None:
-        self.pool.admit(ladder.PoolMember(id=pid, step=int(step), cycle=cycle), promote=promote)
+    def admit(self, pid: str, step: int, promote: bool, cycle: bool = False, sample: bool = True) -> None:
+        self.pool.admit(ladder.PoolMember(id=pid, step=int(step), cycle=cycle), promote=promote, sample=sample)
         self.evictions += len(ladder.hall_of_fame_evict(self.pool, self.ratings, self.args.ladder.pool_working_size))
+        ladder.write_pool(self.run, self.pool)
+
+    def admit_seeds(self, specs: Sequence[Any]) -> None:
+        """The seed snapshots, copied byte for byte into the run's archive (so a seed plays from
+        the run, whatever becomes of its folder) and admitted as seed:<name>, never promoted."""
+        for sd, spec in zip(self.args.ladder.seed_snapshots, specs, strict=True):
+            self.pool.admit(ladder.PoolMember(id=f"seed:{sd.name}", step=spec.step, seed=True,
+                                              snapshot=self.store.copy_in(sd.path), weight=sd.weight), promote=False)
         ladder.write_pool(self.run, self.pool)
 
     # -- the plan --
     def _slot(self, pid: str, live: set[int]) -> int:
-        sid = pid.removeprefix("snap:")
+        sid = self.pool.snapshot_id(pid)
         if sid in self.slots:
             return self.slots.index(sid)
+        resident = {self.pool.snapshot_id(r) for r in self.mm.residents}
         for g, s in enumerate(self.slots):   # reuse a slot nobody resident or playing points at
-            if g not in live and f"snap:{s}" not in self.mm.residents:
+            if g not in live and s not in resident:
                 self.slots[g] = sid
                 return g
         if len(self.slots) >= 127:
@@ -5035,7 +5117,7 @@ class LadderLoop:
     def remap(self, a: Any) -> Any:
         """The matchmaker's Assignment with its resident index turned into this table's slot."""
         if a.group[0] >= 0 or a.group[1] >= 0:
-            g = self.slots.index(a.opponent_id.removeprefix("snap:"))
+            g = self.slots.index(self.pool.snapshot_id(a.opponent_id))
             a = msgspec.structs.replace(a, group=tuple(g if x >= 0 else x for x in a.group))
         return a
 

@@ -328,8 +328,9 @@ def test_play_refuses_bad_players_in_one_line(tmp_path):
     half.mkdir(parents=True)
     (half / "spec.json").write_text("{}")
     cases = [((str(half), "scripted:push"), "half: not a snapshot folder (it needs spec.json and actor.safetensors)"),(("scripted:nope", "scripted:push"), "scripted:nope: unknown scripted player; farm.SCRIPTED_NAMES = noop"),
-             (("pool:x", "scripted:push"), "player 'pool:x': not snap:<id>, scripted:<name>, checkpoint:<dir>"),
-             (("snap:0123456789abcdef", "scripted:push"), "a snap:<id> player needs --run RUN_DIR"),
+             (("pool:x", "scripted:push"), "player 'pool:x': not snap:<id>, seed:<name>, scripted:<name>, checkpoint:<dir>"),
+             (("snap:0123456789abcdef", "scripted:push"), "a snap:<id> or seed:<name> player needs --run RUN_DIR"),
+             (("scripted:push", "seed:patient"), "a snap:<id> or seed:<name> player needs --run RUN_DIR"),
              (("scripted:push", f"checkpoint:{tmp_path / 'absent'}"), "absent: no such checkpoint directory"),
              (("scripted:push", f"checkpoint:{bare}"), "000000000001/manifest.json is missing: not a checkpoint")]
     for (blue, red), want in cases:
@@ -415,6 +416,9 @@ def test_play_refuses_a_missing_or_stacked_snapshot_and_plays_a_checkpoint(smoke
     exit 2 in one line; a checkpoint: player implies its run and plays."""
     code, _, err = run_main("play", "--blue", "snap:0123456789abcdef", "--red", "scripted:push", "--run", str(smoke_run))
     assert code == 2 and "snapshot 0123456789abcdef: no " in err and "known snapshots" in err and err.count("\n") == 1
+    code, _, err = run_main("play", "--blue", "seed:patient", "--red", "scripted:push", "--run", str(smoke_run))
+    assert code == 2 and "seed:patient: no such seed snapshot in this run's pool (its seeds: none)" in err
+    assert err.count("\n") == 1
     run = tmp_path / smoke_run.name
     shutil.copytree(smoke_run, run)
     store = checks.ladder.SnapshotStore(run)

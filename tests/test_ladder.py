@@ -491,6 +491,64 @@ def test_snapshot_round_trip_fp16_and_refusals_name_the_field(tmp_path):
         store.load(sid, expect)
 
 
+def test_a_seed_snapshot_is_checked_against_its_pinned_hash_and_the_runs_digests_then_copied_byte_for_byte(tmp_path):
+    outside = L.SnapshotStore(tmp_path / "elsewhere")
+    sid = outside.save(tensors(), snap_spec())
+    folder = outside.root / sid
+    expect = {"arch_digest": "arch1", "obs_digest": "obs1", "codec_table_digest": "codec1"}
+    pinned = outside.spec(sid).actor_sha256
+    label = "ladder.seed_snapshots[0] (seed:p)"
+    assert L.check_seed(label, folder, pinned, expect).step == 4000
+    with pytest.raises(L.SnapshotMismatch, match=rf"seed:p\): .*actor.safetensors has sha256 {pinned}, the config pins 0{{64}}"):
+        L.check_seed(label, folder, "0" * 64, expect)
+    for field in L.DIGEST_FIELDS:
+        with pytest.raises(L.SnapshotMismatch, match=rf"seed:p\): snapshot {sid}: {field} is .* this run's {field} is x"):
+            L.check_seed(label, folder, pinned, {**expect, field: "x"})
+    with pytest.raises(L.SnapshotMismatch, match=r"seed:p\): .*nowhere: not a snapshot folder"):
+        L.check_seed(label, tmp_path / "nowhere", pinned, expect)
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "actor.safetensors").write_bytes((folder / "actor.safetensors").read_bytes())
+    (torn / "spec.json").write_text('{"arch_digest": ')
+    with pytest.raises(L.SnapshotMismatch, match=r"seed:p\): .*(JSON|truncated)"):
+        L.check_seed(label, torn, pinned, expect)
+    # the copy is the folder's bytes, so the same id, read from the run from now on
+    run = L.SnapshotStore(tmp_path / "run")
+    (tmp_path / "run" / "ladder" / "snapshots").mkdir(parents=True)
+    assert run.copy_in(folder) == sid and run.folders == {} and run.ids() == [sid]
+    for name in ("spec.json", "actor.safetensors"):
+        assert (run.root / sid / name).read_bytes() == (folder / name).read_bytes()
+    assert run.load(sid, expect)[0] == outside.spec(sid)
+
+
+def test_a_seed_is_drawn_by_its_weight_times_pfsp_and_resolved_by_the_runs_pool(tmp_path):
+    pool, table = _pool_and_table(2)
+    pool.admit(L.PoolMember(id="seed:p", step=7, seed=True, snapshot="abc", weight=3.0), promote=False)
+    assert pool.v0 == "snap:v0" and pool.champion == "snap:v1"      # a seed is never v0 nor promoted
+    assert pool.seeds() == {"seed:p": "abc"} and pool.snapshot_id("seed:p") == "abc"
+    assert pool.snapshot_id("snap:v1") == "v1"
+    mm = L.Matchmaker(master_seed=1, n_battles=8, cfg=L.MatchConfig(max_resident_opponents=3))
+    mm.plan(0, [0] * 8, pool, table)
+    w = dict(zip(mm.residents, mm.weights))
+    # the stand-in is v1 (the newest non-seed); the seed is unrated (p = 0.5), as v1 itself is
+    base = L.pfsp_weights([table.predict("snap:v1", "snap:v0"), 0.5, 0.5])
+    assert w == pytest.approx({"snap:v0": base[0], "snap:v1": base[1], "seed:p": 3.0 * base[2]})
+    # a member kept out of the sampler (v0 beside seeds) is a member, never drawn
+    kept = L.Pool()
+    kept.admit(L.PoolMember(id="snap:v0", step=0), promote=True, sample=False)
+    kept.admit(L.PoolMember(id="seed:p", step=7, seed=True, snapshot="abc"), promote=False)
+    assert kept.sampler == ["seed:p"] and kept.champion == kept.v0 == "snap:v0"
+    mm.plan(1, [0] * 8, kept, None)
+    assert mm.residents == ("seed:p",)
+    # an evaluation runner on the run resolves seed:<name> through ladder/pool.json
+    L.write_pool(tmp_path, kept)
+    built = []
+    with runner(tmp_path, policy_builder=lambda sid: built.append(sid) or legal_from_uniforms) as r:
+        assert r.players.act("seed:p") is legal_from_uniforms and built == ["abc"]
+        with pytest.raises(ValueError, match=r"seed:q: no such seed snapshot in this run's pool \(its seeds: \['seed:p'\]\)"):
+            r.players.act("seed:q")
+
+
 def test_policy_cache_is_lru(tmp_path):
     store = L.SnapshotStore(tmp_path)
     ids = [store.save(tensors(), snap_spec(step=s)) for s in (1, 2, 3)]
@@ -897,8 +955,9 @@ def test_eval_runner_feeds_each_seat_its_own_named_stream_and_plays_full_matches
     assert not np.array_equal(live.first_obs["vector"][0], live.first_obs["vector"][2])
     # untruncated although the training env truncates at 8 decisions: a real match is longer
     assert sum(len(c) for c in live.calls) > 4 * 8 * 4
-    with pytest.raises(ValueError, match="scripted: and snap: ids are resolved"):
-        r.register("snap:x", live)
+    for resolved in ("snap:x", "seed:x"):
+        with pytest.raises(ValueError, match="scripted:, snap: and seed: ids are resolved"):
+            r.register(resolved, live)
     with pytest.raises(ValueError, match="unknown scripted player"):
         runner(None, seeds).play("scripted:nobody", "scripted:noop", 2)
 

@@ -2383,11 +2383,42 @@ def test_a_decode_mode_is_checked_at_config_time_and_a_plugins_code_is_part_of_t
     assert "sharpen.py" in P.user_code_digest(extra=P.plugin_files(ex)) and "sharpen.py" not in P.user_code_digest()
     args = P.parse_args(["--profile", "cpu"])
     L = args.ladder
-    Old = dataclasses.make_dataclass("Old", [(f.name, f.type) for f in dataclasses.fields(L) if f.name != "opponent_mode"])
+    Old = dataclasses.make_dataclass("Old", [(f.name, f.type) for f in dataclasses.fields(L)
+                                             if f.name not in ("opponent_mode", "seed_snapshots")])
     old = Old(**{f.name: getattr(L, f.name) for f in dataclasses.fields(Old)})
     assert P.ladder_digest(args, "s") == P.sha256_hex(P.canonical_json({"ladder": old, "eval_seed_set_sha": "s"}))
     moved = P.parse_args(["--profile", "cpu", "--ladder.opponent-mode", "argmax"])
     assert P.ladder_digest(moved, "s") != P.ladder_digest(args, "s")
+
+
+def test_seed_snapshots_come_from_a_config_file_are_refused_by_entry_and_enter_the_identity_without_their_path(tmp_path):
+    sha = "ab" * 32
+    good = {"name": "patient", "path": "models/x", "sha256": sha}
+    f = tmp_path / "seeds.json"
+    f.write_text(json.dumps({"ladder": {"seed_snapshots": [good, {**good, "name": "clone", "weight": 2.5}]}}))
+    args = P.parse_args(["--profile", "smoke", "--config", str(f)])
+    assert args.ladder.seed_snapshots == (P.SeedSnapshot("patient", "models/x", sha),
+                                          P.SeedSnapshot("clone", "models/x", sha, 2.5))
+    f.write_text(json.dumps({"ladder": {"seed_snapshots": [good, good]}}))      # parse_args checks them
+    with pytest.raises(P.ConfigError, match=r"seed_snapshots\[1\].name 'patient': must be unique"):
+        P.parse_args(["--profile", "smoke", "--config", str(f)])
+    for bad, msg in [({**good, "name": "a:b"}, r"seed_snapshots\[0\].name 'a:b': must be a non-empty name without ':'"),
+                     ({**good, "name": ""}, r"seed_snapshots\[0\].name '': must be a non-empty"),
+                     ({**good, "sha256": sha.upper()}, r"seed_snapshots\[0\].sha256 .*: must be 64 lowercase hex"),
+                     ({**good, "sha256": sha[:-1]}, r"seed_snapshots\[0\].sha256 .*: must be 64 lowercase hex"),
+                     ({**good, "weight": 0.0}, r"seed_snapshots\[0\].weight 0.0: must be a positive number"),
+                     ({**good, "weight": math.inf}, r"seed_snapshots\[0\].weight inf: must be a positive")]:
+        with pytest.raises(P.ConfigError, match=msg):
+            P.check_seed_snapshots((P.SeedSnapshot(**bad),))
+    with pytest.raises(P.ConfigError, match=r"--ladder.seed-snapshots.0.name: ladder.seed_snapshots is set in a --config"):
+        P.parse_args(["--profile", "smoke", "--ladder.seed-snapshots.0.name", "x"])
+    # in the identity by name, weights and weight; not by where this machine keeps the folder
+    def digest(**kw):
+        args.ladder.seed_snapshots = (P.SeedSnapshot(**{**good, **kw}),) if kw else ()
+        return P.ladder_digest(args, "s")
+    seeded = digest(path="models/x")
+    assert digest(path="elsewhere") == seeded and digest() != seeded
+    assert len({seeded, digest(name="p2"), digest(sha256="cd" * 32), digest(weight=2.0)}) == 4
 
 
 @pytest.fixture(scope="module")
@@ -2456,6 +2487,40 @@ def test_every_cycle_collects_exactly_the_planned_learner_rows_and_pool_seats_ar
     assert {s for s, _, _, _ in seen["dists"]} == {sid}   # the only resident before any admission
     # --ladder.opponent-mode argmax: every pool action is its row's most probable legal one
     assert all(torch.equal(a, lp.argmax(-1)) for _, _, lp, a in seen["dists"])
+
+
+@pytest.mark.slow
+def test_a_run_with_a_seed_snapshot_trains_against_it_alone_and_refuses_a_wrong_one_before_writing(gated_run, tmp_path, capsys):
+    """ladder.seed_snapshots (design 7.3): the gated run's v0 as a seed of another run. Under mix
+    (0, 1, 0), with no gate or floor due, every battle meets the seed (v0 is the champion, not
+    drawn); the seed is copied byte for byte into the run; a wrong hash stops before a run exists."""
+    _, donor, _ = gated_run
+    store = P.ladder.SnapshotStore(donor)
+    sid = json.loads((donor / "ladder" / "pool.json").read_text())["v0"].removeprefix("snap:")
+    folder = store.root / sid
+    seed = {"name": "donor", "path": str(folder), "sha256": store.spec(sid).actor_sha256, "weight": 2.0}
+    cfg = tmp_path / "seed.json"
+    argv = ["--profile", "smoke", "--config", str(cfg), "--master-seed", "5", "--obs.max-steps", "40",
+            "--ladder.mix", "0", "1", "0", "--ladder.candidate-every-env-steps", "1000000",
+            "--ladder.floor-admit-every-env-steps", "1000000",
+            "--runs-dir", str(tmp_path / "runs")]
+    cfg.write_text(json.dumps({"ladder": {"seed_snapshots": [{**seed, "sha256": "0" * 64}]}}))
+    assert P.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "ladder.seed_snapshots[0] (seed:donor)" in err and "the config pins 000" in err
+    assert not (tmp_path / "runs").exists()                         # refused before the run directory
+    cfg.write_text(json.dumps({"ladder": {"seed_snapshots": [seed]}}))
+    run = P.train(P.parse_args(argv), max_iterations=2, quiet=True)
+    pool = P.ladder.read_pool(run)
+    assert [m.id for m in pool.members] == [pool.v0, "seed:donor"] and pool.sampler == ["seed:donor"]
+    assert pool.member("seed:donor") == P.ladder.PoolMember(id="seed:donor", step=0, seed=True, snapshot=sid, weight=2.0)
+    for name in ("spec.json", "actor.safetensors"):
+        assert (run / "ladder" / "snapshots" / sid / name).read_bytes() == (folder / name).read_bytes()
+    train = [g for g in P.ladder.ResultLog(run).read().games if g.kind == "train"]
+    assert train and {g.b for g in train} == {"seed:donor"}
+    # the CLI plays it by its pool name, and the result log keeps that name
+    assert P.ladder.main(["eval", "--run", str(run), "--a", "seed:donor", "--b", "scripted:noop", "--seeds", "1"]) == 0
+    assert {(g.a, g.kind) for g in P.ladder.ResultLog(run).read().games if g.b == "scripted:noop"} == {("seed:donor", "eval")}
 
 
 @pytest.mark.slow
@@ -2600,7 +2665,7 @@ def test_the_resident_table_keeps_a_live_episodes_group_and_reuses_only_free_slo
     and no current resident points at it, so an episode's group means one snapshot to its end."""
     from types import SimpleNamespace
     lad = P.LadderLoop.__new__(P.LadderLoop)
-    lad.args, lad.slots = P.profile_args("smoke"), []
+    lad.args, lad.slots, lad.pool = P.profile_args("smoke"), [], P.ladder.Pool()
     lad.mm = SimpleNamespace(residents=("snap:a", "snap:b"))
     assert [lad._slot("snap:a", set()), lad._slot("snap:b", set())] == [0, 1]
     assert lad._slot("snap:a", set()) == 0                       # known: same slot
@@ -2615,6 +2680,16 @@ def test_the_resident_table_keeps_a_live_episodes_group_and_reuses_only_free_slo
     m = P.farm.Assignment(battle=0, ordinal=0, role=P.farm.ROLE_MIRROR, opponent_id=None, group=(-1, -1),
                           learner_seat=-1)
     assert lad.remap(m) is m
+    # a seed snapshot sits in the table as the snapshot it plays as, and a resident seed's slot is
+    # not free: seed:s plays as "e"
+    lad.pool.admit(P.ladder.PoolMember(id="seed:s", step=9, seed=True, snapshot="e"), promote=False)
+    lad.mm = SimpleNamespace(residents=("seed:s",))
+    assert lad._slot("seed:s", set()) == 0 and lad.slots == ["e", "c", "d"]   # 0 and 2 were free: first reused
+    lad.mm = SimpleNamespace(residents=("seed:s", "snap:f"))
+    assert lad._slot("snap:f", set()) == 1 and lad.slots == ["e", "f", "d"]   # not slot 0: seed:s is resident
+    s = P.farm.Assignment(battle=1, ordinal=4, role=P.farm.ROLE_POOL, opponent_id="seed:s", group=(-1, 1),
+                          learner_seat=0)
+    assert lad.remap(s).group == (-1, 0)
 
 
 # --- metrics and alarms (issue 4 item 6, design 9.1-13.4): planted rows, no run ------------------------
