@@ -1119,6 +1119,9 @@ class FarmConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scripted_mask_only: bool = True         # training: a scripted seat's observations mask-only
                                             # (section 9); eval mode always does it. 1.13x
                                             # game-steps/s, all-scripted [M], docs/throughput.md
+    deals: list[dict[str, Any]] | None = None  # per battle, the kwargs of the royalegym
+                                            # DeckCurriculumStateMutator its env deals with in
+                                            # place of the env's own (ladder.seat_decks); None: the env's
 
     @property
     def games_per_shard(self) -> int:
@@ -1153,6 +1156,8 @@ class FarmConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                  f"{len(f.actions)} actions and {len(f.gammas)} gammas does not fit a farm "
                                  f"of {self.n_battles} battles started at start_ordinals (one gamma per "
                                  "action, the ordinal the battle restarts at)")
+        if self.deals is not None and len(self.deals) != self.n_battles:
+            raise ValueError(f"deals has {len(self.deals)} entries; the farm has {self.n_battles} battles")
         if self.eval_plan is not None:
             if self.start_ordinals is not None:
                 raise ValueError("eval_plan with start_ordinals: an evaluation farm starts every "
@@ -1424,6 +1429,10 @@ class ShardRunner:
         viser = "env" if (cfg.viewer and w == 0 and s == 0) else None
         self.vec = build_vec(cfg.env, M, viser=viser, autoreset_seed_fn=self.running.seed_fn)
         self.vec.set_episode_ordinals(ordinals)
+        if cfg.deals is not None:   # before the first reset, which deals from the episode's seed
+            from royalegym.state_mutator import DeckCurriculumStateMutator
+            for i, e in enumerate(self.vec.envs):
+                e.state_mutator = DeckCurriculumStateMutator(**cfg.deals[self.running.battle0 + i])
         self.packer = codec.Packer(table)
         self.row_bytes = table.row_bytes
         self.seats = Seats(cfg, self.vec, w, gen, self.slot0, self.n)

@@ -1215,6 +1215,7 @@ class MatchConfig(msgspec.Struct, frozen=True):
     pfsp_uniform_floor: float = 0.2
     weight_floor_scale: float = 0.01
     scripted_opponents: tuple[str, ...] = ("scripted:noop", "scripted:random_legal")
+    fixed_seats: bool = False   # the learner's seat per battle, even blue, odd red (ladder.seat_decks)
 
 
 def _round_half_up(x: float) -> int:
@@ -1270,16 +1271,17 @@ def learner_stand_in(pool: Pool, ratings: RatingTable | None) -> PoolMember | No
 
 
 def assign(master_seed: int, roles: np.ndarray, scripted: Sequence[str], battle: int, ordinal: int,
-           residents: Sequence[str], weights: Sequence[float]) -> Assignment:
+           residents: Sequence[str], weights: Sequence[float], fixed_seats: bool = False) -> Assignment:
     """What battle `battle`'s episode `ordinal` plays: a pure function of its arguments, drawing
-    from match/battle/{battle}/ordinal/{ordinal} (seat first, then the opponent, always both)."""
+    from match/battle/{battle}/ordinal/{ordinal} (seat first, then the opponent, always both).
+    fixed_seats: the learner sits where the battle's deal put its deck (battle % 2), not drawn."""
     rng = derive_generator(master_seed, f"match/battle/{battle}/ordinal/{ordinal}")
     u_seat, u_opp = rng.random(), rng.random()
     role = int(roles[battle])
     if role == ROLE_MIRROR:
         return Assignment(battle=battle, ordinal=ordinal, role=ROLE_MIRROR, opponent_id=None,
                           group=(GROUP_LEARNER, GROUP_LEARNER), learner_seat=-1)
-    seat = int(u_seat >= 0.5)
+    seat = battle % 2 if fixed_seats else int(u_seat >= 0.5)
     if role == ROLE_POOL and residents:
         cdf = np.cumsum(np.asarray(weights, dtype=np.float64))
         k = min(int(np.searchsorted(cdf, u_opp * cdf[-1], side="right")), len(residents) - 1)
@@ -1352,7 +1354,7 @@ class Matchmaker:
 
     def assign(self, battle: int, ordinal: int) -> Assignment:
         return assign(self.master_seed, self.roles, self.cfg.scripted_opponents, battle, ordinal,
-                      self.residents, self.weights)
+                      self.residents, self.weights, self.cfg.fixed_seats)
 
     def state(self) -> MatchmakerState:
         return MatchmakerState(

@@ -327,6 +327,25 @@ class SeedSnapshot:
     """a multiplier on its draw weight, after PFSP's shape and floor"""
 
 
+SHUFFLES = ("none", "independent", "mirrored")
+"""royalegym.protocol.ShuffleMode's members, by position: how a battle orders the decks it deals."""
+
+
+@dataclass
+class SeatDecks:
+    """One deck trained where the learner sits (design 7.3): empty, the env deals as it always did."""
+    deck: tuple[str, ...] = ()
+    """the learner's deck: 8 distinct card names of the engine's catalogue (engine.cards()).
+    A mirror battle deals it to both seats; a pool or scripted battle to the learner's seat,
+    which is then fixed per battle (even battles blue, odd red)"""
+    field: tuple[tuple[str, ...], ...] = ()
+    """the decks the opponent of a pool or scripted battle draws from, one a battle, uniformly;
+    empty: a random deck of 8 distinct cards a battle"""
+    shuffle: str = "independent"
+    """how a pool or scripted battle shuffles its two decks: none, independent or mirrored (a
+    mirror battle always mirrors)"""
+
+
 @dataclass
 class LadderArgs:
     mix: tuple[float, float, float] = (0.50, 0.35, 0.15)
@@ -369,6 +388,9 @@ class LadderArgs:
     seed_snapshots: tuple[SeedSnapshot, ...] = ()
     """frozen actors the pool holds from the first iteration as seed:<name>, never evicted (design
     7.3); with any, v0 is the first champion but not drawn in training. Set in a --config file"""
+    seat_decks: SeatDecks = field(default_factory=SeatDecks)
+    """one deck trained where the learner sits, and its opponents' (training battles only: the
+    gate, the probe and the yardstick deal as the env does)"""
 
 
 @dataclass
@@ -860,6 +882,51 @@ def check_consistency(args: Args) -> None:
     for path in ("ladder.release_mode", "ladder.opponent_mode"):   # a plugin is imported now, not mid-run
         decode_fn(field_value(args, path), path)
     check_seed_snapshots(args.ladder.seed_snapshots)
+    check_seat_decks(args.ladder.seat_decks)
+
+
+def check_seat_decks(sd: SeatDecks) -> None:
+    """Each deck 8 distinct names (the catalogue is read at start, deal_check); a field or a
+    shuffle needs a deck to go with."""
+    for where, deck in seat_deck_names(sd):
+        if len(deck) != 8 or len(set(deck)) != 8:
+            raise ConfigError(f"{where} {' '.join(deck) or '(none)'}: must be 8 distinct card names")
+    if not sd.deck and (sd.field or sd.shuffle != "independent"):
+        raise ConfigError("ladder.seat_decks.field and .shuffle: must come with ladder.seat_decks.deck, the deck "
+                          "they are dealt against")
+    if sd.shuffle not in SHUFFLES:
+        raise ConfigError(f"--ladder.seat-decks.shuffle {sd.shuffle!r}: must be one of {', '.join(SHUFFLES)}")
+
+
+def seat_deck_names(sd: SeatDecks) -> list[tuple[str, tuple[str, ...]]]:
+    """(the field's name, the deck) for the deck, if any, and each field deck."""
+    return [("ladder.seat_decks.deck", sd.deck)] * bool(sd.deck) + \
+        [(f"ladder.seat_decks.field[{i}]", d) for i, d in enumerate(sd.field)]
+
+
+def seat_deals(sd: SeatDecks, roles: np.ndarray) -> list[dict[str, Any]] | None:
+    """Per battle, the royalegym DeckCurriculumStateMutator that deals it (farm.FarmConfig.deals):
+    a mirror battle the deck to both seats in one order; any other the deck to the learner's seat,
+    battle % 2 (ladder.MatchConfig.fixed_seats), and a field deck (or a random one) to the other.
+    None without a deck: the env's own dealer."""
+    if not sd.deck:
+        return None
+    field_decks = [list(d) for d in sd.field] or None
+    return [{"deck": list(sd.deck), "p": 1.0, "mirror_p": 1.0} if int(role) == farm.ROLE_MIRROR else
+            {"deck": list(sd.deck), "p": 1.0, "mirror_p": 0.0, "seat": ("blue", "red")[b % 2],
+             "pool": field_decks, "shuffle": SHUFFLES.index(sd.shuffle)}
+            for b, role in enumerate(roles)]
+
+
+def deal_check(sd: SeatDecks, cards: Sequence[Any]) -> None:
+    """Every name of ladder.seat_decks in the engine's catalogue, before the run exists (royalegym
+    resolves them again at each battle's first reset)."""
+    from royalegym.state_mutator import deck_ids
+    for where, deck in seat_deck_names(sd):
+        try:
+            deck_ids(deck, cards, where)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def check_seed_snapshots(seeds: Sequence[SeedSnapshot]) -> None:
@@ -2362,7 +2429,8 @@ def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: boo
         opening = lad.load(run.ladder_saved) if run.ladder_saved is not None else None
         lad.follow(shared)
     lad.join(comm)
-    source = open_farm(args, env, run.start_ordinals, lad.assign, run.start_generations, run.start_in_flight)
+    source = open_farm(args, env, run.start_ordinals, lad.assign, lad.mm.roles, run.start_generations,
+                       run.start_in_flight)
     view = RectView(source.rect, env, args.obs.frame_stack)
     view.resume(run.start_in_flight or [])   # the battles the farm re-simulated are mid-episode
     return Setup(env, learner, run, lad, opening, source, view)
@@ -2431,6 +2499,7 @@ def read_env(args: Args, comm: Comm = SOLO) -> Env:
     statics = torch.as_tensor(codec.static_planes(table, obs0), device=device)
     geo = geometry_from_env(vec.single_observation_space, vec.envs[0].obs_builder, k)
     eng_cfg = vec.envs[0].config()
+    deal_check(args.ladder.seat_decks, vec.envs[0].engine.cards())
     vec.close()
     n_battles = args.rollout.workers * args.rollout.games_per_worker
     # sizing only: the learner's row count follows from the roles, not from the pool
@@ -2638,9 +2707,10 @@ def check_seeds(args: Args, env: Env, model: ActorCritic) -> list[Any]:
     return specs
 
 
-def open_farm(args: Args, env: Env, start_ordinals: list[int] | None, assign: Any,
+def open_farm(args: Args, env: Env, start_ordinals: list[int] | None, assign: Any, roles: np.ndarray,
               start_generations: list[int] | None = None, start_in_flight: list[Any] | None = None) -> Any:
-    """The farm of workers (process) or its byte-identical reference (inline), T cycles deep."""
+    """The farm of workers (process) or its byte-identical reference (inline), T cycles deep;
+    roles: the battles' (the matchmaker's), which seat_deals deals by."""
     r = args.rollout
     cfg = farm.FarmConfig(env=env.spec, master_seed=env.seed, workers=r.workers,
                           shards_per_worker=r.shards_per_worker, games_per_worker=r.games_per_worker,
@@ -2649,7 +2719,8 @@ def open_farm(args: Args, env: Env, start_ordinals: list[int] | None, assign: An
                           max_restarts_per_worker=r.max_restarts_per_worker,
                           viewer=r.source == "process" and args.metrics.viser and env.rank == 0,
                           start_ordinals=start_ordinals,
-                          start_generations=start_generations, start_in_flight=start_in_flight or None)
+                          start_generations=start_generations, start_in_flight=start_in_flight or None,
+                          deals=seat_deals(args.ladder.seat_decks, roles))
     return (farm.InlineFarm if r.source == "inline" else farm.ProcessFarm)(cfg, env.table, assign)
 
 
@@ -3361,12 +3432,13 @@ def rollout_digest(args: Args, T: int, R: int) -> str:
 
 
 def ladder_digest(args: Args, eval_seed_set_sha: str) -> str:
-    # opponent_mode and seed_snapshots only when set, so every earlier run id holds: the section's
-    # fields in their own order, as canonical_json writes a dataclass, less those two. A seed's path
-    # is where one machine keeps it: its name, weights and weight are the player
+    # the fields added since the first runs only when set, so every earlier run id holds: the
+    # section's fields in their own order, as canonical_json writes a dataclass, less those. A
+    # seed's path is where one machine keeps it: its name, weights and weight are the player
     L = args.ladder
+    later = {"opponent_mode": "stochastic", "seed_snapshots": (), "seat_decks": SeatDecks()}
     lad = {f.name: getattr(L, f.name) for f in dataclasses.fields(L)
-           if f.name not in ("opponent_mode", "seed_snapshots") or getattr(L, f.name) != f.default}
+           if f.name not in later or getattr(L, f.name) != later[f.name]}
     if L.seed_snapshots:
         lad["seed_snapshots"] = [{"name": sd.name, "sha256": sd.sha256, "weight": sd.weight}
                                  for sd in L.seed_snapshots]
@@ -5028,7 +5100,7 @@ def match_config(L: LadderArgs) -> Any:
     """The matchmaker's configuration, from the run's ladder arguments."""
     return ladder.MatchConfig(mix=tuple(L.mix), max_resident_opponents=L.max_resident_opponents,
                               pfsp_power=L.pfsp_power, pfsp_uniform_floor=L.pfsp_uniform_floor,
-                              scripted_opponents=tuple(L.scripted_opponents))
+                              scripted_opponents=tuple(L.scripted_opponents), fixed_seats=bool(L.seat_decks.deck))
 
 
 class LadderLoop:

@@ -411,6 +411,40 @@ def test_a_battle_s_assignment_changes_only_after_its_episode_ended(inline_run):
     assert changes > 0
 
 
+def test_deals_replace_each_battles_dealer_and_deal_every_episode(short_env):
+    """FarmConfig.deals (ladder.seat_decks): battle b's env deals by its own royalegym
+    DeckCurriculumStateMutator, on the first reset and on every autoreset after it."""
+    spec, _, table = short_env
+    deck = ["Knight", "Archer", "Giant", "Musketeer", "Fireball", "Arrows", "MiniPekka", "Valkyrie"]
+    field = ["Goblins", "Pekka", "Minions", "Balloon", "Witch", "Barbarians", "Golem", "Skeletons"]
+    deals = [{"deck": deck, "p": 1.0, "mirror_p": 1.0},
+             {"deck": deck, "p": 1.0, "mirror_p": 0.0, "seat": "red", "pool": [field], "shuffle": 1}]
+    cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, shards_per_worker=1, games_per_worker=2,
+                          cycles=25, viewer=False, deals=deals)
+    with pytest.raises(ValueError, match="deals has 1 entries; the farm has 2 battles"):
+        msgspec.structs.replace(cfg, deals=deals[:1]).check()
+    f = farm.InlineFarm(cfg, table, mixed_assign)
+    try:
+        vec = f._runners[0].vec
+        names = {c.card_id: c.name for c in vec.envs[0].engine.cards()}
+        hands: list[set[str]] = [set() for _ in range(4)]    # every card seen in hand, per (battle, team)
+        f.begin_iteration(opening_plan(cfg))
+        for c in range(cfg.cycles + 1):
+            f.next_round(10)
+            for b, e in enumerate(vec.envs):
+                for p in e.battle_state.players:
+                    hands[2 * b + p.team] |= {names[i] for i in p.hand if i in names}
+            if c < cfg.cycles:
+                f.submit(np.zeros(4, np.int64), 0.99)
+        assert vec.episode_ordinals == (2, 2)       # the 20-decision episodes ended: a second deal each
+        # a hand is drawn from its deck: the mirror battle holds the deck on both seats, the other
+        # the deck on red and the field deck on blue (a random deck would not fit in either)
+        assert [h <= set(d) for h, d in zip(hands, (deck, deck, field, deck))] == [True] * 4
+        assert all(len(h) >= 5 for h in hands)      # more than an opening hand of 4 was seen
+    finally:
+        f.close()
+
+
 def test_the_plan_command_seats_the_opening_table_and_refuses_an_out_of_step_plan(short_env):
     """design 3.4, 3.5: begin_iteration writes the plan area and sends PLAN; the worker is seated
     before the first STEP, whose assign entries then carry nothing; a battle that reset on the

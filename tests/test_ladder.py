@@ -683,6 +683,23 @@ def test_assign_is_a_pure_function_and_plan_is_assign_across_the_geometry():
                for a in draws)
 
 
+def test_fixed_seats_put_the_learner_where_its_battle_deals_the_deck_and_draw_the_rest_alike():
+    pool, table = _pool_and_table()
+    free = L.Matchmaker(master_seed=5, n_battles=12)
+    fixed = L.Matchmaker(master_seed=5, n_battles=12, cfg=L.MatchConfig(fixed_seats=True))
+    for mm in (free, fixed):
+        mm.plan(0, [0] * 12, pool, table)
+    seats = {}
+    for b in range(12):
+        for k in range(8):
+            a, f = free.assign(b, k), fixed.assign(b, k)
+            assert (a.role, a.opponent_id) == (f.role, f.opponent_id)   # the same opponent: one stream
+            if f.role != ROLE_MIRROR:
+                assert f.learner_seat == b % 2 and f.group[b % 2] == GROUP_LEARNER
+                seats.setdefault(b, set()).add(a.learner_seat)
+    assert any(len(v) == 2 for v in seats.values())                      # the free draw does move
+
+
 def test_every_plan_collects_n_battles_plus_mirror_learner_rows_and_pool_plays_scripted_first():
     for n in GEOMETRIES:
         mirror = L.role_counts(MIXES[0], n)[0]

@@ -2384,7 +2384,7 @@ def test_a_decode_mode_is_checked_at_config_time_and_a_plugins_code_is_part_of_t
     args = P.parse_args(["--profile", "cpu"])
     L = args.ladder
     Old = dataclasses.make_dataclass("Old", [(f.name, f.type) for f in dataclasses.fields(L)
-                                             if f.name not in ("opponent_mode", "seed_snapshots")])
+                                             if f.name not in ("opponent_mode", "seed_snapshots", "seat_decks")])
     old = Old(**{f.name: getattr(L, f.name) for f in dataclasses.fields(Old)})
     assert P.ladder_digest(args, "s") == P.sha256_hex(P.canonical_json({"ladder": old, "eval_seed_set_sha": "s"}))
     moved = P.parse_args(["--profile", "cpu", "--ladder.opponent-mode", "argmax"])
@@ -2419,6 +2419,37 @@ def test_seed_snapshots_come_from_a_config_file_are_refused_by_entry_and_enter_t
     seeded = digest(path="models/x")
     assert digest(path="elsewhere") == seeded and digest() != seeded
     assert len({seeded, digest(name="p2"), digest(sha256="cd" * 32), digest(weight=2.0)}) == 4
+
+
+DECK = ("Knight", "Archer", "Giant", "Musketeer", "Fireball", "Arrows", "MiniPekka", "Valkyrie")
+
+
+def test_seat_decks_are_checked_by_deck_and_name_deal_by_role_and_enter_the_identity_only_when_set():
+    args = P.parse_args(["--profile", "smoke", "--ladder.seat-decks.deck", *DECK, "--ladder.seat-decks.shuffle", "none"])
+    sd = args.ladder.seat_decks
+    assert sd == P.SeatDecks(deck=DECK, shuffle="none") and P.match_config(args.ladder).fixed_seats
+    assert not P.match_config(P.profile_args("smoke").ladder).fixed_seats
+    for bad, msg in [(P.SeatDecks(deck=DECK[:7]), r"ladder.seat_decks.deck Knight .* must be 8 distinct card names"),
+                     (P.SeatDecks(deck=DECK[:7] + ("Knight",)), r"deck Knight .* must be 8 distinct"),
+                     (P.SeatDecks(deck=DECK, field=(DECK, DECK[1:])), r"seat_decks.field\[1\] Archer .* must be 8 distinct"),
+                     (P.SeatDecks(field=(DECK,)), r"field and .shuffle: must come with ladder.seat_decks.deck"),
+                     (P.SeatDecks(deck=DECK, shuffle="sorted"), r"--ladder.seat-decks.shuffle 'sorted': must be one of none")]:
+        with pytest.raises(P.ConfigError, match=msg):
+            P.check_seat_decks(bad)
+    # names are looked up in the engine's catalogue before the run exists, naming the deck
+    from types import SimpleNamespace
+    cards = [SimpleNamespace(name=n, card_id=i) for i, n in enumerate(DECK + ("Goblins",))]
+    P.deal_check(P.SeatDecks(deck=DECK), cards)
+    with pytest.raises(P.ConfigError, match=r"ladder.seat_decks.field\[0\] names 'Goblin', .*\(close: Goblins\)"):
+        P.deal_check(P.SeatDecks(deck=DECK, field=(DECK[1:] + ("Goblin",),)), cards)
+    # the deal of each battle: a mirror both seats, mirrored; any other the deck on battle % 2
+    roles = np.array([P.farm.ROLE_MIRROR, P.farm.ROLE_POOL, P.farm.ROLE_SCRIPTED])
+    deals = P.seat_deals(P.SeatDecks(deck=DECK, field=(DECK[::-1],)), roles)
+    assert deals[0] == {"deck": list(DECK), "p": 1.0, "mirror_p": 1.0}
+    assert [d["seat"] for d in deals[1:]] == ["red", "blue"] and deals[2]["pool"] == [list(DECK[::-1])]
+    assert deals[1]["shuffle"] == 1 and P.seat_deals(P.SeatDecks(), roles) is None
+    plain = P.parse_args(["--profile", "smoke"])
+    assert P.ladder_digest(args, "s") != P.ladder_digest(plain, "s")
 
 
 @pytest.fixture(scope="module")
@@ -2521,6 +2552,28 @@ def test_a_run_with_a_seed_snapshot_trains_against_it_alone_and_refuses_a_wrong_
     # the CLI plays it by its pool name, and the result log keeps that name
     assert P.ladder.main(["eval", "--run", str(run), "--a", "seed:donor", "--b", "scripted:noop", "--seeds", "1"]) == 0
     assert {(g.a, g.kind) for g in P.ladder.ResultLog(run).read().games if g.b == "scripted:noop"} == {("seed:donor", "eval")}
+
+
+@pytest.mark.slow
+def test_a_run_with_seat_decks_deals_each_battle_its_deal_and_seats_the_learner_by_it(tmp_path, monkeypatch):
+    """ladder.seat_decks wired through the loop: every shard's runner is handed its battles'
+    deals (farm's test shows a deal is what its battle plays), and every episode of a pool or
+    scripted battle seats the learner on the battle's parity."""
+    handed = []
+    real = P.farm.ShardRunner.__init__
+
+    def spy(self, cfg, *a, **kw):
+        handed.append(cfg.deals)
+        real(self, cfg, *a, **kw)
+    monkeypatch.setattr(P.farm.ShardRunner, "__init__", spy)
+    args = P.parse_args(["--profile", "smoke", "--obs.max-steps", "40", "--runs-dir", str(tmp_path),
+                         "--ladder.seat-decks.deck", *DECK])
+    run = P.train(args, max_iterations=2, quiet=True)
+    roles = P.ladder.role_layout(args.master_seed, 4, args.ladder.mix)
+    assert handed and all(d == P.seat_deals(args.ladder.seat_decks, roles) for d in handed)
+    eps = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
+    learner = [e for e in eps if e["policy_id"] == "learner" and e["bucket"] != "mirror"]
+    assert learner and all(e["seat"] == e["battle"] % 2 for e in learner)
 
 
 @pytest.mark.slow
