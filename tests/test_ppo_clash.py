@@ -2458,8 +2458,12 @@ def gated_run(tmp_path_factory):
     an iteration [A]: T=43 cycles x 4 battles), with check_iteration and the snapshot policies
     wrapped to record what the loop did; the pool acts by --ladder.opponent-mode argmax. Shared by
     the slow tests below (one run, ~40 s loaded)."""
-    seen: dict[str, list] = {"trainable": [], "group": [], "legal": [], "dists": []}
-    real_check, real_policy = P.check_iteration, P.LadderLoop.policy
+    seen: dict[str, list] = {"trainable": [], "group": [], "legal": [], "dists": [], "decodes": []}
+    real_check, real_policy, real_act = P.check_iteration, P.LadderLoop.policy, P.ActorCritic.act_and_hold
+
+    def act(self, obs, u, forced, decode=P.sample_decode):   # every network's act: which decode it was given
+        seen["decodes"].append(decode)
+        return real_act(self, obs, u, forced, decode)
 
     def check(**kw):
         seen["trainable"].append(kw["trainable"].copy())
@@ -2482,6 +2486,7 @@ def gated_run(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setattr(P, "check_iteration", check)
     mp.setattr(P.LadderLoop, "policy", policy)
+    mp.setattr(P.ActorCritic, "act_and_hold", act)
     try:
         args = P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path_factory.mktemp("gate")),
                              "--ladder.candidate-every-env-steps", "400", "--ladder.refit-every-iterations", "1",
@@ -2516,8 +2521,11 @@ def test_every_cycle_collects_exactly_the_planned_learner_rows_and_pool_seats_ar
     assert spec.step == 0   # v0: the initial actor, admitted free as the first champion
     assert f"snap:{sid}" == json.loads((run / "ladder" / "pool.json").read_text())["v0"]
     assert {s for s, _, _, _ in seen["dists"]} == {sid}   # the only resident before any admission
-    # --ladder.opponent-mode argmax: every pool action is its row's most probable legal one
+    # --ladder.opponent-mode argmax: every pool action is its row's most probable legal one, and
+    # only the pool's: the learner's seats (and the evaluations, release_mode stochastic) sample
     assert all(torch.equal(a, lp.argmax(-1)) for _, _, lp, a in seen["dists"])
+    assert sum(d is P.argmax_decode for d in seen["decodes"]) == len(seen["dists"])
+    assert sum(d is P.sample_decode for d in seen["decodes"]) > len(seen["dists"])
 
 
 @pytest.mark.slow
