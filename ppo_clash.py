@@ -45,6 +45,7 @@ import dataclasses
 import difflib
 import hashlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -415,6 +416,9 @@ class MetricsArgs:
     --logdir runs` (optional extra [tb]). Not in the identity"""
     viser: bool = True
     """serve the viewer's learning-status datagram (nothing is sent before a hello)"""
+    image_every: int = 50
+    """every this many iterations, that iteration's learner plays as one board of counts per card,
+    <run>/heatmaps/<iteration>.npz (design 9.2; 0: never). Not in the identity"""
 
 
 @dataclass
@@ -2294,6 +2298,7 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
                 row = metric_row(args, env, learner, run, lad, roll, crit, adv, upd, lad_row)
                 run.phase = "boundary"
                 halts = [(a, v) for a, v in run.record(row, roll.episodes) if a.severity == "halt"]
+                save_play_heatmaps(run.path, learner.iteration, roll, env, args.metrics.image_every)
                 ctl = "" if halts else read_control(run.path, quiet) or run.stop.asked   # Ctrl-C, SIGTERM: "q"
                 verdict = Verdict(halts, checkpoint_due(learner, env, args, ctl, lad_row), ctl == "q", lad.shared())
             verdict = comm.share(verdict)   # every rank acts on rank 0's decisions
@@ -2467,6 +2472,7 @@ class Env:
     rank: int = 0             # this process's rank (0: the one voice)
     backend: str = ""         # the process group's ("gloo", "nccl"); "" for one process
     mask_disagreements: int = 0   # the start-up gate's count of mask-vs-engine disagreements
+    card_names: tuple[str, ...] = ()   # the engine's catalogue by card id, which the hand one-hot indexes
 
     @property
     def game_steps(self) -> int:
@@ -2499,7 +2505,8 @@ def read_env(args: Args, comm: Comm = SOLO) -> Env:
     statics = torch.as_tensor(codec.static_planes(table, obs0), device=device)
     geo = geometry_from_env(vec.single_observation_space, vec.envs[0].obs_builder, k)
     eng_cfg = vec.envs[0].config()
-    deal_check(args.ladder.seat_decks, vec.envs[0].engine.cards())
+    cards = sorted(vec.envs[0].engine.cards(), key=lambda c: c.card_id)
+    deal_check(args.ladder.seat_decks, cards)
     vec.close()
     n_battles = args.rollout.workers * args.rollout.games_per_worker
     # sizing only: the learner's row count follows from the roles, not from the pool
@@ -2515,7 +2522,7 @@ def read_env(args: Args, comm: Comm = SOLO) -> Env:
                R=2 * n_battles, T=-(-args.ppo.timesteps_per_iteration // learner_rows), learner_rows=learner_rows,
                n_shards=args.rollout.workers * args.rollout.shards_per_worker,
                seed=derive_int(seed, f"rank/{comm.rank}") if comm.on else seed, world=comm.world, rank=comm.rank,
-               backend=comm.backend)
+               backend=comm.backend, card_names=tuple(c.name for c in cards))
 
 
 def reward_spec(reward: RewardArgs) -> farm.ComponentSpec | None:
@@ -4416,6 +4423,7 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "policy/rollout_hold_lift": ("", "p(no-op) x n_legal on those cells: 1.0 is a policy that learnt nothing about waiting; no band earned yet", None, True),
     "policy/tile_top1_share": ("", "the learner's card plays on its single most used tile (tile_spam reads it)", (0.0, 0.25), True),
     "policy/tile_entropy": ("nats", "entropy of the learner's played-tile histogram; ln(H*W) is every tile equally", None, True),
+    "policy/card_plays/*": ("", "a card's share of the learner's plays this iteration, by catalogue name", None, True),
     "policy/card_tile_top10_share": ("", "the learner's plays on its ten most used (card, tile) pairs (artefact_exploit reads it)", (0.0, 0.5), True),
     "env/mean_elixir_at_decision": ("bar", "the learner's own elixir at its choice cells, as a fraction of the bar (own_elixir)", None, True),
     "env/frac_elixir_above_99": ("", "the learner's choice cells with elixir at 0.99 of the bar or more (about to leak)", None, True),
@@ -4474,7 +4482,8 @@ def episode_metrics(eps: Sequence[Any], cap: int = 0) -> dict[str, float]:
 
 
 def rollout_policy_metrics(action: np.ndarray, n_legal: np.ndarray, p_noop: np.ndarray, geo: NetGeometry,
-                           card: np.ndarray | None = None, elixir: np.ndarray | None = None) -> dict[str, float]:
+                           card: np.ndarray | None = None, elixir: np.ndarray | None = None,
+                           card_names: Sequence[str] = ()) -> dict[str, float]:
     """policy/ and env/ keys of the learner's rollout cells (1-D arrays, one entry a cell). Hold:
     over the cells that had a choice (n_legal > 1), p(no-op) as the rollout's forward gave it, and
     its lift over that cell's uniform baseline 1/n_legal (1.0: nothing learnt about when to wait;
@@ -4482,7 +4491,8 @@ def rollout_policy_metrics(action: np.ndarray, n_legal: np.ndarray, p_noop: np.n
     slot*H*W + y*W + x (PointerHead): the share on the single most used board tile, the entropy of
     the tile histogram (nats; ln(H*W) is every tile equally), and with `card` (the card id the
     played slot held, -1 where none) the share of the ten most used (card, tile) pairs (the
-    artefact_exploit alarm: a real meta is not that concentrated). `elixir`: the cell's own elixir
+    artefact_exploit alarm: a real meta is not that concentrated), and each played card's share of
+    the plays, by its name in `card_names` (policy/card_plays/<name>). `elixir`: the cell's own elixir
     as the env declares it (own_elixir, a fraction of the bar), read at the choice cells: its mean
     and the share at 0.99 of the bar or more (elixir about to leak). Absent when the population is."""
     m: dict[str, float] = {}
@@ -4504,7 +4514,42 @@ def rollout_policy_metrics(action: np.ndarray, n_legal: np.ndarray, p_noop: np.n
         if card is not None:
             _, pair_counts = np.unique(np.stack([card[play], tiles]), axis=1, return_counts=True)
             m["policy/card_tile_top10_share"] = float(np.sort(pair_counts)[::-1][:10].sum() / play.sum())
+            ids, n = np.unique(card[play], return_counts=True)
+            m.update({f"policy/card_plays/{card_name(card_names, i)}": float(k / play.sum()) for i, k in zip(ids, n)})
     return m
+
+
+def card_name(card_names: Sequence[str], card_id: int) -> str:
+    """A card by its catalogue name; by its id where the catalogue is not known."""
+    return card_names[card_id] if 0 <= card_id < len(card_names) else f"card_{card_id}"
+
+
+def play_heatmaps(action: np.ndarray, card: np.ndarray, geo: NetGeometry,
+                  card_names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The learner's plays (1-D cells, as rollout_policy_metrics reads them) as one (H, W) board
+    of counts per card played: row y, column x of royalegym's a = 1 + slot*H*W + y*W + x."""
+    H, W = geo.tiles
+    play = (action >= 1) & (action < 1 + geo.hand_size * H * W) & (card >= 0)
+    tiles = (action[play] - 1) % (H * W)
+    out = {}
+    for i in np.unique(card[play]):
+        out[card_name(card_names, int(i))] = np.bincount(tiles[card[play] == i], minlength=H * W).reshape(H, W)
+    return out
+
+
+def save_play_heatmaps(run: Path, iteration: int, roll: Rollout, env: Env, every: int) -> Path | None:
+    """design 9.2's play heatmap per card: on every `every`-th iteration (metrics.image_every, 0
+    never), that iteration's learner plays to <run>/heatmaps/<iteration>.npz, one (H, W) int array
+    per card name. That iteration's alone, so a resumed run writes the same file."""
+    if every <= 0 or iteration % every:
+        return None
+    t = roll.trainable
+    maps = play_heatmaps(roll.action[t], roll.card[t], env.geo, env.card_names)
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **maps)
+    path = run / "heatmaps" / f"{iteration:06d}.npz"
+    ladder.write_atomic(path, buf.getvalue())
+    return path
 
 
 def decision_facts(vector: torch.Tensor, action: torch.Tensor, geo: NetGeometry) -> tuple[np.ndarray, np.ndarray | None]:
@@ -4842,7 +4887,8 @@ def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: LadderLoop
                **{f"policy/legal_actions_p{q:02d}": float(np.percentile(nl, q)) for q in (5, 50, 95)}}
     pol.update(rollout_policy_metrics(roll.action[trainable], nl, roll.p_noop[trainable], env.geo,
                                       card=roll.card[trainable],
-                                      elixir=roll.elixir[trainable] if OWN_ELIXIR in dict(env.geo.vector_layout) else None))
+                                      elixir=roll.elixir[trainable] if OWN_ELIXIR in dict(env.geo.vector_layout) else None,
+                                      card_names=env.card_names))
     t_now = time.perf_counter()
     t_iter = t_now - run.t_row
     parts = (roll.t_collect + crit.seconds + adv.seconds + upd["time/update"] + run.t_ckpt

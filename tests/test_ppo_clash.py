@@ -1630,10 +1630,17 @@ def test_a_smoke_run_of_three_iterations_end_to_end(tmp_path):
     """The smoke profile on the inline farm: three rows, nothing non-finite, no illegal action,
     the ratio invariant checked every iteration (debug window), and a final checkpoint whose
     manifest verifies and carries the last row's state_digest."""
-    args = P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path)])
+    args = P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path), "--metrics.image-every", "2"])
     run = P.train(args, quiet=True)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["run/iteration"] for r in rows] == [1, 2, 3]
+    # design 9.2's play heatmaps: iteration 2's plays, one board a card, which its card_plays keys share
+    assert [p.name for p in (run / "heatmaps").iterdir()] == ["000002.npz"]
+    maps = np.load(run / "heatmaps" / "000002.npz")
+    total = sum(int(maps[k].sum()) for k in maps.files)
+    assert total > 0 and {maps[k].shape for k in maps.files} == {tuple(P.read_env(args).geo.tiles)}
+    assert {k: maps[k].sum() / total for k in maps.files} == \
+        pytest.approx({k.removeprefix("policy/card_plays/"): v for k, v in rows[1].items() if k.startswith("policy/card_plays/")})
     for r in rows:
         assert r["health/illegal_action_rate"] == 0.0 and r["health/mask_disagreements"] == 0   # design 3.8 step 5
         assert r["health/buffer_fill_frac"] == 1.0 and r["health/samples_unused_frac"] == 0.0
@@ -1665,6 +1672,8 @@ def test_a_smoke_run_of_three_iterations_end_to_end(tmp_path):
         assert r["policy/rollout_choice_frac"] == pytest.approx(1 - r["ppo/forced_frac"])
         assert 0 < r["policy/rollout_hold_rate"] < 1 and "policy/tile_top1_share" in r
         assert 0 < r["policy/card_tile_top10_share"] <= 1 and r["policy/tile_entropy"] > 0
+        plays = {k.removeprefix("policy/card_plays/"): v for k, v in r.items() if k.startswith("policy/card_plays/")}
+        assert sum(plays.values()) == pytest.approx(1.0) and all(n[0].isupper() for n in plays)   # catalogue names
         assert 0 <= r["env/frac_elixir_above_99"] <= 1 and 0 < r["env/mean_elixir_at_decision"] <= 1
     # the pointer head starts near uniform (gain 0.01, design 5.4), so the first rollout holds at about
     # the uniform baseline of each row: a lift near 1
@@ -2928,8 +2937,17 @@ def test_rollout_policy_metrics_hold_lift_and_tile_share_on_planted_cells():
     # with the played cards and the elixir: plays (card 5, tile 0), (card 9, tile 0), (card 5, tile 1)
     card = np.array([-1, -1, 5, 9, 5, -1, -1])
     elixir = np.array([0.1, 0.2, 0.5, 1.0, 0.995, 0.3, 0.0], np.float32)
-    m = P.rollout_policy_metrics(action, n_legal, p_noop, geo, card=card, elixir=elixir)
+    names = [f"c{i}" for i in range(10)]
+    m = P.rollout_policy_metrics(action, n_legal, p_noop, geo, card=card, elixir=elixir, card_names=names)
     assert m["policy/card_tile_top10_share"] == 1.0                                   # three pairs, all in the top ten
+    assert {k: v for k, v in m.items() if k.startswith("policy/card_plays/")} == \
+        {"policy/card_plays/c5": pytest.approx(2 / 3), "policy/card_plays/c9": pytest.approx(1 / 3)}
+    # the heatmap of those plays: card 5 on tiles 0 and 1, card 9 on tile 0, boards of H x W = 2 x 3
+    maps = P.play_heatmaps(action, card, geo, names[:6])              # card 9 is past the catalogue given
+    assert sorted(maps) == ["c5", "card_9"] and maps["c5"].shape == (2, 3)
+    assert maps["c5"].tolist() == [[1, 1, 0], [0, 0, 0]] and maps["card_9"].tolist() == [[1, 0, 0], [0, 0, 0]]
+    far = P.play_heatmaps(np.array([1 + 5, 1 + 6 + 4]), np.array([2, 2]), geo, names)   # tiles 5 (y 1, x 2), 4
+    assert far["c2"].tolist() == [[0, 0, 0], [0, 1, 1]]
     assert m["env/mean_elixir_at_decision"] == pytest.approx((0.2 + 0.5 + 1.0 + 0.995 + 0.3 + 0.0) / 6)
     assert m["env/frac_elixir_above_99"] == pytest.approx(2 / 6)                      # the forced cell is out
     many = np.arange(1, 13)                                                           # twelve plays, each its own pair
