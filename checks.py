@@ -377,7 +377,9 @@ def read_records(run: Path) -> list[farm.EpisodeRecord]:
 
 
 class ReplayEnv:
-    """The run's training env and its gamma per decision: built once, reset per record."""
+    """The run's training env and its gamma per decision: built once, reset per record, dealt
+    as each record's battle was (ladder.seat_decks: `deals`, one a battle; None: the env's own)."""
+    deals: list[dict[str, Any]] | None = None
 
     def __init__(self, run: Path, records: Sequence[farm.EpisodeRecord]) -> None:
         self.args = run_args(run)
@@ -389,7 +391,19 @@ class ReplayEnv:
                              "code's env is not the run's (check out the commit the run was trained with)")
         self.env = farm.env_factory(env.spec)()
         self.T, self.n_battles = env.T, env.n_battles
+        self.deals = P.seat_deals(self.args.ladder.seat_decks,
+                                  ladder.role_layout(env.seed, env.n_battles, self.args.ladder.mix))
         self.pair_seats(records)
+
+    def deal(self, rec: farm.EpisodeRecord) -> None:
+        """Deal the record's battle as the farm's worker did (farm.FarmConfig.deals)."""
+        if self.deals is None:
+            return
+        if rec.battle >= len(self.deals):
+            raise CheckError(f"episode of battle {rec.battle}: this run deals {len(self.deals)} battles a rank; a "
+                             "torchrun run's other ranks deal by their own roles, which replay does not rebuild")
+        from royalegym.state_mutator import DeckCurriculumStateMutator
+        self.env.state_mutator = DeckCurriculumStateMutator(**self.deals[rec.battle])
 
     def pair_seats(self, records: Sequence[farm.EpisodeRecord]) -> None:
         """Index the records by battle, so each can be held against its other seat's."""
@@ -472,6 +486,7 @@ def replay_record(renv: ReplayEnv, rec: farm.EpisodeRecord) -> Replayed:
     """Re-simulate one record: its seed, both seats' played actions, its gammas; compare."""
     from royalegym.action import NOOP
     env, me = renv.env, SEATS[rec.seat]
+    renv.deal(rec)
     obs, _ = env.reset(seed=rec.episode_seed)
     by, bad = _played_by_step(rec, NOOP, int(obs[me]["action_mask"].shape[-1]))
     bad = bad or renv.other_seat(rec)

@@ -177,7 +177,8 @@ class SlotPlan(msgspec.Struct, frozen=True):
     n_battles: int
     n_slots: int                            # 2 * n_battles
     assignment: tuple[Assignment, ...]      # one per battle, in battle order
-    resident_snapshots: tuple[str, ...]     # len <= ladder.max_resident_opponents
+    resident_snapshots: tuple[str, ...]     # the snapshots group ids 0.. index (the farm names a seat by
+                                            # its assignment's opponent_id; the loop acts by this table)
 
 
 class InFlight(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -1157,7 +1158,8 @@ class FarmConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                  f"of {self.n_battles} battles started at start_ordinals (one gamma per "
                                  "action, the ordinal the battle restarts at)")
         if self.deals is not None and len(self.deals) != self.n_battles:
-            raise ValueError(f"deals has {len(self.deals)} entries; the farm has {self.n_battles} battles")
+            raise ValueError(f"deals has {len(self.deals)} entries; the farm has {self.n_battles} battles: "
+                             "one deal a battle, in battle order")
         if self.eval_plan is not None:
             if self.start_ordinals is not None:
                 raise ValueError("eval_plan with start_ordinals: an evaluation farm starts every "
@@ -2170,7 +2172,6 @@ class _FarmCore:
         self._collection = _Collection(cfg, self._book, self._metrics)
         self._health = _WorkerHealth(cfg)
         self.iteration = -1
-        self.plan: SlotPlan | None = None
         self._cycle, self._shard, self._await_submit = 0, 0, False
         self._fresh = [True] * self.J                       # shard has an unread reset publication
         self._first_plan = True
@@ -2223,7 +2224,7 @@ class _FarmCore:
         self._metrics.begin_iteration()
         if self.iteration >= 0:
             self._collection.turn_over(self.rect)
-        self.iteration, self.plan = plan.iteration, plan
+        self.iteration = plan.iteration
         self._cycle, self._shard, self._await_submit = 0, 0, False
         for w in sorted(self._health.pending):
             self._do_restart(w)

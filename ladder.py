@@ -2276,7 +2276,8 @@ def cmd_eval(args: Any) -> int:
     if run is None and args.master_seed is None:
         raise CliError("pass --run RUN (its players on its frozen seeds), or --master-seed S with "
                        "snapshot folders such as models/<name>")
-    loose = [p for p in (a, b) if run is None and p.startswith("snap:") and p[5:] not in store.folders]
+    loose = [p for p in (a, b) if run is None and p.startswith(SNAPSHOT_PLAYERS)
+             and p.removeprefix("snap:") not in store.folders]
     if loose:
         raise CliError(f"{loose[0]}: a run's snapshot needs --run RUN; without one, pass a snapshot folder")
     envs = {str(f): (f / "eval_env.json").read_bytes() for f in store.folders.values() if (f / "eval_env.json").is_file()}

@@ -70,6 +70,7 @@ import codec
 import farm
 import ladder
 from farm import derive_generator, derive_int  # design 2.2: one definition of the seeding rule
+from royalegym.protocol import DECK_SIZE, ShuffleMode
 
 
 # --- 1. Arguments and profiles (design 1.2, 1.3) ---------------------------------------------------
@@ -328,20 +329,20 @@ class SeedSnapshot:
     """a multiplier on its draw weight, after PFSP's shape and floor"""
 
 
-SHUFFLES = ("none", "independent", "mirrored")
-"""royalegym.protocol.ShuffleMode's members, by position: how a battle orders the decks it deals."""
+SHUFFLES = tuple(m.name.lower() for m in ShuffleMode)
+"""How a battle orders the decks it deals: royalegym's ShuffleMode, by name."""
 
 
 @dataclass
 class SeatDecks:
     """One deck trained where the learner sits (design 7.3): empty, the env deals as it always did."""
     deck: tuple[str, ...] = ()
-    """the learner's deck: 8 distinct card names of the engine's catalogue (engine.cards()).
+    """the learner's deck: a deck's count (8) of distinct card names of the engine's catalogue (engine.cards()).
     A mirror battle deals it to both seats; a pool or scripted battle to the learner's seat,
     which is then fixed per battle (even battles blue, odd red)"""
     field: tuple[tuple[str, ...], ...] = ()
     """the decks the opponent of a pool or scripted battle draws from, one a battle, uniformly;
-    empty: a random deck of 8 distinct cards a battle"""
+    empty: a random deck a battle"""
     shuffle: str = "independent"
     """how a pool or scripted battle shuffles its two decks: none, independent or mirrored (a
     mirror battle always mirrors)"""
@@ -775,6 +776,7 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
     return [
         ("master_seed", 0 <= args.master_seed < 2 ** 63, "be in [0, 2**63): every stream derives from it"),
         ("timestep_limit", args.timestep_limit >= 1, "be >= 1"),
+        ("metrics.image_every", args.metrics.image_every >= 0, "be >= 0 (0: no heatmaps)"),
         *game_rules(args),
         ("rollout.workers", r.workers >= 1, "be >= 1"),
         ("rollout.games_per_worker", r.games_per_worker >= 1, "be >= 1"),
@@ -890,11 +892,11 @@ def check_consistency(args: Args) -> None:
 
 
 def check_seat_decks(sd: SeatDecks) -> None:
-    """Each deck 8 distinct names (the catalogue is read at start, deal_check); a field or a
-    shuffle needs a deck to go with."""
+    """Each deck DECK_SIZE distinct names (the catalogue is read at start, deal_check); a field
+    or a shuffle needs a deck to go with."""
     for where, deck in seat_deck_names(sd):
-        if len(deck) != 8 or len(set(deck)) != 8:
-            raise ConfigError(f"{where} {' '.join(deck) or '(none)'}: must be 8 distinct card names")
+        if len(deck) != DECK_SIZE or len(set(deck)) != DECK_SIZE:
+            raise ConfigError(f"{where} {' '.join(deck) or '(none)'}: must be {DECK_SIZE} distinct card names")
     if not sd.deck and (sd.field or sd.shuffle != "independent"):
         raise ConfigError("ladder.seat_decks.field and .shuffle: must come with ladder.seat_decks.deck, the deck "
                           "they are dealt against")
@@ -904,8 +906,8 @@ def check_seat_decks(sd: SeatDecks) -> None:
 
 def seat_deck_names(sd: SeatDecks) -> list[tuple[str, tuple[str, ...]]]:
     """(the field's name, the deck) for the deck, if any, and each field deck."""
-    return [("ladder.seat_decks.deck", sd.deck)] * bool(sd.deck) + \
-        [(f"ladder.seat_decks.field[{i}]", d) for i, d in enumerate(sd.field)]
+    named = [(f"ladder.seat_decks.field[{i}]", d) for i, d in enumerate(sd.field)]
+    return [("ladder.seat_decks.deck", sd.deck), *named] if sd.deck else named
 
 
 def seat_deals(sd: SeatDecks, roles: np.ndarray) -> list[dict[str, Any]] | None:
@@ -918,7 +920,7 @@ def seat_deals(sd: SeatDecks, roles: np.ndarray) -> list[dict[str, Any]] | None:
     field_decks = [list(d) for d in sd.field] or None
     return [{"deck": list(sd.deck), "p": 1.0, "mirror_p": 1.0} if int(role) == farm.ROLE_MIRROR else
             {"deck": list(sd.deck), "p": 1.0, "mirror_p": 0.0, "seat": ("blue", "red")[b % 2],
-             "pool": field_decks, "shuffle": SHUFFLES.index(sd.shuffle)}
+             "pool": field_decks, "shuffle": int(ShuffleMode[sd.shuffle.upper()])}
             for b, role in enumerate(roles)]
 
 
@@ -937,9 +939,9 @@ def check_seed_snapshots(seeds: Sequence[SeedSnapshot]) -> None:
     """The seeds' own rules (their folders are read later, check_seeds): one line naming the entry."""
     for i, sd in enumerate(seeds):
         at = f"ladder.seed_snapshots[{i}]"
-        if not sd.name or ":" in sd.name:
-            raise ConfigError(f"{at}.name {sd.name!r}: must be a non-empty name without ':' (the pool calls it "
-                              f"seed:<name>)")
+        if re.fullmatch(r"[A-Za-z0-9_.-]+", sd.name) is None:   # a player id, a path segment, a stream name
+            raise ConfigError(f"{at}.name {sd.name!r}: must be letters, digits, '_', '.' or '-' (the pool "
+                              f"calls it seed:<name>)")
         if sd.name in [x.name for x in seeds[:i]]:
             raise ConfigError(f"{at}.name {sd.name!r}: must be unique; an earlier entry has it")
         if re.fullmatch("[0-9a-f]{64}", sd.sha256) is None:
@@ -2413,12 +2415,12 @@ def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: boo
     apply_determinism(args)                   # design 2.1: before the first tensor exists
     env = read_env(args, comm)                # geometry, codec table and T x R, read off a reset env
     learner = Learner(args, env, comm)        # the network, its optimizers, scaler, backoff, positions
+    seeds = check_seeds(args, env, learner.model) if comm.voice and resume is None else []   # before any long step
     env.mask_disagreements = run_startup_gates(args, env, learner.model, quiet or not comm.voice)   # design 3.8
     # a warm start (WarmArgs) makes v0 the clone of a scripted rung; every rank clones alike
     cloned = warm_start(args, env, learner.model, quiet or not comm.voice) if resume is None and args.warm.rung else None
     t0 = time.perf_counter() if t_start is None else t_start
     if comm.voice:
-        seeds = check_seeds(args, env, learner.model) if resume is None else []
         run = open_run(args, env, learner, resume, allow_drift, quiet, t0)    # identity; a resume restores
         if cloned is not None:
             (run.path / "warm.json").write_bytes(msgspec.json.format(canonical_json(cloned)))
@@ -2506,8 +2508,8 @@ def read_env(args: Args, comm: Comm = SOLO) -> Env:
     geo = geometry_from_env(vec.single_observation_space, vec.envs[0].obs_builder, k)
     eng_cfg = vec.envs[0].config()
     cards = sorted(vec.envs[0].engine.cards(), key=lambda c: c.card_id)
-    deal_check(args.ladder.seat_decks, cards)
     vec.close()
+    deal_check(args.ladder.seat_decks, cards)
     n_battles = args.rollout.workers * args.rollout.games_per_worker
     # sizing only: the learner's row count follows from the roles, not from the pool
     mm = ladder.Matchmaker(seed, n_battles, match_config(args.ladder))
@@ -3384,7 +3386,6 @@ def device_kind(device: torch.device | str) -> str:
 def code_tokens(source: bytes) -> bytes:
     """A script's code as its token stream: comments, blank lines, line breaks inside brackets,
     indentation widths and docstrings (a string that is a whole statement) are not code."""
-    import io
     import tokenize
     skip = (tokenize.COMMENT, tokenize.NL, tokenize.ENCODING)
     toks = [t for t in tokenize.tokenize(io.BytesIO(source).readline) if t.type not in skip]
@@ -5362,10 +5363,25 @@ class LadderLoop:
                 "seconds_gate": self.seconds_gate, "seconds_probe": self.seconds_probe,
                 "gate_discards_in_a_row": self.gate_discards_in_a_row, "elo": dict(sorted(self.elo.rating.items()))}
 
+    def refuse_changed_setup(self) -> None:
+        """What a run fixed at its start cannot change at a resume, not even under
+        --allow-identity-drift: the seats the battles deal the deck to (the checkpoint's battles
+        and the matchmaker's seats hold them) and the seeds the pool admitted."""
+        L = self.args.ladder
+        if self.mm.cfg.fixed_seats != bool(L.seat_decks.deck):
+            started = "with" if self.mm.cfg.fixed_seats else "without"
+            raise ConfigError(f"ladder.seat_decks.deck: the checkpoint's run was started {started} one; a run "
+                              "cannot take or drop its deck at a resume (start a new run)")
+        held = sorted(self.pool.seeds())
+        if held != sorted(f"seed:{sd.name}" for sd in L.seed_snapshots):
+            raise ConfigError(f"ladder.seed_snapshots: the checkpoint's pool holds {held or 'none'}; seeds are "
+                              "admitted at a run's start only (start a new run)")
+
     def load(self, st: dict[str, Any]) -> list[Any]:
         """Restore; returns the saved assignment table (the resumed farm's opening plan)."""
         self.mm = ladder.Matchmaker.from_state(msgspec.convert(st["matchmaker"], ladder.MatchmakerState))
         self.pool = msgspec.convert(st["pool"], ladder.Pool)
+        self.refuse_changed_setup()
         if self.voice:
             ladder.write_pool(self.run, self.pool)   # pool.json follows the checkpoint, not admits made after it
         self.ratings = msgspec.convert(st["ratings"], ladder.RatingTable) if st["ratings"] is not None else None

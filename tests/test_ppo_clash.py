@@ -1072,7 +1072,7 @@ def test_refusals_that_need_two_fields():
 # One bad value per rule of P.config_rules, on the smoke profile (8 channels, 4 norm groups, one
 # worker of 4 battles: 6 learner seats a cycle, 8 eval seeds): (field, bad value, context fields).
 BAD_VALUES = [
-    ("master_seed", -1, {}), ("timestep_limit", 0, {}), ("obs.frame_stack", 0, {}), ("obs.decision_ms", 0, {}),
+    ("master_seed", -1, {}), ("timestep_limit", 0, {}), ("metrics.image_every", -1, {}), ("obs.frame_stack", 0, {}), ("obs.decision_ms", 0, {}),
     ("obs.reveal", ["enemy_hand"], {}), ("obs.max_steps", -1, {}), ("reward.crown", -0.1, {}), ("reward.tower_hp", float("nan"), {}), ("reward.elixir", -1, {}),
     ("warm.rung", "scripted:nope", {}), ("warm.rung", "scripted:noop", {"obs.frame_stack": 2}),
     ("warm.battles", 0, {"warm.rung": "scripted:noop"}), ("warm.epochs", 0, {}), ("warm.lr", 0, {}),
@@ -2411,8 +2411,9 @@ def test_seed_snapshots_come_from_a_config_file_are_refused_by_entry_and_enter_t
     f.write_text(json.dumps({"ladder": {"seed_snapshots": [good, good]}}))      # parse_args checks them
     with pytest.raises(P.ConfigError, match=r"seed_snapshots\[1\].name 'patient': must be unique"):
         P.parse_args(["--profile", "smoke", "--config", str(f)])
-    for bad, msg in [({**good, "name": "a:b"}, r"seed_snapshots\[0\].name 'a:b': must be a non-empty name without ':'"),
-                     ({**good, "name": ""}, r"seed_snapshots\[0\].name '': must be a non-empty"),
+    for bad, msg in [({**good, "name": "a:b"}, r"seed_snapshots\[0\].name 'a:b': must be letters, digits, '_', '.' or '-'"),
+                     ({**good, "name": "a/b"}, r"seed_snapshots\[0\].name 'a/b': must be letters"),
+                     ({**good, "name": ""}, r"seed_snapshots\[0\].name '': must be letters"),
                      ({**good, "sha256": sha.upper()}, r"seed_snapshots\[0\].sha256 .*: must be 64 lowercase hex"),
                      ({**good, "sha256": sha[:-1]}, r"seed_snapshots\[0\].sha256 .*: must be 64 lowercase hex"),
                      ({**good, "weight": 0.0}, r"seed_snapshots\[0\].weight 0.0: must be a positive number"),
@@ -2428,6 +2429,20 @@ def test_seed_snapshots_come_from_a_config_file_are_refused_by_entry_and_enter_t
     seeded = digest(path="models/x")
     assert digest(path="elsewhere") == seeded and digest() != seeded
     assert len({seeded, digest(name="p2"), digest(sha256="cd" * 32), digest(weight=2.0)}) == 4
+    # what a run fixed at its start a resume cannot change, not even under --allow-identity-drift
+    from types import SimpleNamespace
+    lad = P.LadderLoop.__new__(P.LadderLoop)
+    lad.args, lad.pool = P.profile_args("smoke"), P.ladder.Pool()
+    lad.mm = SimpleNamespace(cfg=P.ladder.MatchConfig())
+    lad.refuse_changed_setup()
+    lad.args.ladder.seed_snapshots = (P.SeedSnapshot(**good),)
+    with pytest.raises(P.ConfigError, match=r"ladder.seed_snapshots: the checkpoint's pool holds none; seeds are admitted"):
+        lad.refuse_changed_setup()
+    lad.pool.admit(P.ladder.PoolMember(id="seed:patient", step=0, seed=True, snapshot="ab"), promote=False)
+    lad.refuse_changed_setup()
+    lad.args.ladder.seat_decks = P.SeatDecks(deck=("Knight",) * 8)
+    with pytest.raises(P.ConfigError, match=r"seat_decks.deck: the checkpoint's run was started without one"):
+        lad.refuse_changed_setup()
 
 
 DECK = ("Knight", "Archer", "Giant", "Musketeer", "Fireball", "Arrows", "MiniPekka", "Valkyrie")
@@ -2572,7 +2587,7 @@ def test_a_run_with_a_seed_snapshot_trains_against_it_alone_and_refuses_a_wrong_
 
 
 @pytest.mark.slow
-def test_a_run_with_seat_decks_deals_each_battle_its_deal_and_seats_the_learner_by_it(tmp_path, monkeypatch):
+def test_a_run_with_seat_decks_deals_each_battle_its_deal_and_seats_the_learner_by_it(tmp_path, monkeypatch, capsys):
     """ladder.seat_decks wired through the loop: every shard's runner is handed its battles'
     deals (farm's test shows a deal is what its battle plays), and every episode of a pool or
     scripted battle seats the learner on the battle's parity."""
@@ -2591,6 +2606,11 @@ def test_a_run_with_seat_decks_deals_each_battle_its_deal_and_seats_the_learner_
     eps = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
     learner = [e for e in eps if e["policy_id"] == "learner" and e["bucket"] != "mirror"]
     assert learner and all(e["seat"] == e["battle"] % 2 for e in learner)
+    # every recorded episode re-simulates from its seed under its battle's deal (checks.py replay)
+    import checks
+    monkeypatch.undo()
+    assert checks.main(["replay", str(run), "--all"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"{len(eps)} of {len(eps)} records match"
 
 
 @pytest.mark.slow
