@@ -517,14 +517,15 @@ def replay_record(renv: ReplayEnv, rec: farm.EpisodeRecord) -> Replayed:
     last = rec.episode_steps - 1
     if not ended:
         return Replayed([], Divergence(last, "episode_steps", rec.episode_steps, "still running"))
-    fields = _final_fields(rec, info[me], cards, illegal, ret)
+    fields = _final_fields(rec, info[me], cards, illegal, ret, farm.episode_step_abs(env, rec.seat))
     first = next((Divergence(last, f, a, b) for f, a, b in fields if not _same(a, b)), None)
     return Replayed(fields, first)
 
 
 def _final_fields(rec: farm.EpisodeRecord, fin: dict[str, Any], cards: int, illegal: int,
-                  ret: float) -> list[tuple[str, Any, Any]]:
-    """(field, record, replay) for everything the record states about how the episode ended."""
+                  ret: float, step_abs: dict[str, float]) -> list[tuple[str, Any, Any]]:
+    """(field, record, replay) for everything the record states about how the episode ended. A
+    record written before reward_terms_step_abs existed has none, and nothing to compare."""
     terms = {k.split("/", 1)[1]: float(v) for k, v in fin.items() if k.startswith("reward_sum/")}
     out: list[tuple[str, Any, Any]] = [(f, getattr(rec, f), type(getattr(rec, f))(fin[f])) for f in (
         "episode_steps", "episode_ticks", "own_crowns", "enemy_crowns", "own_tower_hp_frac",
@@ -534,6 +535,9 @@ def _final_fields(rec: farm.EpisodeRecord, fin: dict[str, Any], cards: int, ille
             ("undiscounted_return", rec.undiscounted_return, ret)]
     out += [(f"reward_terms.{k}", rec.reward_terms.get(k, _ABSENT), terms.get(k, _ABSENT))
             for k in sorted(set(rec.reward_terms) | set(terms))]
+    if rec.reward_terms_step_abs:
+        out += [(f"reward_terms_step_abs.{k}", rec.reward_terms_step_abs.get(k, _ABSENT), step_abs.get(k, _ABSENT))
+                for k in sorted(set(rec.reward_terms_step_abs) | set(step_abs))]
     return out
 
 
@@ -830,13 +834,13 @@ def _neural_actions(runner: Any, obs: dict[str, np.ndarray], players: Sequence[s
     return out
 
 
-def _record(running: Any, i: int, fin: dict[str, Any], eval_ix: np.ndarray,
+def _record(running: Any, envs: list[Any], i: int, fin: dict[str, Any], eval_ix: np.ndarray,
             players: Sequence[str]) -> farm.EpisodeRecord:
     """Slot i's EpisodeRecord as the worker ends an episode (ShardRunner._end_episodes) and the
     parent completes it (the evaluation mode: the plan's players, the pool bucket)."""
     winner = int(fin["winner"][i]) if "winner" in fin and fin["_winner"][i] else -1
     outcome = int(fin["outcome"][i]) if "outcome" in fin and fin["_outcome"][i] else 0
-    raw = running.record(i, fin, winner, outcome, eval_ix)
+    raw = running.record(i, fin, winner, outcome, eval_ix, envs)
     raw.update(policy_id=players[i], opponent_id=players[1 - i], bucket=farm.bucket_of(farm.ROLE_POOL))
     return msgspec.convert(raw, farm.EpisodeRecord)
 
@@ -872,7 +876,7 @@ def play_battle(runner: Any, players: tuple[str, str], acts: dict[str, Any], see
             view.note(step, before, taken, deploy, NOOP)
             if term[0] or trunc[0]:   # the vec env already reset the battle: the records hold the end
                 say(f"step {step}, the last: the battle is over\n" + "\n".join(view.played_lines()))
-                return [_record(running, i, info["final_info"], eval_ix, players) for i in (0, 1)]
+                return [_record(running, vec.envs, i, info["final_info"], eval_ix, players) for i in (0, 1)]
             if (step + 1) % every == 0:
                 view.show(step)
             if viser is not None and viser.attached:   # a watched battle runs at game speed

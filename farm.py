@@ -649,6 +649,12 @@ class PotentialCombinedReward(CombinedReward):
     def __init__(self, terms, terminal: int = 0) -> None:
         super().__init__(terms)
         self.terminal = terminal
+        # design 9.2: each seat's sum of |F_t| per term over its episode, how LOUD a term is (a
+        # potential's signed sum telescopes to almost nothing, whatever its weight). Kept past the
+        # episode's end until the next episode's first step, so the worker reads it after the vec
+        # env's autoreset and a replay after its last step (episode_step_abs).
+        self.step_abs: dict[int, dict[str, float]] = {}
+        self._new_episode = True
 
     def set_gamma(self, gamma: float) -> None:
         for t, _ in self.terms:
@@ -659,15 +665,32 @@ class PotentialCombinedReward(CombinedReward):
     def config(self) -> dict[str, object]:
         return {**super().config(), "terminal": self.terminal}
 
+    def reset(self, state) -> None:
+        super().reset(state)
+        self._new_episode = True
+
     def get_reward(self, team, prev, state, results) -> float:
+        if self._new_episode:
+            self.step_abs, self._new_episode = {}, False
         total = 0.0
         breakdown: dict[str, float] = {}
         self.last_terms[team] = breakdown
+        loud = self.step_abs.setdefault(team, {})
         for i, (t, w) in enumerate(self.terms):
             v = w * t.get_reward(team, prev, state, results)
-            breakdown[TERMINAL_REWARD_TERM if i == self.terminal else type(t).__name__] = v
+            name = TERMINAL_REWARD_TERM if i == self.terminal else type(t).__name__
+            breakdown[name] = v
+            loud[name] = loud.get(name, 0.0) + abs(v)
             total += v
         return total
+
+
+def episode_step_abs(env: Any, seat: int) -> dict[str, float]:
+    """Seat `seat`'s episode just ended, term by term: sum |F_t| (PotentialCombinedReward.step_abs);
+    {} for a reward that keeps none (a user's own)."""
+    from royalegym.env import AGENT_TEAM, AGENTS
+    sums = getattr(env.reward_fn, "step_abs", None)
+    return dict(sums.get(AGENT_TEAM[AGENTS[seat]], {})) if sums is not None else {}
 
 
 def set_env_gamma(env: Any, gamma: float) -> None:
@@ -1075,6 +1098,7 @@ class EpisodeRecord(msgspec.Struct, frozen=True):
     reward_terms: dict[str, float]
     played: tuple[tuple[int, int, int], ...]
     eval_index: int = -1                    # the evaluation mode: the EvalEpisode played; else -1
+    reward_terms_step_abs: dict[str, float] = {}   # each term's sum |F_t| ({}: a reward keeping none)
 
 
 class WorkerFailure(msgspec.Struct, frozen=True):
@@ -1260,9 +1284,10 @@ class RunningEpisodes:
         self.illegal[sl] += (deploy >= 1) & (deploy <= 11)
 
     def record(self, i: int, fin: dict[str, Any], winner: int, outcome: int,
-               eval_ix_ended: np.ndarray) -> dict[str, Any]:
+               eval_ix_ended: np.ndarray, envs: list[Any]) -> dict[str, Any]:
         """Slot i's finished episode: every EpisodeRecord field but the three the parent adds
-        (policy_id, opponent_id, bucket). The slot's counters restart."""
+        (policy_id, opponent_id, bucket). envs: the vec env's, battle g's at g. The slot's counters
+        restart."""
         g = i // 2
         k = int(self.ordinal[g])
         ev = -1
@@ -1282,6 +1307,7 @@ class RunningEpisodes:
             "winner": winner, "outcome": outcome, "cards_played": int(self.cards[i]),
             "illegal_commands": int(self.illegal[i]), "undiscounted_return": float(self.ret[i]),
             "reward_terms": terms, "played": self.played[g], "eval_index": ev,
+            "reward_terms_step_abs": episode_step_abs(envs[g], i % 2),
         }
         self.cards[i] = self.illegal[i] = 0
         self.ret[i] = 0.0
@@ -1645,7 +1671,7 @@ class ShardRunner:
                 self.packer.pack(one, io.finals, int(i))
                 pack_finals_ns += time.perf_counter_ns() - t1
                 sc["flags"][i] |= F_FINAL
-            records.append(self.running.record(i, fin, winner, outcome, eval_ix_ended))
+            records.append(self.running.record(i, fin, winner, outcome, eval_ix_ended, self.vec.envs))
         for g in np.flatnonzero(done[0::2]):
             self.running.next_episode(g)
             if self.plan is not None:

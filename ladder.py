@@ -2024,7 +2024,7 @@ def _draw_ratings(ax: Any, data: StrengthData) -> None:
         if champs:
             ax.scatter(*zip(*champs), marker="*", s=160, color="gold", edgecolors="k", zorder=3, label="champion")
     ax.margins(x=0.12)   # room at the right edge for the rungs' labels beside the newest snapshot
-    levels = {p.removeprefix("scripted:"): t.rating[p] for p in t.ids if p.startswith("scripted:")}
+    levels = fixed_levels(t)
     if snaps:   # the axis spans the snapshots' intervals, not a rung far below them (noop's 0)
         lo = min(t.rating[p] - Z95 * t.se[p] for _, p in snaps)
         hi = max(t.rating[p] + Z95 * t.se[p] for _, p in snaps)
@@ -2041,6 +2041,12 @@ def _draw_ratings(ax: Any, data: StrengthData) -> None:
     for outcome, colour in GATE_COLOURS.items():
         ax.scatter([], [], s=90, facecolors="none", edgecolors=colour, label=f"gate: {outcome}")
     ax.legend(fontsize=7, loc="upper left")
+
+
+def fixed_levels(t: RatingTable) -> dict[str, float]:
+    """The players drawn as levels, not points: the scripted rungs by their bare names, and the
+    seeds (seed:<name>), frozen actors from outside the run with no game-step of it to stand at."""
+    return {p.removeprefix("scripted:"): t.rating[p] for p in t.ids if p.startswith(("scripted:", "seed:"))}
 
 
 def level_labels(levels: dict[str, float], lo: float, hi: float,

@@ -251,6 +251,10 @@ class PPOArgs:
     """entropy bonus; exploration matters less as the pool strengthens"""
     ent_coef_noop: Schedule = field(default_factory=lambda: Schedule("linear", 0.02, 0.0, 10e6))
     """play/wait entropy bonus, a warm-start guard that anneals to 0 (a healthy policy waits ~94%)"""
+    entropy_coef_stages: tuple[float, float, float] | None = None
+    """(gate, candidate, tile): one coefficient on each term of the entropy's chain-rule split, wait or
+    act, which card given act, which tile given the card (design 6.3), in place of ent_coef; off (None),
+    ent_coef is on the whole entropy"""
     max_grad_norm: float = 0.5
     """applied to the actor and critic parameter sets separately"""
     lr_actor: float = 2e-4
@@ -820,6 +824,8 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
                                                                 or min(p.ent_coef_noop.start, p.ent_coef_noop.end) > 0),
          "be >= 0, and start and end > 0 under a geometric schedule"),
         ("ppo.ent_coef_noop.over_env_steps", p.ent_coef_noop.over_env_steps > 0, pos),
+        ("ppo.entropy_coef_stages", p.entropy_coef_stages is None or all(
+            math.isfinite(c) and c >= 0 for c in p.entropy_coef_stages), "be three finite numbers >= 0"),
         ("ppo.max_grad_norm", p.max_grad_norm > 0, pos),
         ("ppo.lr_actor", p.lr_actor > 0, pos),
         ("ppo.lr_critic", p.lr_critic > 0, pos),
@@ -1054,6 +1060,13 @@ def geometry_from_env(obs_space: Any, builder: Any, frame_stack: int = 1) -> Net
 # logits are float32 so the masking and log_softmax are exact.
 
 
+def p_log_p(logp: torch.Tensor) -> torch.Tensor:
+    """p log p for p given by its log. An impossible card's log is near finfo.min, which times a
+    coefficient overflows in the backward (inf x 0 = NaN): clamped where exp is 0 anyway."""
+    logp = logp.clamp_min(-1e4)
+    return logp.exp() * logp
+
+
 class MaskedCategorical:
     def __init__(self, logits: torch.Tensor, mask: torch.Tensor, check_noop: bool = True) -> None:
         if logits.dtype != torch.float32:
@@ -1083,6 +1096,23 @@ class MaskedCategorical:
     def entropy(self) -> torch.Tensor:
         p = self.logp.exp()
         return -(p * torch.where(self.mask, self.logp, torch.zeros_like(self.logp))).sum(-1)
+
+    def entropy_split(self, slots: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The entropy's chain rule over the layout [no-op, (slot, tile) x slots x tiles, buttons]
+        (design 6.3): H = H(wait or act) + P(act) H(card | act) + P(act) H(tile | card, act), the
+        three (B,) terms in that order; they sum to entropy() on either head. Each is a sum of p x
+        log p over masked log-probs, so an illegal entry (p exactly 0) adds 0 and no NaN gradient."""
+        B = self.logp.shape[0]
+        lp = torch.where(self.mask, self.logp, torch.zeros_like(self.logp))
+        plogp = lp.exp() * lp
+        grid = 1 + slots * tiles
+        tile_lp = self.logp[:, 1:grid].reshape(B, slots, tiles)
+        card_lp = torch.cat([torch.logsumexp(tile_lp, -1), self.logp[:, grid:]], -1)   # log P(card); a button is one
+        act_lp = torch.logsumexp(card_lp, -1)                                       # log P(act)
+        gate = -(plogp[:, 0] + p_log_p(act_lp))
+        candidate = -p_log_p(card_lp).sum(-1) + p_log_p(act_lp)
+        tile = -plogp[:, 1:grid].sum(-1) + p_log_p(card_lp[:, :slots]).sum(-1)
+        return gate, candidate, tile
 
     def noop_entropy(self) -> torch.Tensor:
         """Binary entropy of play vs wait, bounded by ln 2 = 0.693 nats."""
@@ -1869,7 +1899,7 @@ class _Acc:
         self.s[key] = self.s.get(key, 0.0) + v
 
     KEYS = ("value_sq", "kl", "clip", "dual", "entropy", "entropy_norm", "noop_entropy", "policy_obj_choice",
-            "policy_obj_all")
+            "policy_obj_all", "entropy_gate", "entropy_candidate", "entropy_tile", "p_act")
 
     def reduce(self, comm: Comm) -> None:
         """The rank-local sums summed over the ranks (rows and choice_rows already are: they are
@@ -1961,7 +1991,12 @@ def accumulate_batch(ac: ActorCritic, data: Any, bidx: np.ndarray, ppo: "PPOArgs
             ratio = torch.exp(logp - old)
             obj = clipped_surrogate(ratio, adv, ppo.clip_range, ppo.dual_clip_c)
             ent, ent2 = dist.entropy(), dist.noop_entropy()
-            loss = loss + (-obj.sum() - ent_coef * ent.sum() - ent_coef_noop * ent2.sum()) / d_pol
+            if ppo.entropy_coef_stages is None:
+                bonus = ent_coef * ent
+            else:
+                stages = dist.entropy_split(ac.geo.hand_size, ac.geo.tiles[0] * ac.geo.tiles[1])
+                bonus = sum(c * h for c, h in zip(ppo.entropy_coef_stages, stages))
+            loss = loss + (-obj.sum() - bonus.sum() - ent_coef_noop * ent2.sum()) / d_pol
             acc.actor_rows += n_actor
             acc.actor_forwards += 1
             with torch.no_grad():
@@ -1977,6 +2012,10 @@ def accumulate_batch(ac: ActorCritic, data: Any, bidx: np.ndarray, ppo: "PPOArgs
                 acc.add("entropy", (ent * chf).sum())
                 acc.add("entropy_norm", (ent / torch.log(nla.clamp_min(2).to(torch.float32)) * chf).sum())
                 acc.add("noop_entropy", (ent2 * chf).sum())
+                if ppo.entropy_coef_stages is not None:
+                    for key, h in zip(("entropy_gate", "entropy_candidate", "entropy_tile"), stages):
+                        acc.add(key, (h * chf).sum())
+                    acc.add("p_act", ((1.0 - dist.logp[:, 0].exp()) * chf).sum())
                 acc.add("policy_obj_choice", (obj * chf).sum())
                 acc.add("policy_obj_all", obj.sum())
                 acc.epoch_kl[epoch] = acc.epoch_kl[epoch] + kl
@@ -2118,6 +2157,8 @@ def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: to
         "ppo/update_magnitude_actor": float((_flat(pa) - before_a).norm()),
         "ppo/update_magnitude_critic": float((_flat(pc) - before_c).norm()),
     }
+    if ppo.entropy_coef_stages is not None:   # what the stages' coefficients act on, choice rows
+        out.update({f"ppo/{k}": s.get(k, 0.0) / nc for k in ("entropy_gate", "entropy_candidate", "entropy_tile", "p_act")})
     for e in range(ppo.n_epochs):
         n = max(acc.epoch_n[e], 1)
         out[f"ppo/kl_epoch{e}"] = float(acc.epoch_kl[e]) / n
@@ -3428,7 +3469,11 @@ def algo_digest(args: Args) -> str:
     # each only when on: every earlier run id holds
     warm = {"warm": args.warm} if args.warm.rung else {}
     act = {"factored_act_init": args.net.factored_act_init} if args.net.policy_head == "factored" else {}
-    return sha256_hex(canonical_json({"ppo": args.ppo, "advantage": args.advantage,
+    ppo: Any = args.ppo
+    if ppo.entropy_coef_stages is None:   # the section's fields in their own order, less that one
+        ppo = msgspec.Raw(canonical_json_ordered({f.name: getattr(ppo, f.name) for f in dataclasses.fields(ppo)
+                                                  if f.name != "entropy_coef_stages"}))
+    return sha256_hex(canonical_json({"ppo": ppo, "advantage": args.advantage,
                                       "autocast_dtype": args.net.autocast_dtype, **warm, **act}))
 
 
@@ -4313,6 +4358,10 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "ppo/entropy": ("nats", "masked-categorical entropy, choice rows", None, False),
     "ppo/entropy_normalised": ("", "entropy / log(n_legal), choice rows", None, False),
     "ppo/noop_entropy": ("nats", "play/wait entropy, choice rows", (0.02, 0.7), False),
+    "ppo/entropy_gate": ("nats", "the entropy's wait-or-act term, choice rows (ppo.entropy_coef_stages)", None, True),
+    "ppo/entropy_candidate": ("nats", "P(act) x H(card | act), choice rows (ppo.entropy_coef_stages)", None, True),
+    "ppo/entropy_tile": ("nats", "P(act) x H(tile | card, act), choice rows (ppo.entropy_coef_stages)", None, True),
+    "ppo/p_act": ("", "the learner's probability of acting, choice rows (ppo.entropy_coef_stages)", None, True),
     "ppo/kl": ("nats", "Schulman k3, choice rows; lr_backoff reads it", (0.003, 0.02), False),
     "ppo/clip_fraction": ("", "|ratio - 1| > clip_range, choice rows", (0.05, 0.2), False),
     "ppo/dual_clip_fraction": ("", "the dual clip bound, choice rows", None, False),
@@ -4433,6 +4482,7 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "ladder/gate_consecutive_discards": ("count", "gates discarded in a row since the last admission (gate_starved reads it)", None, False),
     "env/reward_terms/*": ("reward", "learner seats' per-episode sum of a weighted term, signed mean (terminal: the objective)", None, True),
     "env/reward_terms_abs/*": ("reward", "the mean of each learner seat's |per-episode sum| of that term", None, True),
+    "env/reward_terms_step_abs/*": ("reward", "the mean of each learner seat's per-episode sum of |that term| over its steps: how loud it is", None, True),
     "env/reward_shaping_abs": ("reward", "sum of reward_terms_abs over every term but terminal (shaping_dominates reads it)", None, True),
     "env/reward_terminal_abs": ("reward", "reward_terms_abs/terminal (0 when no term is filed as terminal)", None, True),
     "health/rss_peak_mb": ("MB", "the process's peak resident memory (getrusage); machine-dependent like time/", None, False),
@@ -4465,11 +4515,14 @@ def episode_metrics(eps: Sequence[Any], cap: int = 0) -> dict[str, float]:
         # learner's seats. A term missing from a record counts 0 for it (sorted: the row's key order
         # is a function of the run, which the resume test compares). shaping_abs sums the magnitude
         # of every term but the objective (farm.TERMINAL_REWARD_TERM); shaping_dominates reads it.
+        # A potential's sum telescopes, so how LOUD a term is is its step_abs: sum |F_t|.
         names = sorted({k for e in mine for k in e.reward_terms})
         for n in names:
             v = np.array([e.reward_terms.get(n, 0.0) for e in mine], np.float64)
             m[f"env/reward_terms/{n}"] = float(v.mean())
             m[f"env/reward_terms_abs/{n}"] = float(np.abs(v).mean())
+        for n in sorted({k for e in mine for k in e.reward_terms_step_abs}):
+            m[f"env/reward_terms_step_abs/{n}"] = float(np.mean([e.reward_terms_step_abs.get(n, 0.0) for e in mine]))
         if names:
             m["env/reward_shaping_abs"] = float(sum(m[f"env/reward_terms_abs/{n}"] for n in names
                                                     if n != farm.TERMINAL_REWARD_TERM))

@@ -157,6 +157,19 @@ def test_replay_matches_every_episode_of_a_smoke_run(smoke_run):
     assert n >= 2 and out.splitlines()[-1] == f"{n} of {n} records match"
     code, out, _ = run_main("replay", str(smoke_run), "--episode", "0")
     assert code == 0 and "MATCH: every field equal" in out and "reward_terms.terminal" in out
+    assert "reward_terms_step_abs.CommittedElixirPotential" in out
+
+
+@pytest.mark.slow
+def test_replay_names_an_edited_step_abs_and_passes_a_record_from_before_it_existed(smoke_run, tmp_path):
+    def louder(r):
+        r["reward_terms_step_abs"]["CommittedElixirPotential"] += 0.5
+
+    code, out, _ = run_main("replay", str(_edited_copy(smoke_run, tmp_path / "louder", {0: louder})), "--episode", "0")
+    assert code == 1 and "reward_terms_step_abs.CommittedElixirPotential: record" in out, out
+    code, out, _ = run_main("replay", str(_edited_copy(smoke_run, tmp_path / "old", {0: lambda r: r.pop("reward_terms_step_abs")})),
+                            "--episode", "0")
+    assert code == 0 and "MATCH" in out and "reward_terms_step_abs" not in out, out
 
 
 def _edited_copy(run: Path, dst: Path, edits: dict[int, Any]) -> Path:

@@ -251,6 +251,41 @@ def test_the_schedule_s_gamma_reaches_the_reward_during_collection(kind):
         assert np.all(res[it]["scalars"]["reward"] == np.float32(g - 1.0)), it
 
 
+def _loudness(elixir: float, steps: int = 60) -> tuple[dict, dict, dict]:
+    """One seat's step_abs after `steps` random legal decisions of both seats, then the same
+    right after a reset (still the ended episode's) and after the next episode's first step."""
+    from royalegym.action import NOOP
+    spec = farm.default_env_spec(reward=farm.ComponentSpec("farm.default_potential_reward", {"elixir": elixir}))
+    env = farm.env_factory(spec)()
+    farm.set_env_gamma(env, 0.99)
+    rng = np.random.default_rng(3)
+    obs, _ = env.reset(seed=11)
+    for _ in range(steps):
+        acts = {}
+        for seat in ("blue", "red"):
+            legal = np.flatnonzero(obs[seat]["action_mask"])
+            acts[seat] = int(rng.choice(legal)) if rng.random() < 0.3 else NOOP
+        obs, *_ = env.step(acts)
+    ended = farm.episode_step_abs(env, 1)
+    env.reset(seed=12)
+    kept = farm.episode_step_abs(env, 1)
+    env.step({"blue": NOOP, "red": NOOP})
+    return ended, kept, farm.episode_step_abs(env, 1)
+
+
+def test_a_term_s_loudness_is_linear_in_its_weight_and_kept_until_the_next_episode_steps():
+    """design 9.2: sum |F_t| per term. Doubling the elixir weight doubles its term's loudness
+    exactly (the same battle: the weight changes no action) and leaves the others'."""
+    one, kept, fresh = _loudness(0.05)
+    two, _, _ = _loudness(0.10)
+    assert one["CommittedElixirPotential"] > 0.0 and one["terminal"] == 0.0
+    assert two["CommittedElixirPotential"] == 2 * one["CommittedElixirPotential"]
+    assert {k: v for k, v in two.items() if k != "CommittedElixirPotential"} == \
+        {k: v for k, v in one.items() if k != "CommittedElixirPotential"}
+    assert kept == one                                        # readable after the autoreset
+    assert fresh != one and fresh["CommittedElixirPotential"] < one["CommittedElixirPotential"]
+
+
 # --- 4. the byte layout (design 3.4) ----------------------------------------------------------
 
 def test_layout_golden_record():
@@ -387,6 +422,13 @@ def test_a_battle_played_to_game_over_reports_its_result():
     assert (blue.policy_id, blue.opponent_id, red.policy_id) == ("learner", "scripted:push",
                                                                   "scripted:push")
     assert blue.reward_terms["terminal"] == -1.0 and red.reward_terms["terminal"] == 1.0
+    # how loud each term was (design 9.2): the objective pays once, so its sum |F_t| is |F_T|;
+    # a shaping term's is at least its signed sum's magnitude, and push's plays moved elixir
+    for e in (blue, red):
+        assert e.reward_terms_step_abs["terminal"] == 1.0
+        assert sorted(e.reward_terms_step_abs) == sorted(e.reward_terms)
+        assert all(e.reward_terms_step_abs[k] >= abs(v) for k, v in e.reward_terms.items())
+    assert red.reward_terms_step_abs["CommittedElixirPotential"] > abs(red.reward_terms["CommittedElixirPotential"])
     assert blue.undiscounted_return == -red.undiscounted_return
     assert blue.episode_steps == row + 1 and blue.cards_played == 0 and red.cards_played > 0
     assert (row, 1) not in f.finals            # a terminated transition needs no bootstrap

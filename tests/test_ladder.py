@@ -1275,6 +1275,14 @@ def test_rung_labels_a_few_elo_apart_are_stacked_and_a_rung_off_the_axis_is_name
     assert L.level_labels({}, 0.0, 1.0) == ([], [])
 
 
+def test_the_rungs_and_the_seeds_are_levels_and_the_run_s_snapshots_are_not():
+    games = sim_games(np.random.default_rng(5), 10, true={"scripted:noop": 0.0, "scripted:push": 300.0,
+                                                           "seed:cpu-pointer": 450.0, "snap:ab": 400.0})
+    t = L.fit_ratings(games)
+    assert L.fixed_levels(t) == {"noop": 0.0, "push": t.rating["scripted:push"],
+                                 "seed:cpu-pointer": t.rating["seed:cpu-pointer"]}
+
+
 def test_plot_of_a_run_without_games_says_so_and_without_matplotlib_says_how_to_install_it(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"run/iteration": 1, "run/cumulative_env_steps": 10,
                                                          "ppo/kl": 0.01}) + "\n")

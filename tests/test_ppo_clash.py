@@ -218,6 +218,37 @@ def test_a_masked_logit_gets_exactly_zero_gradient():
     assert (logits.grad[mask] != 0.0).any()
 
 
+def test_the_entropy_s_chain_rule_split_is_each_term_by_hand_and_sums_to_the_entropy():
+    """Two hand slots of three tiles and one button (A = 8), the rows of the factored test's masks:
+    every kind legal; slot 0 with no legal tile; the button alone; the no-op alone. Each term is
+    its definition computed here in float64; they sum to entropy(); no gradient reaches a masked
+    logit and none is NaN (a slot with no legal tile has log P(card) near finfo.min)."""
+    g = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(4, 8, generator=g)).requires_grad_(True)
+    mask = torch.tensor([[1, 1, 0, 1, 0, 1, 1, 1],
+                         [1, 0, 0, 0, 1, 0, 1, 0],
+                         [1, 0, 0, 0, 0, 0, 0, 1],
+                         [1, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    d = P.MaskedCategorical(logits, mask)
+    gate, cand, tile = d.entropy_split(2, 3)
+    gate_, cand_, tile_ = gate.detach(), cand.detach(), tile.detach()
+    xlogx = lambda x: x * math.log(x) if x > 0 else 0.0   # noqa: E731
+    for b in range(4):
+        p = [math.exp(float(v)) if mask[b, a] else 0.0 for a, v in enumerate(d.logp[b].detach().double())]
+        act = 1 - p[0]
+        cards = [sum(p[1:4]), sum(p[4:7]), p[7]]
+        want_gate = -(xlogx(p[0]) + xlogx(act))
+        want_cand = -sum(act * xlogx(c / act) for c in cards) if act > 0 else 0.0
+        want_tile = -sum(act * (cards[s] / act) * sum(xlogx(q / cards[s]) for q in p[1 + 3 * s: 4 + 3 * s])
+                         for s in range(2) if cards[s] > 0)
+        for got, want in ((gate_, want_gate), (cand_, want_cand), (tile_, want_tile)):
+            assert float(got[b]) == pytest.approx(want, rel=1e-4, abs=1e-6), b
+    assert torch.allclose(gate + cand + tile, d.entropy(), atol=1e-5)
+    assert float(tile_[2]) == 0.0 and float(tile_[3]) == 0.0 and float(cand_[3]) == 0.0
+    (gate.sum() + 2 * cand.sum() + 3 * tile.sum()).backward()
+    assert torch.isfinite(logits.grad).all() and (logits.grad[~mask] == 0).all() and (logits.grad[mask] != 0).any()
+
+
 def test_factored_log_probs_are_the_three_stages_by_hand_and_only_legal_entries_carry_mass():
     """Two hand slots of three tiles and one button (A = 8), rows planted: every kind legal; slot 0
     with no legal tile (not a candidate); the button alone; nothing but the no-op (waits at
@@ -905,6 +936,32 @@ def test_an_update_drops_nothing_steps_once_per_batch_and_moves_the_actor(mode):
     assert oa.state[ac.actor_parameters()[0]]["step"] == out["ppo/optimizer_steps"]
 
 
+def test_entropy_stages_at_one_coefficient_are_ent_coef_and_a_zero_tile_stage_is_not():
+    """ppo.entropy_coef_stages (c, c, c) is ent_coef c on the whole entropy, up to float sums;
+    (c, c, 0) leaves the tile term out; the row carries the stages' metrics only when set, and they
+    sum to ppo/entropy (the chain rule, on the update's own rows)."""
+    geo, net, data = make_data(perturb=0.0)
+
+    def grads(**kw):
+        ac = P.ActorCritic(geo, net, master_seed=0)
+        P.accumulate_batch(ac, data, np.arange(data.n), P.PPOArgs(**kw), 0.5, 0.0, P._Acc(1), debug=True)
+        return {k: q.grad.clone() for k, q in ac.named_parameters() if q.grad is not None}
+
+    whole, same, no_tile = grads(), grads(entropy_coef_stages=(0.5, 0.5, 0.5)), grads(entropy_coef_stages=(0.5, 0.5, 0.0))
+    assert _maxdiff(same, whole) < 1e-5 and _maxdiff(no_tile, whole) > 1e-3
+    ppo = P.PPOArgs(batch_size=16, minibatch_size=8, n_epochs=1, entropy_coef_stages=(0.01, 0.01, 0.0))
+    ac = P.ActorCritic(geo, net, master_seed=0)
+    out = P.ppo_update(ac, *P.make_optimizers(ac, ppo), data, ppo, ent_coef=0.01, ent_coef_noop=0.0, master_seed=1,
+                       iteration=0, debug=True, check_ratio=True, ratio_atol=1e-4)
+    parts = out["ppo/entropy_gate"] + out["ppo/entropy_candidate"] + out["ppo/entropy_tile"]
+    assert parts == pytest.approx(out["ppo/entropy"], rel=1e-5) and out["ppo/entropy_tile"] > 0 and 0 < out["ppo/p_act"] < 1
+    ac = P.ActorCritic(geo, net, master_seed=0)
+    plain = P.PPOArgs(batch_size=16, minibatch_size=8, n_epochs=1)
+    assert "ppo/entropy_tile" not in P.ppo_update(ac, *P.make_optimizers(ac, plain), data, plain, ent_coef=0.01,
+                                                  ent_coef_noop=0.0, master_seed=1, iteration=0, debug=True,
+                                                  check_ratio=True, ratio_atol=1e-4)
+
+
 def test_an_update_without_actor_steps_moves_only_the_critic():
     """WarmArgs.critic_iterations: the actor keeps its weights bit for bit and its Adam holds no
     state (so its first real step is a first step), while the critic takes every step."""
@@ -1090,7 +1147,8 @@ BAD_VALUES = [
     ("ppo.ent_coef.start", -0.1, {}), ("ppo.ent_coef.end", -1, {}),
     ("ppo.ent_coef.end", 0, {"ppo.ent_coef.kind": "geometric"}), ("ppo.ent_coef.over_env_steps", 0, {}),
     ("ppo.ent_coef_noop.start", -1, {}), ("ppo.ent_coef_noop.end", -1, {}),
-    ("ppo.ent_coef_noop.over_env_steps", 0, {}), ("ppo.max_grad_norm", 0, {}), ("ppo.lr_actor", 0, {}),
+    ("ppo.ent_coef_noop.over_env_steps", 0, {}), ("ppo.entropy_coef_stages", [0.01, -0.01, 0.0], {}),
+    ("ppo.max_grad_norm", 0, {}), ("ppo.lr_actor", 0, {}),
     ("ppo.lr_critic", -1e-4, {}), ("ppo.adam_eps", 0, {}), ("ppo.lr_backoff.kl_threshold", 0, {}),
     ("ppo.lr_backoff.patience", 0, {}), ("ppo.lr_backoff.factor", 1.5, {}), ("ppo.lr_backoff.lr_min", -1, {}),
     ("ppo.critic_chunk", 0, {}), ("ppo.debug_assert_iterations", -1, {}), ("ppo.check_ratio_invariant_every", 0, {}),
@@ -1185,8 +1243,13 @@ def test_a_warm_start_clones_the_rungs_own_choices_deterministically_and_only_a_
     assert got[0]["agree_after"] > 0.9 > got[0]["agree_before"], got[0]   # the noop rung: hold on every choice
     for (k, x), y in zip(models[0].state_dict().items(), models[1].state_dict().values()):
         assert torch.equal(x, y), k
+    ppo_before_stages = {f.name: getattr(base.ppo, f.name) for f in dataclasses.fields(base.ppo)
+                         if f.name != "entropy_coef_stages"}   # the section as it was: every run id holds
     assert P.algo_digest(a) != P.algo_digest(base) == P.sha256_hex(P.canonical_json(
-        {"ppo": base.ppo, "advantage": base.advantage, "autocast_dtype": base.net.autocast_dtype}))
+        {"ppo": msgspec.Raw(P.canonical_json_ordered(ppo_before_stages)), "advantage": base.advantage,
+         "autocast_dtype": base.net.autocast_dtype}))
+    stages = P.parse_args([*short, "--ppo.entropy-coef-stages", "0.01", "0.01", "0"])
+    assert stages.ppo.entropy_coef_stages == (0.01, 0.01, 0.0) and P.algo_digest(stages) != P.algo_digest(base)
 
 
 def test_the_bad_values_cover_every_rule_and_every_profile_keeps_them(monkeypatch):
@@ -2865,10 +2928,17 @@ def test_episode_metrics_read_the_learners_seats_and_blue_in_mirror_battles_abse
 
 
 def test_reward_terms_are_the_learners_signed_and_absolute_means_and_absent_without_a_learner_episode():
-    eps = [_ep(reward_terms={"terminal": 1.0, "PotentialCrownReward": -0.4, "CommittedElixirPotential": 0.2}),
-           _ep(reward_terms={"terminal": -1.0, "PotentialCrownReward": 0.2}),          # a term missing: counts 0
-           _ep(policy_id="snap:x", reward_terms={"terminal": 9.0, "Other": 9.0})]        # not the learner: out
+    eps = [_ep(reward_terms={"terminal": 1.0, "PotentialCrownReward": -0.4, "CommittedElixirPotential": 0.2},
+               reward_terms_step_abs={"terminal": 1.0, "PotentialCrownReward": 0.6, "CommittedElixirPotential": 3.0}),
+           _ep(reward_terms={"terminal": -1.0, "PotentialCrownReward": 0.2},          # a term missing: counts 0
+               reward_terms_step_abs={"terminal": 1.0, "PotentialCrownReward": 0.2}),
+           _ep(policy_id="snap:x", reward_terms={"terminal": 9.0, "Other": 9.0},        # not the learner: out
+               reward_terms_step_abs={"terminal": 9.0, "Other": 9.0})]
     m = P.episode_metrics(eps)
+    assert m["env/reward_terms_step_abs/terminal"] == 1.0
+    assert m["env/reward_terms_step_abs/PotentialCrownReward"] == pytest.approx(0.4)
+    assert m["env/reward_terms_step_abs/CommittedElixirPotential"] == pytest.approx(1.5)
+    assert "env/reward_terms_step_abs/Other" not in m
     assert m["env/reward_terms/terminal"] == 0.0 and m["env/reward_terms_abs/terminal"] == 1.0
     assert m["env/reward_terms/PotentialCrownReward"] == pytest.approx(-0.1)
     assert m["env/reward_terms_abs/PotentialCrownReward"] == pytest.approx(0.3)
