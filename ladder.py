@@ -2051,10 +2051,10 @@ def fixed_levels(t: RatingTable) -> dict[str, float]:
 
 def level_labels(levels: dict[str, float], lo: float, hi: float,
                  gap_frac: float = 0.035) -> tuple[list[tuple[str, float, float]], list[tuple[str, float]]]:
-    """Where the scripted rungs' labels go on a rating axis from lo to hi: (name, rating, label y)
-    for each rung on the axis, ascending, each label at least gap_frac of the axis above the one
-    below it (about a 7-point label's height on the plot's top panel), so rungs a few Elo apart
-    do not print over each other; and (name, rating) for each rung off the axis."""
+    """Where the levels' labels (fixed_levels) go on a rating axis from lo to hi: (name, rating,
+    label y) for each level on the axis, ascending, each label at least gap_frac of the axis above
+    the one below it (about a 7-point label's height on the plot's top panel), so levels a few Elo
+    apart do not print over each other; and (name, rating) for each level off the axis."""
     gap, on, off, last = gap_frac * (hi - lo), [], [], -math.inf
     for name, y in sorted(levels.items(), key=lambda kv: (kv[1], kv[0])):
         if lo <= y <= hi:

@@ -824,7 +824,7 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
                                                                 or min(p.ent_coef_noop.start, p.ent_coef_noop.end) > 0),
          "be >= 0, and start and end > 0 under a geometric schedule"),
         ("ppo.ent_coef_noop.over_env_steps", p.ent_coef_noop.over_env_steps > 0, pos),
-        ("ppo.entropy_coef_stages", p.entropy_coef_stages is None or all(
+        ("ppo.entropy_coef_stages", p.entropy_coef_stages is None or len(p.entropy_coef_stages) == 3 and all(
             math.isfinite(c) and c >= 0 for c in p.entropy_coef_stages), "be three finite numbers >= 0"),
         ("ppo.max_grad_norm", p.max_grad_norm > 0, pos),
         ("ppo.lr_actor", p.lr_actor > 0, pos),
@@ -1100,8 +1100,9 @@ class MaskedCategorical:
     def entropy_split(self, slots: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The entropy's chain rule over the layout [no-op, (slot, tile) x slots x tiles, buttons]
         (design 6.3): H = H(wait or act) + P(act) H(card | act) + P(act) H(tile | card, act), the
-        three (B,) terms in that order; they sum to entropy() on either head. Each is a sum of p x
-        log p over masked log-probs, so an illegal entry (p exactly 0) adds 0 and no NaN gradient."""
+        three (B,) terms in that order; they sum to entropy() on either head. An illegal entry's p
+        is exactly 0 and adds 0; a card or act probability is summed from the masked log-probs and
+        taken through p_log_p, whose clamp keeps a zero one's gradient finite."""
         B = self.logp.shape[0]
         lp = torch.where(self.mask, self.logp, torch.zeros_like(self.logp))
         plogp = lp.exp() * lp
@@ -1995,7 +1996,7 @@ def accumulate_batch(ac: ActorCritic, data: Any, bidx: np.ndarray, ppo: "PPOArgs
                 bonus = ent_coef * ent
             else:
                 stages = dist.entropy_split(ac.geo.hand_size, ac.geo.tiles[0] * ac.geo.tiles[1])
-                bonus = sum(c * h for c, h in zip(ppo.entropy_coef_stages, stages))
+                bonus = sum(c * h for c, h in zip(ppo.entropy_coef_stages, stages, strict=True))
             loss = loss + (-obj.sum() - bonus.sum() - ent_coef_noop * ent2.sum()) / d_pol
             acc.actor_rows += n_actor
             acc.actor_forwards += 1
@@ -4338,7 +4339,7 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "run/gamma": ("", "the discount this iteration (schedule)", None, False),
     "run/gae_lambda": ("", "GAE lambda", None, False),
     "run/credit_horizon_seconds": ("s", "decision_ms / (1 - gamma * lambda)", (40.0, 50.0), False),
-    "run/ent_coef": ("", "entropy coefficient this iteration (schedule)", None, False),
+    "run/ent_coef": ("", "entropy coefficient this iteration (schedule; unread under ppo.entropy_coef_stages)", None, False),
     "run/ent_coef_noop": ("", "play/wait entropy coefficient this iteration (schedule)", None, False),
     "run/lr_actor": ("", "actor learning rate after any backoff", None, False),
     "run/lr_critic": ("", "critic learning rate after any backoff", None, False),
