@@ -843,7 +843,8 @@ class WilsonGate:
         for anchor in self.cfg.anchors:
             cond[f"anchor:{anchor}"] = self._anchor_condition(candidate, champion, anchor, history,
                                                               play_paired)
-        cond["pool"] = self._pool_condition(candidate, champion, pool_members, ratings, play_paired)
+        cond["pool"] = self._pool_condition(candidate, champion, pool_members, ratings, play_paired,
+                                            lambda: fit_ratings([*history, *played]))
         return self._decide(candidate, champion, cond, time.monotonic() - t0), played
 
     def _champion_condition(self, candidate: str, champion: str,
@@ -872,19 +873,19 @@ class WilsonGate:
                                bound=bound, reference=rec.mean)
 
     def _pool_condition(self, candidate: str, champion: str, pool_members: Sequence[str],
-                        ratings: RatingTable | None,
-                        play_paired: _PlayPaired) -> ConditionResult:
+                        ratings: RatingTable | None, play_paired: _PlayPaired,
+                        refit: Callable[[], RatingTable]) -> ConditionResult:
         """(3) No pool-wide collapse: C's observed mean against the stratified sample is at least
         the champion's fitted predicted mean against the same members, less one SE of C's mean.
-        SKIPPED when the pool holds no one besides the champion and the anchors."""
+        SKIPPED when the pool holds no one besides the champion and the anchors. A player the
+        table before the gate does not hold (v0 before a seeded run's first gate, a seed that has
+        not played yet) is predicted by `refit`: the fit of every evaluation game so far, this
+        gate's included, which links it through the candidate's games (design 7.4)."""
         members = self.stratified_sample(candidate, champion, pool_members, ratings)
         if not members:
             return ConditionResult(
                 passed=True, n=0, observed=None, bound=None, reference=None,
                 skipped=True, reason="SKIPPED: no pool member besides the champion and the anchors")
-        if ratings is None or champion not in ratings.rating:
-            raise ValueError(f"gate {candidate}: condition 3 needs the champion {champion} in the "
-                             f"fitted table; refit before the gate")
         xs, n_b = [], 0
         for m in members:
             ps_m = play_paired(candidate, m, self.cfg.stratified_games)
@@ -892,6 +893,8 @@ class WilsonGate:
             n_b += ps_m.n_battles
         observed = float(np.mean(xs))
         se = float(np.std(xs, ddof=1) / math.sqrt(len(xs))) if len(xs) > 1 else 0.0
+        if ratings is None or any(p not in ratings.rating for p in (champion, *members)):
+            ratings = refit()
         reference = float(np.mean([ratings.predict(champion, m) for m in members]))
         return ConditionResult(passed=observed >= reference - se, n=n_b, observed=observed,
                                bound=reference - se, reference=reference, members=members)

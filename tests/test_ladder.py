@@ -439,6 +439,19 @@ def test_gate_pool_condition_skipped_without_a_pool_and_champion_plays_anchor_on
     assert len(played) == 1000 + 4 * 200
 
 
+def test_a_seeded_first_gate_predicts_the_champion_against_a_seed_from_the_gate_s_own_games():
+    """A seeded run's first gate: no evaluation game yet (no table), v0 the champion, a seed the
+    only sampled member. The seed is linked to the champion through the candidate's games, so the
+    champion's predicted mean is the fit of every game the gate played (it used to raise)."""
+    gate, run, _, _, _ = gate_setup(pool=False, champ_rate=0.6)
+    run.rates.update({("K", "scripted:noop"): 1.0, ("K", "scripted:random_legal"): 0.7, ("C", "seed:s"): 0.55})
+    d, played = gate.evaluate("C", "K", ["seed:s"], None, run, history=[])
+    c = d.conditions["pool"]
+    assert not c.skipped and c.members == ["seed:s"] and c.n == 100 and c.observed == pytest.approx(0.55)
+    t = L.fit_ratings(played)
+    assert c.reference == pytest.approx(t.predict("K", "seed:s")) and c.reference < 0.55   # C beat K: K is weaker
+
+
 def test_stratified_sample_spans_the_rating_range():
     gate = L.WilsonGate(L.GateConfig(), master_seed=3, eval_seed_set_sha="")
     members = [f"s{i:02d}" for i in range(32)]

@@ -2618,8 +2618,10 @@ def test_every_cycle_collects_exactly_the_planned_learner_rows_and_pool_seats_ar
 @pytest.mark.slow
 def test_a_run_with_a_seed_snapshot_trains_against_it_alone_and_refuses_a_wrong_one_before_writing(gated_run, tmp_path, capsys):
     """ladder.seed_snapshots (design 7.3): the gated run's v0 as a seed of another run. Under mix
-    (0, 1, 0), with no gate or floor due, every battle meets the seed (v0 is the champion, not
-    drawn); the seed is copied byte for byte into the run; a wrong hash stops before a run exists."""
+    (0, 1, 0), with no gate due before the last iteration, every battle meets the seed (v0 is the
+    champion, not drawn); the seed is copied byte for byte into the run; the gate then samples the
+    seed for its condition 3, before either the seed or v0 has an evaluation game (that gate once
+    crashed a seeded cpu run); a wrong hash stops before a run exists."""
     _, donor, _ = gated_run
     store = P.ladder.SnapshotStore(donor)
     sid = json.loads((donor / "ladder" / "pool.json").read_text())["v0"].removeprefix("snap:")
@@ -2627,7 +2629,7 @@ def test_a_run_with_a_seed_snapshot_trains_against_it_alone_and_refuses_a_wrong_
     seed = {"name": "donor", "path": str(folder), "sha256": store.spec(sid).actor_sha256, "weight": 2.0}
     cfg = tmp_path / "seed.json"
     argv = ["--profile", "smoke", "--config", str(cfg), "--master-seed", "5", "--obs.max-steps", "40",
-            "--ladder.mix", "0", "1", "0", "--ladder.candidate-every-env-steps", "1000000",
+            "--ladder.mix", "0", "1", "0", "--ladder.candidate-every-env-steps", "300",
             "--ladder.floor-admit-every-env-steps", "1000000",
             "--runs-dir", str(tmp_path / "runs")]
     cfg.write_text(json.dumps({"ladder": {"seed_snapshots": [{**seed, "sha256": "0" * 64}]}}))
@@ -2638,15 +2640,19 @@ def test_a_run_with_a_seed_snapshot_trains_against_it_alone_and_refuses_a_wrong_
     cfg.write_text(json.dumps({"ladder": {"seed_snapshots": [seed]}}))
     run = P.train(P.parse_args(argv), max_iterations=2, quiet=True)
     pool = P.ladder.read_pool(run)
-    assert [m.id for m in pool.members] == [pool.v0, "seed:donor"] and pool.sampler == ["seed:donor"]
+    assert [m.id for m in pool.members][:2] == [pool.v0, "seed:donor"] and pool.v0 not in pool.sampler
+    (gate,) = [msgspec.json.decode(f.read_bytes(), type=P.ladder.GateDecision)
+               for f in (run / "ladder" / "gates").glob("*.json")]
+    assert gate.conditions["pool"].members == ["seed:donor"] and not gate.conditions["pool"].skipped
     assert pool.member("seed:donor") == P.ladder.PoolMember(id="seed:donor", step=0, seed=True, snapshot=sid, weight=2.0)
     for name in ("spec.json", "actor.safetensors"):
         assert (run / "ladder" / "snapshots" / sid / name).read_bytes() == (folder / name).read_bytes()
     train = [g for g in P.ladder.ResultLog(run).read().games if g.kind == "train"]
-    assert train and {g.b for g in train} == {"seed:donor"}
+    assert train and {g.b for g in train} == {"seed:donor"}   # the gate's candidate came after them
     # the CLI plays it by its pool name, and the result log keeps that name
+    before = len(P.ladder.ResultLog(run).read().games)
     assert P.ladder.main(["eval", "--run", str(run), "--a", "seed:donor", "--b", "scripted:noop", "--seeds", "1"]) == 0
-    assert {(g.a, g.kind) for g in P.ladder.ResultLog(run).read().games if g.b == "scripted:noop"} == {("seed:donor", "eval")}
+    assert {(g.a, g.b, g.kind) for g in P.ladder.ResultLog(run).read().games[before:]} == {("seed:donor", "scripted:noop", "eval")}
 
 
 @pytest.mark.slow
