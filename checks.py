@@ -389,7 +389,8 @@ class ReplayEnv:
             raise CheckError(f"{run / 'config.json'} builds an env with env_spec_digest "
                              f"{farm.env_value_digest(env.spec)[:16]}, identity.json says {want[:16]}: this "
                              "code's env is not the run's (check out the commit the run was trained with)")
-        self.env = farm.env_factory(env.spec)()
+        self.make = farm.env_factory(env.spec)
+        self.env = self.make()
         self.T, self.n_battles = env.T, env.n_battles
         self.deals = P.seat_deals(self.args.ladder.seat_decks,
                                   ladder.role_layout(env.seed, env.n_battles, self.args.ladder.mix))
@@ -455,7 +456,8 @@ class SavedBattleEnv(ReplayEnv):
             raise CheckError(f"{path}: its env hashes to env_value_digest {have[:16]} here, the file says "
                              f"{saved.env_value_digest[:16]}: the env was edited, or this code's components "
                              "differ from the ones it was played with (check out that commit)")
-        self.env = farm.env_factory(saved.env)()
+        self.make = farm.env_factory(saved.env)
+        self.env = self.make()
         self.gamma = saved.gamma
         self.pair_seats(saved.records)
 
@@ -560,14 +562,44 @@ def print_replayed(i: int, rec: farm.EpisodeRecord, res: Replayed) -> int:
     return 1 if res.divergence else 0
 
 
-def replay_saved_battle(path: Path, episode: int | None) -> int:
+def replay_to_trace(renv: ReplayEnv, i: int, rec: farm.EpisodeRecord, path: Path) -> int:
+    """Replay one record as print_replayed does, with royalegym's recorder on the env, so the
+    battle leaves as a royalegym Trace (a frame every engine tick): written to `path` only when
+    the replay matched its record, then re-simulated on a fresh engine by royalegym's own
+    verify_trace, which checks every deploy status and every frame's state hash. 0 when both hold."""
+    from royalegym.replay import ReplayRecorder, save_trace, verify_trace
+    renv.env.recorder = ReplayRecorder(frame_every_tick=True)
+    try:
+        res = replay_record(renv, rec)
+    finally:
+        trace, renv.env.recorder = renv.env.recorder.trace, None
+    if print_replayed(i, rec, res):
+        print(f"no trace written: the replay diverged from the record, so {path} would show a battle "
+              "that did not happen")
+        return 1
+    save_trace(trace, path)
+    problems = verify_trace(trace, renv.make().engine)
+    print(f"trace {path}: {len(trace.steps)} steps, {len(trace.frames)} frames, final state hash "
+          f"{trace.result.final_hash}")
+    if problems:
+        print(f"verify_trace FAILS on a fresh engine ({len(problems)} divergences), the first: {problems[0]}")
+        return 1
+    print(f"verify_trace: identical on a fresh engine; draw it with `python -m royalegym.render {path} -o battle.html`")
+    return 0
+
+
+def replay_saved_battle(path: Path, episode: int | None, trace: Path | None) -> int:
     """`replay F` for a file `play --save F` wrote: both seats' records (or --episode N's), each
     re-simulated on the env stored in F and held against its twin, printed field by field."""
     saved = read_saved_battle(path)
     n = len(saved.records)
     if episode is not None and not 0 <= episode < n:
         raise CheckError(f"--episode {episode} is out of range: {path} holds {n} records (0 blue, 1 red)")
+    if trace is not None and episode is None:
+        raise CheckError("--trace writes one battle: give --episode 0 (blue's record) or 1 (red's)")
     renv = SavedBattleEnv(path, saved)
+    if trace is not None:
+        return replay_to_trace(renv, episode, saved.records[episode], trace)
     print(f"saved battle {path}: blue {saved.players[0]} vs red {saved.players[1]}, --seed {saved.seed}, "
           f"env_value_digest {saved.env_value_digest[:16]}")
     chosen = range(n) if episode is None else [episode]
@@ -578,11 +610,13 @@ def replay_saved_battle(path: Path, episode: int | None) -> int:
 
 def cmd_replay(cmd: "Replay") -> int:
     if Path(cmd.run).is_file():
-        return replay_saved_battle(Path(cmd.run), cmd.episode)
+        return replay_saved_battle(Path(cmd.run), cmd.episode, cmd.trace)
     run = run_dir(cmd.run)
     records = read_records(run)
     if not cmd.all and cmd.episode is None:
         raise CheckError("replay needs --episode N (0-based, a line of episodes.jsonl) or --all")
+    if cmd.all and cmd.trace is not None:
+        raise CheckError("--trace writes one battle: give --episode N instead of --all")
     if not records:
         raise CheckError(f"{run / 'episodes.jsonl'} holds no records yet: nothing to replay")
     if not cmd.all and not 0 <= cmd.episode < len(records):
@@ -592,6 +626,8 @@ def cmd_replay(cmd: "Replay") -> int:
         raise CheckError(f"{run / 'episodes.jsonl'} holds evaluation episodes (eval_index >= 0): they are "
                          "played on ladder/eval_env.json, which replay does not rebuild")
     renv = ReplayEnv(run, records)
+    if cmd.trace is not None:
+        return replay_to_trace(renv, cmd.episode, records[cmd.episode], cmd.trace)
     if not cmd.all:
         return print_replayed(cmd.episode, records[cmd.episode], replay_record(renv, records[cmd.episode]))
     bad = 0
@@ -1354,6 +1390,9 @@ class Replay:
     """the record to replay: its 0-based line in episodes.jsonl (in a saved battle: 0 blue, 1 red)"""
     all: bool = False
     """replay every record and report how many match"""
+    trace: Optional[Path] = None
+    """write the replayed battle (--episode N's) as a royalegym trace, .msgpack or .json, verified
+    on a fresh engine; `python -m royalegym.render F -o battle.html` draws it as one web page"""
 
 
 @dataclasses.dataclass(kw_only=True)

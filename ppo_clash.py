@@ -3218,7 +3218,7 @@ def halt_if_asked(run: Run, learner: Learner, source: Any, lad: LadderLoop, halt
     if not run.voice:
         raise AlarmHalt(f"halted at iteration {it} by {alarm.name}: rank 0 says why")
     bundle = write_bundle(run.path, it, alarm, value, run.tail, ck, run.args, run.identity, episodes=run.ep_tail,
-                          alarm_rows=run.alarm_rows, ratio_outliers=outliers)
+                          alarm_rows=run.alarm_rows, ratio_outliers=outliers, episode_lines=run.lines["episodes"])
     raise AlarmHalt(f"halted at iteration {it} by {alarm.name} ({alarm.key} = {value:.4g}); checkpoint {ck}; "
                     f"bundle {bundle}; resume: {resume_command(run.path, learner.comm.world)} --checkpoint {ck}")
 
@@ -3969,6 +3969,7 @@ class Run:
         self.files["metrics"].flush()
         self.files["episodes"].write(b"".join(msgspec.json.encode(e) + b"\n" for e in episodes))
         self.files["episodes"].flush()
+        first_line = self.lines["episodes"]   # episodes[0]'s 0-based line in episodes.jsonl
         self.lines["metrics"] += 1
         self.lines["episodes"] += len(episodes)
         if self.viser is not None:
@@ -3984,12 +3985,15 @@ class Run:
         self.ep_tail = (self.ep_tail + list(episodes))[-20:]
         fired = self.alarms.evaluate(row)
         it = row["run/iteration"]
-        self.alarm_rows = [{"iteration": it, "alarm": a.name, "metric": a.key, "value": v,
-                            "threshold": a.threshold, "severity": a.severity} for a, v in fired]
+        self.alarm_rows = alarm_rows(it, fired, episodes, first_line)
         if not self.quiet:
             print(console_block(row, fired, full=self.args.metrics.console_full), flush=True)
-            for a, v in fired:
+            for (a, v), ar in zip(fired, self.alarm_rows, strict=True):
                 print(f"ALARM {a.severity} {a.name}: {a.key} = {v:.4g} {a.op} {a.threshold:g} -- {a.meaning}")
+                if ar.get("winning_episodes"):
+                    n = ar["winning_episodes"][0]
+                    print(f"  winning episodes (lines of episodes.jsonl): {ar['winning_episodes']}; watch one: python "
+                          f"checks.py replay {self.path} --episode {n} --trace episode-{n}.msgpack")
         self.files["alarms"].write(b"".join(msgspec.json.encode(x) + b"\n" for x in self.alarm_rows))
         self.files["alarms"].flush()
         self.lines["alarms"] += len(self.alarm_rows)
@@ -4673,8 +4677,8 @@ def alarm_table(args: Args) -> list[Alarm]:
     """design 9.3's table, the keys this row carries. Thresholds are config (excluded from the
     identity: an alarm can stop a run, never change a number); patience and severity are not.
     Not here: vram_spilling (no VRAM readings), capacity_ratio (no honest rollout_capacity_ratio
-    without overlap: see the module docstring). artefact_exploit warns but does not dump the five
-    winning traces the spec asks for."""
+    without overlap: see the module docstring). artefact_exploit warns and names five winning
+    episodes (alarm_rows) rather than writing their traces, which checks.py writes."""
     al = args.alarms
     return [
         Alarm("illegal_actions", "health/illegal_action_rate", ">", 0.0, 1, "halt", "a mask bug or a wrong action encoding"),
@@ -4752,16 +4756,36 @@ class AlarmSet:
         return fired
 
 
+def alarm_rows(iteration: int, fired: list[tuple[Alarm, float]], episodes: Sequence[Any],
+               first_line: int) -> list[dict[str, Any]]:
+    """alarms.jsonl's rows for the alarms a row fired. artefact_exploit's also names up to five of
+    the iteration's learner wins by their 0-based line in episodes.jsonl (first_line is episodes[0]'s):
+    design 9.3 asks for their traces, which `checks.py replay --trace` writes (the learner cannot:
+    checks.py imports this file, not the other way)."""
+    out = []
+    for a, v in fired:
+        r = {"iteration": iteration, "alarm": a.name, "metric": a.key, "value": v, "threshold": a.threshold,
+             "severity": a.severity}
+        if a.name == "artefact_exploit":
+            r["winning_episodes"] = [first_line + i for i, e in enumerate(episodes)
+                                     if e.policy_id == "learner" and e.winner == e.seat][:5]
+        out.append(r)
+    return out
+
+
 def write_bundle(run: Path, iteration: int, alarm: Alarm, value: float, rows: list[dict[str, Any]],
                  checkpoint: Path, args: Args, identity: RunIdentity, episodes: Sequence[Any] = (),
-                 alarm_rows: Sequence[dict[str, Any]] = (), ratio_outliers: Sequence[dict[str, Any]] = ()) -> Path:
+                 alarm_rows: Sequence[dict[str, Any]] = (), ratio_outliers: Sequence[dict[str, Any]] = (),
+                 episode_lines: int = 0) -> Path:
     """design 9.4: everything needed to judge whether the stop was real, in one folder: halt.json
     (the alarm, its threshold, the last five values of every key it reads, the state_digest, the
     checkpoint and the resume command), the last fifty rows, this iteration's alarm rows, the last
     twenty EpisodeRecords, the resolved config and the identity, and ratio_outliers.json: the
     halting iteration's ten worst |ratio - 1| on the first minibatch of choice rows before any
-    step, with their (cycle, slot) (ratio_invariant fills them). Not yet: a re-simulated replay
-    trace of one offending episode."""
+    step, with their (cycle, slot) (ratio_invariant fills them). Not written here: a re-simulated
+    trace of an episode, which checks.py writes (this file cannot import it); halt.json's "trace"
+    is the command that writes the newest recorded episode's (episode_lines: the lines of
+    episodes.jsonl; None when there are none)."""
     b = run / "bundles" / str(iteration)
     b.mkdir(parents=True, exist_ok=True)
     reads = alarm.reads or (alarm.key,)
@@ -4771,7 +4795,9 @@ def write_bundle(run: Path, iteration: int, alarm: Alarm, value: float, rows: li
             "last_values": recent[alarm.key] if alarm.key in recent else recent[reads[0]], "recent": recent,
             "meaning": alarm.meaning, "iteration": iteration, "checkpoint": str(checkpoint),
             "state_digest": rows[-1].get("run/state_digest") if rows else None,
-            "resume": f"python ppo_clash.py --resume {run} --checkpoint {checkpoint}"}
+            "resume": f"python ppo_clash.py --resume {run} --checkpoint {checkpoint}",
+            "trace": (f"python checks.py replay {run} --episode {episode_lines - 1} --trace "
+                      f"{b / f'episode-{episode_lines - 1}.msgpack'}" if episode_lines else None)}
     (b / "halt.json").write_bytes(msgspec.json.format(canonical_json(halt)))
     (b / "metrics_tail.jsonl").write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in rows[-50:]))
     (b / "alarms.jsonl").write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in alarm_rows))

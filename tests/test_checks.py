@@ -172,6 +172,49 @@ def test_replay_names_an_edited_step_abs_and_passes_a_record_from_before_it_exis
     assert code == 0 and "MATCH" in out and "reward_terms_step_abs" not in out, out
 
 
+@pytest.mark.slow
+def test_replay_writes_a_trace_that_verifies_and_holds_the_records_battle(smoke_run, tmp_path, monkeypatch):
+    """--trace: the replayed battle as a royalegym trace, its commands the record's played actions,
+    its result the record's; none written when the replay diverges; a verify failure exits 1."""
+    from royalegym.replay import load_trace, verify_trace
+    recs = [json.loads(x) for x in (smoke_run / "episodes.jsonl").read_text().splitlines()]
+    i = max(range(len(recs)), key=lambda j: len(recs[j]["played"]))
+    rec = recs[i]
+    for name in ("t.msgpack", "t.json"):
+        code, out, _ = run_main("replay", str(smoke_run), "--episode", str(i), "--trace", str(tmp_path / name))
+        assert code == 0 and "verify_trace: identical on a fresh engine" in out, out
+        trace = load_trace(tmp_path / name)
+        assert sum(len(s.commands) for s in trace.steps) == len(rec["played"]) > 0
+        assert len(trace.steps) == rec["episode_steps"] and trace.result.winner == rec["winner"]
+        crowns = [rec["own_crowns"], rec["enemy_crowns"]]
+        assert trace.result.crowns == (crowns if rec["seat"] == 0 else crowns[::-1])
+        assert verify_trace(trace, checks.ReplayEnv(smoke_run, []).make().engine) == []
+    edited = _edited_copy(smoke_run, tmp_path / "edited", {i: change})
+    code, out, _ = run_main("replay", str(edited), "--episode", str(i), "--trace", str(tmp_path / "e.msgpack"))
+    assert code == 1 and "no trace written: the replay diverged" in out and not (tmp_path / "e.msgpack").exists()
+    monkeypatch.setattr("royalegym.replay.verify_trace", lambda trace, engine: ["tick 3: hash a != recorded b"])
+    code, out, _ = run_main("replay", str(smoke_run), "--episode", str(i), "--trace", str(tmp_path / "v.msgpack"))
+    assert code == 1 and "verify_trace FAILS on a fresh engine (1 divergences), the first: tick 3: hash a" in out
+    code, _, err = run_main("replay", str(smoke_run), "--all", "--trace", str(tmp_path / "a.msgpack"))
+    assert code == 2 and "--trace writes one battle: give --episode N instead of --all" in err
+
+
+@pytest.mark.slow
+def test_a_halt_bundles_trace_command_writes_the_newest_episodes_verified_trace(tmp_path):
+    """halt.json's "trace" is a command that works: it traces episodes.jsonl's last record (an
+    iteration four times smoke's, so that battles end before the halt at its end)."""
+    args = P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path), "--alarms.ratio-invariant-multiple", "-1",
+                         "--ppo.timesteps-per-iteration", "1024"])
+    with pytest.raises(P.AlarmHalt):
+        P.train(args, quiet=True)
+    (run,) = tmp_path.iterdir()
+    cmd = json.loads((run / "bundles" / "1" / "halt.json").read_text())["trace"].split()
+    n = len((run / "episodes.jsonl").read_text().splitlines())
+    assert cmd[:5] == ["python", "checks.py", "replay", str(run), "--episode"] and cmd[5] == str(n - 1)
+    code, out, _ = run_main(*cmd[2:])
+    assert code == 0 and "verify_trace: identical on a fresh engine" in out and Path(cmd[-1]).stat().st_size
+
+
 def _edited_copy(run: Path, dst: Path, edits: dict[int, Any]) -> Path:
     shutil.copytree(run, dst)
     recs = [json.loads(x) for x in (dst / "episodes.jsonl").read_text().splitlines()]
@@ -397,6 +440,10 @@ def test_play_shows_a_full_battle_saves_it_and_replay_matches(saved_battle, smok
     assert out.count("MATCH: every field equal") == 2 and out.splitlines()[-1] == "2 of 2 records match"
     code, out, _ = run_main("replay", str(a), "--episode", "1")
     assert code == 0 and "seat 1 (red)" in out and out.splitlines()[-1] == "1 of 1 records match"
+    code, out, _ = run_main("replay", str(a), "--episode", "1", "--trace", str(a.with_suffix(".msgpack")))
+    assert code == 0 and "verify_trace: identical on a fresh engine" in out and a.with_suffix(".msgpack").stat().st_size
+    code, _, err = run_main("replay", str(a), "--trace", str(a.with_suffix(".msgpack")))
+    assert code == 2 and "give --episode 0 (blue's record) or 1 (red's)" in err
 
 
 @pytest.mark.slow

@@ -3016,6 +3016,23 @@ def test_the_bundle_carries_state_digest_the_last_twenty_episodes_and_every_key_
     assert [e["ordinal"] for e in tail] == list(range(5, 25))
     assert len((b / "metrics_tail.jsonl").read_text().splitlines()) == 50
     assert json.loads((b / "alarms.jsonl").read_text()) == {"alarm": "seat_bias"}
+    assert halt["trace"] is None                                   # no episode lines given: nothing to trace
+    b = P.write_bundle(tmp_path, 59, al, 5.9, rows, tmp_path / "ck", args, ident, episode_lines=25)
+    assert json.loads((b / "halt.json").read_text())["trace"] == \
+        f"python checks.py replay {tmp_path} --episode 24 --trace {b / 'episode-24.msgpack'}"
+
+
+def test_artefact_exploits_alarm_row_names_five_learner_wins_by_their_episodes_line():
+    """Only artefact_exploit's row carries winning_episodes: the learner's wins (winner == its seat)
+    among the iteration's records, at first_line + their index, at most five."""
+    table = {a.name: a for a in P.alarm_table(P.profile_args("smoke"))}
+    eps = [_ep(seat=0, winner=1), _ep(seat=1, winner=1), _ep(policy_id="scripted:push", seat=0, winner=0),
+           _ep(seat=0, winner=2)] + [_ep(seat=0, winner=0) for _ in range(6)]
+    rows = P.alarm_rows(7, [(table["tile_spam"], 0.3), (table["artefact_exploit"], 0.6)], eps, first_line=40)
+    assert rows[0] == {"iteration": 7, "alarm": "tile_spam", "metric": "policy/tile_top1_share", "value": 0.3,
+                       "threshold": 0.25, "severity": "warn"}
+    assert rows[1]["alarm"] == "artefact_exploit" and rows[1]["winning_episodes"] == [41, 44, 45, 46, 47]
+    assert P.alarm_rows(7, [(table["artefact_exploit"], 0.6)], eps[:4], 0)[0]["winning_episodes"] == [1]
 
 
 def test_rollout_policy_metrics_hold_lift_and_tile_share_on_planted_cells():
