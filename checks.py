@@ -971,12 +971,14 @@ def cmd_play(cmd: "Play") -> int:
         if viser is not None:
             viser.close()
     print(result_line(records[0], runner.env_spec.tick_ms))
+    saved = SavedBattle(format=SAVED_BATTLE_FORMAT, players=players, seed=cmd.seed, gamma=PLAY_GAMMA,
+                        env_value_digest=farm.env_value_digest(runner.env_factory_spec),
+                        env=runner.env_factory_spec, records=tuple(records))
     if cmd.save is not None:
-        saved = SavedBattle(format=SAVED_BATTLE_FORMAT, players=players, seed=cmd.seed, gamma=PLAY_GAMMA,
-                            env_value_digest=farm.env_value_digest(runner.env_factory_spec),
-                            env=runner.env_factory_spec, records=tuple(records))
         ladder.write_atomic(Path(cmd.save), msgspec.json.format(msgspec.json.encode(saved), indent=1) + b"\n")
         print(f"saved both seats' records and the env to {cmd.save}; check it: python checks.py replay {cmd.save}")
+    if cmd.trace is not None:   # the battle re-simulated from blue's record, as `replay F --trace` does
+        return replay_to_trace(SavedBattleEnv(Path(cmd.save or "<this battle>"), saved), 0, records[0], cmd.trace)
     return 0
 
 
@@ -1417,6 +1419,9 @@ class Play:
     """write both seats' EpisodeRecords and the env to this file (check it with `replay F`)"""
     viewer: bool = False
     """also stream the battle to royalegym's viewer (RoyaleViser), at game speed while one watches"""
+    trace: Optional[Path] = None
+    """also write the battle as a royalegym trace (.msgpack or .json), re-simulated from its record and
+    verified on a fresh engine; `python -m royalegym.render F -o battle.html` draws it as one web page"""
     device: str = "cpu"
     """where a neural player's network runs"""
 

@@ -447,6 +447,20 @@ def test_play_shows_a_full_battle_saves_it_and_replay_matches(saved_battle, smok
 
 
 @pytest.mark.slow
+def test_play_trace_writes_the_battle_it_played_verified(tmp_path):
+    """play --trace: the trace is the battle play printed and saved (its length, commands, crowns)."""
+    from royalegym.replay import load_trace
+    code, out, err = run_main("play", "--blue", "scripted:push", "--red", "scripted:patient", "--seed", "5",
+                              "--save", str(tmp_path / "b.json"), "--trace", str(tmp_path / "b.msgpack"))
+    assert code == 0 and "verify_trace: identical on a fresh engine" in out, out + err
+    blue = checks.read_saved_battle(tmp_path / "b.json").records[0]
+    trace = load_trace(tmp_path / "b.msgpack")
+    assert len(trace.steps) == blue.episode_steps and trace.result.winner == blue.winner
+    assert sum(len(s.commands) for s in trace.steps) == len(blue.played) > 0
+    assert trace.result.crowns == [blue.own_crowns, blue.enemy_crowns]
+
+
+@pytest.mark.slow
 def test_replay_of_an_edited_saved_battle_fails_naming_the_step(saved_battle, tmp_path):
     """A played action changed, or played removed, in blue's record: replay exits 1 at the step
     of the edit (the red record of the battle disagrees), as for a run's episodes.jsonl."""
