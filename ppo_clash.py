@@ -3223,21 +3223,35 @@ def halt_if_asked(run: Run, learner: Learner, source: Any, lad: LadderLoop, halt
                     f"bundle {bundle}; resume: {resume_command(run.path, learner.comm.world)} --checkpoint {ck}")
 
 
+def control_letter(f: Path) -> str:
+    """The first letter of <run>/control, "" when there is none (a person may remove it any time)."""
+    try:
+        return f.read_text().strip()[:1]
+    except FileNotFoundError:
+        return ""
+
+
+def wait_while_paused(f: Path, quiet: bool) -> str:
+    """Block while <run>/control says "p" (checked every second); return what it says then. Called
+    every cycle of collection as well as at the boundary, so a pause frees the machine within a
+    round; its seconds land in that iteration's time/iteration (design 10.3)."""
+    cmd = control_letter(f)
+    if cmd == "p" and not quiet:
+        print(f"\npaused: edit or remove {f} to continue", flush=True)
+    while cmd == "p":
+        time.sleep(1.0)
+        cmd = control_letter(f)
+    return cmd
+
+
 def read_control(run: Path, quiet: bool) -> str:
     """Read <run>/control at the iteration boundary (the only point a resume can start from):
     "c" checkpoint now, "q" checkpoint and quit, "p" pause until the file says otherwise. The file
-    is removed once acted on. Acted on per iteration, not per round (design 10.3)."""
+    is removed once acted on. A "c" or "q" written mid-iteration waits here, for the iteration's
+    end; a "p" is also obeyed between cycles (Run.between_cycles)."""
     f = run / "control"
-    if not f.exists():
-        return ""
-    cmd = f.read_text().strip()[:1]
-    while cmd == "p":
-        if not quiet:
-            print(f"paused: edit or remove {f} to continue", flush=True)
-        time.sleep(1.0)
-        cmd = f.read_text().strip()[:1] if f.exists() else ""
-    if f.exists():
-        f.unlink()
+    cmd = wait_while_paused(f, quiet)
+    f.unlink(missing_ok=True)
     return cmd
 
 
@@ -3956,7 +3970,10 @@ class Run:
         self.t_row = time.perf_counter()
 
     def between_cycles(self, iteration: int, t: int, T: int, rounds: int, seconds: float) -> None:
-        """A person's progress line, overwritten in place; and the viewer's hello answered."""
+        """A pause the control file asks for (a "c" or "q" waits for the boundary); a person's
+        progress line, overwritten in place; and the viewer's hello answered."""
+        if self.voice:
+            wait_while_paused(self.path / "control", self.quiet)
         if self.progress and t % max(T // 20, 1) == 0:
             print("\r" + progress_line(iteration, t, T, rounds, seconds), end="", flush=True)
         if self.viser is not None:

@@ -2140,6 +2140,27 @@ def test_the_sentinel_file_is_read_once_and_removed(tmp_path):
     assert P.read_control(tmp_path, quiet=True) == "c"
 
 
+def test_a_pause_holds_collection_between_cycles_and_a_q_there_waits_for_the_boundary(tmp_path):
+    """Run.between_cycles obeys "p" at once (blocks until the file changes) and leaves a "q" in the
+    file for read_control at the iteration's end; rank 0 alone reads it."""
+    import threading
+    import time
+    from types import SimpleNamespace
+    f = tmp_path / "control"
+    f.write_text("p\n")
+    threading.Timer(1.5, lambda: f.write_text("q")).start()
+    run = SimpleNamespace(voice=True, path=tmp_path, quiet=True, progress=False, viser=None)
+    t0 = time.monotonic()
+    P.Run.between_cycles(run, 1, 0, 4, 0, 0.0)
+    assert time.monotonic() - t0 >= 1.5 and f.read_text() == "q"          # paused, then left the q
+    P.Run.between_cycles(run, 1, 1, 4, 0, 0.0)
+    assert f.exists() and P.read_control(tmp_path, quiet=True) == "q" and not f.exists()
+    f.write_text("p")
+    run.voice = False
+    P.Run.between_cycles(run, 1, 2, 4, 0, 0.0)                             # another rank: no pause, no read
+    assert f.read_text() == "p"
+
+
 @pytest.mark.slow
 def test_ctrl_c_while_collecting_leaves_an_emergency_checkpoint_of_the_last_boundary(tmp_path, monkeypatch):
     import farm
