@@ -2789,6 +2789,15 @@ def frame_valid(last_start: np.ndarray, t: np.ndarray, r: np.ndarray, k: int) ->
     return cyc >= last_start[t + k - 1, r][:, None]
 
 
+def final_frame_valid(last_start: np.ndarray, ft: int, r: int, k: int) -> np.ndarray:
+    """(1, k) bool for the final observation of slot r's episode that ended on the transition out
+    of cycle ft: its stack is cycles ft+2-k .. ft+1, the last frame the final observation itself.
+    A frame is live if its cycle is not before THAT episode's first cycle, last_start[ft + k - 1, r]
+    (row ft + k holds the next episode's start, which frame_valid at ft + 1 would read)."""
+    cyc = ft + 2 - k + np.arange(k)
+    return (cyc >= last_start[ft + k - 1, r])[None]
+
+
 class RectView:
     """The farm's rectangle as observations: cell (t, r)'s frame stack, decoded with codec.unpack
     on the learner's device. It keeps what lives across iterations: for frame liveness,
@@ -3032,8 +3041,9 @@ def critic_pass(model: ActorCritic, view: RectView, source: Any, action: np.ndar
         for (ft, fr), raw in sorted(source.finals.items()):
             rows = source.rect[frame_stack_rows(np.array([ft + 1]), k)[0], fr].copy()
             rows[-1] = raw
+            fv = torch.as_tensor(final_frame_valid(view.last_start, ft, fr, k), device=env.device) if k > 1 else None
             fo = codec.unpack(env.table, torch.as_tensor(rows[None], device=env.device), env.statics,
-                              torch.as_tensor([fr % 2], device=env.device), None)
+                              torch.as_tensor([fr % 2], device=env.device), fv)
             final_values[ft, fr] = float(model.value(fo)[0])
     return Critic(values.reshape(T + 1, R), final_values, n_legal.reshape(T + 1, R)[:T],
                   legal.reshape(T + 1, R)[:T], time.perf_counter() - t0)
