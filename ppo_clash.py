@@ -2458,7 +2458,7 @@ def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: boo
     env = read_env(args, comm)                # geometry, codec table and T x R, read off a reset env
     learner = Learner(args, env, comm)        # the network, its optimizers, scaler, backoff, positions
     seeds = check_seeds(args, env, learner.model) if comm.voice and resume is None else []   # before any long step
-    env.mask_disagreements = run_startup_gates(args, env, learner.model, quiet or not comm.voice)   # design 3.8
+    run_startup_gates(args, env, learner.model, quiet or not comm.voice)   # design 3.8
     # a warm start (WarmArgs) makes v0 the clone of a scripted rung; every rank clones alike
     cloned = warm_start(args, env, learner.model, quiet or not comm.voice) if resume is None and args.warm.rung else None
     t0 = time.perf_counter() if t_start is None else t_start
@@ -2516,6 +2516,7 @@ class Env:
     rank: int = 0             # this process's rank (0: the one voice)
     backend: str = ""         # the process group's ("gloo", "nccl"); "" for one process
     mask_disagreements: int = 0   # the start-up gate's count of mask-vs-engine disagreements
+    vram_needed_mb: float | None = None   # step 12's one-minibatch peak plus the headroom (CUDA)
     card_names: tuple[str, ...] = ()   # the engine's catalogue by card id, which the hand one-hot indexes
 
     @property
@@ -3590,6 +3591,7 @@ class Gate(NamedTuple):
     ok: bool | None         # None: skipped, and detail says why
     detail: str
     remedy: str = ""
+    value: float | None = None   # a reading the rows keep (step 12: health/vram_needed_mb)
 
 
 # Resident memory a process costs, for the RAM ledger [M, this project's 2-core machine,
@@ -3716,7 +3718,8 @@ def vram_gate(args: Args, env: Env, model: ActorCritic) -> Gate:
     left = free0 / 2**20 - peak_mb
     return Gate(12, name, left >= args.doctor.vram_headroom_mb,
                 f"{peak_mb:,.0f} MB peak, {left:,.0f} MB left of the {free0 / 2**20:,.0f} MB free",
-                "lower ppo.minibatch_size (a pure memory knob), or --doctor.vram-headroom-mb")
+                "lower ppo.minibatch_size (a pure memory knob), or --doctor.vram-headroom-mb",
+                peak_mb + args.doctor.vram_headroom_mb)
 
 
 def check_gates(gates: list[Gate]) -> None:
@@ -3731,14 +3734,15 @@ def gate_lines(gates: list[Gate]) -> list[str]:
             for g in gates]
 
 
-def run_startup_gates(args: Args, env: Env, model: ActorCritic, quiet: bool) -> int:
-    """Training's start: the gates, printed unless quiet, refused on the first failure; returns
-    the mask disagreement count the rows carry."""
+def run_startup_gates(args: Args, env: Env, model: ActorCritic, quiet: bool) -> None:
+    """Training's start: the gates, printed unless quiet, refused on the first failure; what the
+    rows carry of them goes on env (the mask disagreement count, step 12's vram_needed_mb)."""
     gates, n_dis = startup_gates(args, env, model)
     if not quiet:
         print("start-up gates (design 3.8):\n" + "\n".join(gate_lines(gates)))
     check_gates(gates)
-    return n_dis
+    env.mask_disagreements = n_dis
+    env.vram_needed_mb = next((g.value for g in gates if g.step == 12), None)
 
 
 class IdentityMismatch(ValueError):
@@ -4518,11 +4522,19 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "env/reward_shaping_abs": ("reward", "sum of reward_terms_abs over every term but terminal (shaping_dominates reads it)", None, True),
     "env/reward_terminal_abs": ("reward", "reward_terms_abs/terminal (0 when no term is filed as terminal)", None, True),
     "health/rss_peak_mb": ("MB", "the process's peak resident memory (getrusage); machine-dependent like time/", None, False),
+    # the device-memory regime, on a CUDA device only (device_memory)
+    "health/vram_peak_mb": ("MB", "the iteration's peak allocated device memory", None, True),
+    "health/vram_reserved_mb": ("MB", "device memory torch's allocator holds", None, True),
+    "health/vram_inactive_split_mb": ("MB", "reserved but unusable between split blocks (fragmentation)", None, True),
+    "health/vram_driver_free_mb": ("MB", "free device memory as the driver reports it (vram_spilling reads it)", None, True),
+    "health/vram_available_mb": ("MB", "driver free plus what this process reserves", None, True),
+    "health/vram_alloc_retries": ("count", "allocations that had to free the cache and retry, run total", None, True),
+    "health/vram_needed_mb": ("MB", "one minibatch's peak measured at start-up plus doctor.vram_headroom_mb", None, True),
 }
 
 # Keys whose value depends on the machine or the clock rather than the run: the resume test
 # compares every other key byte for byte (design 2.4, 8.3).
-NONDETERMINISTIC = ("time/", "throughput/", "run/wall_seconds", "health/rss_peak_mb")
+NONDETERMINISTIC = ("time/", "throughput/", "run/wall_seconds", "health/rss_peak_mb", "health/vram_")
 
 
 def episode_metrics(eps: Sequence[Any], cap: int = 0) -> dict[str, float]:
@@ -4651,6 +4663,53 @@ def decision_facts(vector: torch.Tensor, action: torch.Tensor, geo: NetGeometry)
     return card, elixir
 
 
+def device_memory(device: torch.device, needed_mb: float | None) -> dict[str, float]:
+    """The device-memory regime at the iteration's end (design 9.2; CUDA only, else nothing): which
+    memory a slowing update is in. The driver's free memory is the one vram_spilling reads; a
+    process that holds its allocation cannot tell an outsider's squeeze from its own use any other
+    way. The peak is this iteration's (reset here)."""
+    if device.type != "cuda":
+        return {}
+    mb = 2.0 ** 20
+    free, _ = torch.cuda.mem_get_info(device)
+    st = torch.cuda.memory_stats(device)
+    reserved = torch.cuda.memory_reserved(device)
+    out = {"health/vram_peak_mb": torch.cuda.max_memory_allocated(device) / mb,
+           "health/vram_reserved_mb": reserved / mb,
+           "health/vram_inactive_split_mb": st.get("inactive_split_bytes.all.current", 0) / mb,
+           "health/vram_driver_free_mb": free / mb, "health/vram_available_mb": (free + reserved) / mb,
+           "health/vram_alloc_retries": float(st.get("num_alloc_retries", 0))}
+    if needed_mb is not None:
+        out["health/vram_needed_mb"] = needed_mb
+    torch.cuda.reset_peak_memory_stats(device)
+    return out
+
+
+VRAM_FULL_MB = 128.0   # driver-free device memory under which a card counts as full (vram_spilling)
+
+
+class VramSpilling:
+    """vram_spilling's predicate (design 9.3): time/update at least twice the best this run has had
+    in the same actor state (an update with no actor forward, a warm start's critic-only one, is
+    much cheaper and keeps a best of its own) while the driver says under 128 MB is free. A busy
+    machine slows an update 1.4-1.7x, a spill to host memory about 4x [the specification's M]. The
+    best is a running minimum over earlier rows, so a slow row cannot raise its own bar. A row
+    without a CUDA reading is no evidence (None). Its state comes back on a resume, as every
+    alarm's does, from the rows replayed."""
+
+    def __init__(self) -> None:
+        self.best: dict[bool, float] = {}
+
+    def __call__(self, row: dict[str, Any]) -> bool | None:
+        t, free = row.get("time/update"), row.get("health/vram_driver_free_mb")
+        if t is None or free is None:
+            return None
+        actor = row.get("ppo/actor_forwards", 1.0) > 0
+        best = self.best.get(actor)
+        self.best[actor] = t if best is None else min(best, t)
+        return best is not None and t >= 2 * best and free < VRAM_FULL_MB
+
+
 def rss_peak_mb() -> float:
     """Peak resident set of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
     import resource
@@ -4703,8 +4762,8 @@ def _shaping_dominates(row: dict[str, Any]) -> bool | None:
 def alarm_table(args: Args) -> list[Alarm]:
     """design 9.3's table, the keys this row carries. Thresholds are config (excluded from the
     identity: an alarm can stop a run, never change a number); patience and severity are not.
-    Not here: vram_spilling (no VRAM readings), capacity_ratio (no honest rollout_capacity_ratio
-    without overlap: see the module docstring). artefact_exploit warns and names five winning
+    Not here: capacity_ratio (no honest rollout_capacity_ratio without overlap: see the module
+    docstring). artefact_exploit warns and names five winning
     episodes (alarm_rows) rather than writing their traces, which checks.py writes."""
     al = args.alarms
     return [
@@ -4743,6 +4802,10 @@ def alarm_table(args: Args) -> list[Alarm]:
         Alarm("tile_spam", "policy/tile_top1_share", ">", 0.25, 5, "warn", "a quarter of the learner's plays on one tile"),
         Alarm("artefact_exploit", "policy/card_tile_top10_share", ">", 0.5, 5, "warn",
               "half the learner's plays on ten (card, tile) pairs: a real meta is not that concentrated"),
+        Alarm("vram_spilling", "health/vram_driver_free_mb", "<", VRAM_FULL_MB, 3, "warn",
+              "the update is twice as slow as this run's best on a card the driver says is full: memory "
+              "backed by the host over PCIe (lower ppo.minibatch_size, or free the card)",
+              test=VramSpilling(), reads=("time/update", "health/vram_driver_free_mb")),
     ]
 
 
@@ -5019,7 +5082,8 @@ def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: LadderLoop
         "throughput/discarded_rows_frac": 1.0 - float(trainable.sum()) / max(int(valid.sum()), 1),
         "throughput/inference_ms_per_round": 1e3 * roll.t_inference / max(roll.rounds, 1),
         "throughput/inference_rows_forward": roll.rows_forward, "throughput/inference_rows_skipped": roll.rows_skipped,
-        "health/rss_peak_mb": rss_peak_mb(), **pol, **episode_metrics(roll.episodes, args.obs.max_steps),
+        "health/rss_peak_mb": rss_peak_mb(), **device_memory(env.device, env.vram_needed_mb), **pol,
+        **episode_metrics(roll.episodes, args.obs.max_steps),
         "time/critic_pass": crit.seconds, "time/gae": adv.seconds, "time/update": upd["time/update"],
         "throughput/collected_steps_per_second": env.game_steps / max(roll.t_collect, 1e-9),
         "ppo/explained_variance": adv.explained_variance, "ppo/reward_clip_frac": adv.reward_clip_frac,

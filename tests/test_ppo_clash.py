@@ -3027,6 +3027,37 @@ def test_each_new_alarm_fires_after_exactly_its_patience_and_stays_silent_on_a_h
     assert _fires(name, [{}] * 8) == [False] * 8                       # keys absent: counts nothing
 
 
+def test_vram_spilling_needs_a_slow_update_against_the_same_actor_states_best_on_a_full_card():
+    """Twice the running best and under 128 MB free, three rows in a row. A critic-only update (no
+    actor forward) keeps its own best, or a warm start's cheap updates would make every later one
+    look slow; a row without a CUDA reading is no evidence; a slow row does not raise the bar."""
+    def row(t, free, actor=True):
+        return {"time/update": t, "health/vram_driver_free_mb": free, "ppo/actor_forwards": 4.0 if actor else 0.0}
+    assert _fires("vram_spilling", [row(10, 900)] * 2 + [row(20, 50)] * 3) == [False] * 4 + [True]
+    assert _fires("vram_spilling", [row(10, 900)] + [row(19, 50)] * 4) == [False] * 5        # 1.9x: a busy machine
+    assert _fires("vram_spilling", [row(10, 900)] + [row(40, 900)] * 4) == [False] * 5       # slow, card not full
+    assert _fires("vram_spilling", [row(2, 900, actor=False)] * 3 + [row(10, 50)] * 4) == [False] * 7
+    assert _fires("vram_spilling", [row(10, 900)] + [row(25, 50), row(25, 50), row(21, 50)]) == [False, False, False, True]
+    assert _fires("vram_spilling", [{"time/update": 10.0}] + [{"time/update": 40.0}] * 4) == [False] * 5   # no CUDA
+
+
+def test_device_memory_reads_the_cuda_allocator_and_driver_and_nothing_on_cpu(monkeypatch):
+    assert P.device_memory(torch.device("cpu"), 300.0) == {}
+    mb, reset = 2 ** 20, []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (100 * mb, 4096 * mb))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda d: {"inactive_split_bytes.all.current": 3 * mb,
+                                                               "num_alloc_retries": 2})
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 900 * mb)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 700 * mb)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: reset.append(d))
+    m = P.device_memory(torch.device("cuda", 0), 300.0)
+    assert m == {"health/vram_peak_mb": 700.0, "health/vram_reserved_mb": 900.0, "health/vram_inactive_split_mb": 3.0,
+                 "health/vram_driver_free_mb": 100.0, "health/vram_available_mb": 1000.0,
+                 "health/vram_alloc_retries": 2.0, "health/vram_needed_mb": 300.0}
+    assert set(m) <= set(P.SCHEMA) and all(k.startswith(P.NONDETERMINISTIC) for k in m) and len(reset) == 1
+    assert "health/vram_needed_mb" not in P.device_memory(torch.device("cuda", 0), None)
+
+
 def test_gate_starved_is_an_event_of_a_gating_row_not_a_state():
     rows = [{"time/gate": 9.0, "ladder/gate_consecutive_discards": 5}, {"ladder/gate_consecutive_discards": 5},
             {"time/gate": 9.0, "ladder/gate_consecutive_discards": 6}]
