@@ -484,8 +484,43 @@ def _played_by_step(rec: farm.EpisodeRecord, noop: int,
     return by, None
 
 
-def replay_record(renv: ReplayEnv, rec: farm.EpisodeRecord) -> Replayed:
-    """Re-simulate one record: its seed, both seats' played actions, its gammas; compare."""
+class Recorders:
+    """Several recorders on one env, which takes one: a trace's ReplayRecorder beside the
+    TrajectoryDigest every replay keeps. Per-tick frames if any of them asks."""
+
+    def __init__(self, *recs: Any) -> None:
+        self.recs, self.frame_every_tick = recs, any(r.frame_every_tick for r in recs)
+
+    def begin(self, engine: Any, seed: int, init: Any) -> None:
+        for r in self.recs:
+            r.begin(engine, seed, init)
+
+    def record_frame(self, engine: Any) -> None:
+        for r in self.recs:
+            r.record_frame(engine)
+
+    def record_step(self, *step: Any) -> None:
+        for r in self.recs:
+            r.record_step(*step)
+
+    def end(self, engine: Any) -> None:
+        for r in self.recs:
+            r.end(engine)
+
+
+def replay_record(renv: ReplayEnv, rec: farm.EpisodeRecord, recorder: Any = None) -> Replayed:
+    """Re-simulate one record: its seed, both seats' played actions, its gammas; compare. The
+    engine's states are chained as the worker chained them (farm.TrajectoryDigest); `recorder`,
+    a trace's, rides beside."""
+    digest = farm.TrajectoryDigest()
+    renv.env.recorder = digest if recorder is None else Recorders(recorder, digest)
+    try:
+        return _replay_steps(renv, rec, digest)
+    finally:
+        renv.env.recorder = None
+
+
+def _replay_steps(renv: ReplayEnv, rec: farm.EpisodeRecord, digest: farm.TrajectoryDigest) -> Replayed:
     from royalegym.action import NOOP
     env, me = renv.env, SEATS[rec.seat]
     renv.deal(rec)
@@ -519,15 +554,16 @@ def replay_record(renv: ReplayEnv, rec: farm.EpisodeRecord) -> Replayed:
     last = rec.episode_steps - 1
     if not ended:
         return Replayed([], Divergence(last, "episode_steps", rec.episode_steps, "still running"))
-    fields = _final_fields(rec, info[me], cards, illegal, ret, farm.episode_step_abs(env, rec.seat))
+    fields = _final_fields(rec, info[me], cards, illegal, ret, farm.episode_step_abs(env, rec.seat), digest.digest)
     first = next((Divergence(last, f, a, b) for f, a, b in fields if not _same(a, b)), None)
     return Replayed(fields, first)
 
 
 def _final_fields(rec: farm.EpisodeRecord, fin: dict[str, Any], cards: int, illegal: int,
-                  ret: float, step_abs: dict[str, float]) -> list[tuple[str, Any, Any]]:
+                  ret: float, step_abs: dict[str, float], digest: str) -> list[tuple[str, Any, Any]]:
     """(field, record, replay) for everything the record states about how the episode ended. A
-    record written before reward_terms_step_abs existed has none, and nothing to compare."""
+    record written before reward_terms_step_abs or trajectory_digest existed has none, and
+    nothing to compare."""
     terms = {k.split("/", 1)[1]: float(v) for k, v in fin.items() if k.startswith("reward_sum/")}
     out: list[tuple[str, Any, Any]] = [(f, getattr(rec, f), type(getattr(rec, f))(fin[f])) for f in (
         "episode_steps", "episode_ticks", "own_crowns", "enemy_crowns", "own_tower_hp_frac",
@@ -540,6 +576,8 @@ def _final_fields(rec: farm.EpisodeRecord, fin: dict[str, Any], cards: int, ille
     if rec.reward_terms_step_abs:
         out += [(f"reward_terms_step_abs.{k}", rec.reward_terms_step_abs.get(k, _ABSENT), step_abs.get(k, _ABSENT))
                 for k in sorted(set(rec.reward_terms_step_abs) | set(step_abs))]
+    if rec.trajectory_digest:
+        out.append(("trajectory_digest", rec.trajectory_digest, digest))
     return out
 
 
@@ -568,11 +606,9 @@ def replay_to_trace(renv: ReplayEnv, i: int, rec: farm.EpisodeRecord, path: Path
     the replay matched its record, then re-simulated on a fresh engine by royalegym's own
     verify_trace, which checks every deploy status and every frame's state hash. 0 when both hold."""
     from royalegym.replay import ReplayRecorder, save_trace, verify_trace
-    renv.env.recorder = ReplayRecorder(frame_every_tick=True)
-    try:
-        res = replay_record(renv, rec)
-    finally:
-        trace, renv.env.recorder = renv.env.recorder.trace, None
+    recorder = ReplayRecorder(frame_every_tick=True)
+    res = replay_record(renv, rec, recorder)
+    trace = recorder.trace
     if print_replayed(i, rec, res):
         print(f"no trace written: the replay diverged from the record, so {path} would show a battle "
               "that did not happen")

@@ -292,9 +292,13 @@ def env_factory(spec: EnvFactorySpec) -> Any:
 
 def build_vec(spec: EnvFactorySpec, num_games: int, *, viser: Any = None,
               autoreset_seed_fn: Callable[[int, int], int] | None = None) -> Any:
+    """The vec env every worker, replay and play steps: each battle's env carries a
+    TrajectoryDigest from before its first reset (a record's trajectory_digest)."""
     from royalegym.env import ClashSelfPlayVecEnv
-    return ClashSelfPlayVecEnv(num_games, env_factory(spec), viser=viser,
-                               autoreset_seed_fn=autoreset_seed_fn)
+    vec = ClashSelfPlayVecEnv(num_games, env_factory(spec), viser=viser, autoreset_seed_fn=autoreset_seed_fn)
+    for e in vec.envs:
+        e.recorder = TrajectoryDigest()
+    return vec
 
 
 def _value(v: Any, extra) -> Any:
@@ -691,6 +695,36 @@ def episode_step_abs(env: Any, seat: int) -> dict[str, float]:
     from royalegym.env import AGENT_TEAM, AGENTS
     sums = getattr(env.reward_fn, "step_abs", None)
     return dict(sums.get(AGENT_TEAM[AGENTS[seat]], {})) if sums is not None else {}
+
+
+class TrajectoryDigest:
+    """A royalegym recorder (the env's duck-typed `recorder` hook) that keeps no frames: a chain
+    hash of the engine's state_hash at the episode's reset and after each decision, read as
+    `digest` once the episode has ended (kept until the next one ends, so a worker reads it after
+    the vec env's SAME_STEP autoreset). An edit to a recorded battle that ends it with the same
+    statistics still moves a state on its way, so replay compares the chain (checks.py). About
+    4 us of engine hashing a decision [M: RustEngine.state_hash, this 2-core machine]. It asks for
+    no per-tick frames, so the env keeps its one-call step; a recorder of those (a trace) beside
+    it is checks.py's Recorders."""
+    frame_every_tick = False
+
+    def __init__(self) -> None:
+        self.digest = ""
+        self._engine: Any = None
+        self._h: Any = None
+
+    def begin(self, engine: Any, seed: int, init: Any) -> None:
+        self._engine, self._h = engine, hashlib.blake2b(digest_size=8)
+        self._h.update(int(engine.state_hash()).to_bytes(8, "little"))
+
+    def record_frame(self, engine: Any) -> None:
+        pass   # once per tick or per decision depending on who watches; record_step is once per decision
+
+    def record_step(self, tick: int, ticks: int, commands: Any, results: Any) -> None:
+        self._h.update(int(self._engine.state_hash()).to_bytes(8, "little"))
+
+    def end(self, engine: Any) -> None:
+        self.digest = self._h.hexdigest()
 
 
 def set_env_gamma(env: Any, gamma: float) -> None:
@@ -1100,6 +1134,7 @@ class EpisodeRecord(msgspec.Struct, frozen=True):
     played: tuple[tuple[int, int, int], ...]
     eval_index: int = -1                    # the evaluation mode: the EvalEpisode played; else -1
     reward_terms_step_abs: dict[str, float] = {}   # each term's sum |F_t| ({}: a reward keeping none)
+    trajectory_digest: str = ""             # TrajectoryDigest: the engine's states, chained ("": older record)
 
 
 class WorkerFailure(msgspec.Struct, frozen=True):
@@ -1309,6 +1344,7 @@ class RunningEpisodes:
             "illegal_commands": int(self.illegal[i]), "undiscounted_return": float(self.ret[i]),
             "reward_terms": terms, "played": self.played[g], "eval_index": ev,
             "reward_terms_step_abs": episode_step_abs(envs[g], i % 2),
+            "trajectory_digest": envs[g].recorder.digest,
         }
         self.cards[i] = self.illegal[i] = 0
         self.ret[i] = 0.0

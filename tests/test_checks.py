@@ -167,9 +167,27 @@ def test_replay_names_an_edited_step_abs_and_passes_a_record_from_before_it_exis
 
     code, out, _ = run_main("replay", str(_edited_copy(smoke_run, tmp_path / "louder", {0: louder})), "--episode", "0")
     assert code == 1 and "reward_terms_step_abs.CommittedElixirPotential: record" in out, out
-    code, out, _ = run_main("replay", str(_edited_copy(smoke_run, tmp_path / "old", {0: lambda r: r.pop("reward_terms_step_abs")})),
-                            "--episode", "0")
-    assert code == 0 and "MATCH" in out and "reward_terms_step_abs" not in out, out
+    def old(r):
+        r.pop("reward_terms_step_abs")
+        r.pop("trajectory_digest")
+
+    code, out, _ = run_main("replay", str(_edited_copy(smoke_run, tmp_path / "old", {0: old})), "--episode", "0")
+    assert code == 0 and "MATCH" in out and "reward_terms_step_abs" not in out and "trajectory_digest" not in out, out
+
+
+@pytest.mark.slow
+def test_replay_holds_the_trajectory_digest_even_when_both_seats_records_are_edited_alike(smoke_run, tmp_path):
+    """The gap the twin check leaves (one edit made to both records of a battle) is closed by the
+    chain of engine states: both records' digest edited, replay names the field."""
+    recs = [json.loads(x) for x in (smoke_run / "episodes.jsonl").read_text().splitlines()]
+    (twin,) = [j for j, r in enumerate(recs) if j and (r["battle"], r["ordinal"]) == (recs[0]["battle"], recs[0]["ordinal"])]
+    assert len(recs[0]["trajectory_digest"]) == 16 and recs[0]["trajectory_digest"] == recs[twin]["trajectory_digest"]
+
+    def other(r):
+        r["trajectory_digest"] = "0" * 16
+
+    code, out, _ = run_main("replay", str(_edited_copy(smoke_run, tmp_path / "d", {0: other, twin: other})), "--episode", "0")
+    assert code == 1 and f"trajectory_digest: record '{'0' * 16}', replay '{recs[0]['trajectory_digest']}'" in out, out
 
 
 @pytest.mark.slow

@@ -286,6 +286,42 @@ def test_a_term_s_loudness_is_linear_in_its_weight_and_kept_until_the_next_episo
     assert fresh != one and fresh["CommittedElixirPotential"] < one["CommittedElixirPotential"]
 
 
+def _digested_battle(seed: int, change_first_play: bool = False) -> tuple[str, list[int], str]:
+    """A battle to its end under a TrajectoryDigest, both seats random legal (the first play moved
+    to another legal action if asked): its digest, the engine hashes seen at the reset and after
+    each decision, and the digest read after the next reset."""
+    from royalegym.action import NOOP
+    env = farm.env_factory(farm.default_env_spec())()
+    env.recorder = farm.TrajectoryDigest()
+    rng = np.random.default_rng(5)
+    obs, _ = env.reset(seed=seed)
+    hashes, done, changed = [int(env.engine.state_hash())], False, not change_first_play
+    while not done:
+        acts = {}
+        for seat in ("blue", "red"):
+            legal = np.flatnonzero(obs[seat]["action_mask"])
+            acts[seat] = int(rng.choice(legal)) if rng.random() < 0.2 else NOOP
+            if not changed and acts[seat] != NOOP and len(legal) > 2:
+                acts[seat], changed = int(next(a for a in legal if a not in (NOOP, acts[seat]))), True
+        obs, _, term, trunc, _ = env.step(acts)
+        hashes.append(int(env.engine.state_hash()))
+        done = term["blue"] or trunc["blue"]
+    digest = env.recorder.digest
+    env.reset(seed=seed + 1)
+    return digest, hashes, env.recorder.digest
+
+
+def test_the_trajectory_digest_chains_every_decisions_engine_state_and_is_kept_past_the_reset():
+    import hashlib
+    digest, hashes, kept = _digested_battle(21)
+    h = hashlib.blake2b(digest_size=8)
+    for x in hashes:
+        h.update(x.to_bytes(8, "little"))
+    assert len(hashes) > 50 and digest == h.hexdigest() and kept == digest      # readable after the autoreset
+    assert _digested_battle(21)[0] == digest                                     # a function of the battle
+    assert _digested_battle(21, change_first_play=True)[0] != digest             # one tile moved: another chain
+
+
 # --- 4. the byte layout (design 3.4) ----------------------------------------------------------
 
 def test_layout_golden_record():
