@@ -600,16 +600,20 @@ def print_replayed(i: int, rec: farm.EpisodeRecord, res: Replayed) -> int:
     return 1 if res.divergence else 0
 
 
-def replay_to_trace(renv: ReplayEnv, i: int, rec: farm.EpisodeRecord, path: Path) -> int:
-    """Replay one record as print_replayed does, with royalegym's recorder on the env, so the
-    battle leaves as a royalegym Trace (a frame every engine tick): written to `path` only when
-    the replay matched its record, then re-simulated on a fresh engine by royalegym's own
-    verify_trace, which checks every deploy status and every frame's state hash. 0 when both hold."""
+def replay_to_trace(renv: ReplayEnv, i: int, rec: farm.EpisodeRecord, path: Path, table: bool = True) -> int:
+    """Replay one record as print_replayed does (its field table, or with table False one line),
+    with royalegym's recorder on the env, so the battle leaves as a royalegym Trace (a frame
+    every engine tick): written to `path` only when the replay matched its record, then
+    re-simulated on a fresh engine by royalegym's own verify_trace, which checks every deploy
+    status and every frame's state hash. 0 when both hold."""
     from royalegym.replay import ReplayRecorder, save_trace, verify_trace
     recorder = ReplayRecorder(frame_every_tick=True)
     res = replay_record(renv, rec, recorder)
     trace = recorder.trace
-    if print_replayed(i, rec, res):
+    if not table:
+        print(f"replayed from {SEATS[rec.seat]}'s record: " + (f"DIVERGES at {res.divergence}" if res.divergence
+                                                               else "every field and the trajectory digest match"))
+    if (print_replayed(i, rec, res) if table else res.divergence is not None):
         print(f"no trace written: the replay diverged from the record, so {path} would show a battle "
               "that did not happen")
         return 1
@@ -1014,7 +1018,8 @@ def cmd_play(cmd: "Play") -> int:
         ladder.write_atomic(Path(cmd.save), msgspec.json.format(msgspec.json.encode(saved), indent=1) + b"\n")
         print(f"saved both seats' records and the env to {cmd.save}; check it: python checks.py replay {cmd.save}")
     if cmd.trace is not None:   # the battle re-simulated from blue's record, as `replay F --trace` does
-        return replay_to_trace(SavedBattleEnv(Path(cmd.save or "<this battle>"), saved), 0, records[0], cmd.trace)
+        return replay_to_trace(SavedBattleEnv(Path(cmd.save or "<this battle>"), saved), 0, records[0], cmd.trace,
+                               table=False)
     return 0
 
 

@@ -471,6 +471,7 @@ def test_play_trace_writes_the_battle_it_played_verified(tmp_path):
     code, out, err = run_main("play", "--blue", "scripted:push", "--red", "scripted:patient", "--seed", "5",
                               "--save", str(tmp_path / "b.json"), "--trace", str(tmp_path / "b.msgpack"))
     assert code == 0 and "verify_trace: identical on a fresh engine" in out, out + err
+    assert "replayed from blue's record: every field and the trajectory digest match" in out and "MATCH" not in out
     blue = checks.read_saved_battle(tmp_path / "b.json").records[0]
     trace = load_trace(tmp_path / "b.msgpack")
     assert len(trace.steps) == blue.episode_steps and trace.result.winner == blue.winner
