@@ -2782,21 +2782,17 @@ def frame_stack_rows(t: np.ndarray, k: int) -> np.ndarray:
     return t[:, None] + np.arange(k)[None, :]
 
 
-def frame_valid(last_start: np.ndarray, t: np.ndarray, r: np.ndarray, k: int) -> np.ndarray:
+def frame_valid(last_start: np.ndarray, t: np.ndarray, r: np.ndarray, k: int,
+                owner_t: np.ndarray | None = None) -> np.ndarray:
     """(n, k) bool: frame j of cell (t, r) is the cycle t-k+1+j; it is live only if it belongs to
-    the episode running at t, i.e. that cycle is not before the episode's first cycle.
-    last_start[c + k - 1, r] is the first cycle of the episode running at cycle c."""
+    the episode that owns the stack, i.e. that cycle is not before the episode's first cycle.
+    last_start[c + k - 1, r] is the first cycle of the episode running at cycle c. The owner is
+    the episode running at t, except for a final observation: its stack sits at cycle ft + 1 but
+    belongs to the episode that ended out of cycle ft (owner_t = ft), whereas row ft + k already
+    holds the next episode's start, which would kill its history."""
+    own = t if owner_t is None else owner_t
     cyc = t[:, None] - (k - 1) + np.arange(k)[None, :]
-    return cyc >= last_start[t + k - 1, r][:, None]
-
-
-def final_frame_valid(last_start: np.ndarray, ft: int, r: int, k: int) -> np.ndarray:
-    """(1, k) bool for the final observation of slot r's episode that ended on the transition out
-    of cycle ft: its stack is cycles ft+2-k .. ft+1, the last frame the final observation itself.
-    A frame is live if its cycle is not before THAT episode's first cycle, last_start[ft + k - 1, r]
-    (row ft + k holds the next episode's start, which frame_valid at ft + 1 would read)."""
-    cyc = ft + 2 - k + np.arange(k)
-    return (cyc >= last_start[ft + k - 1, r])[None]
+    return cyc >= last_start[own + k - 1, r][:, None]
 
 
 class RectView:
@@ -3042,7 +3038,8 @@ def critic_pass(model: ActorCritic, view: RectView, source: Any, action: np.ndar
         for (ft, fr), raw in sorted(source.finals.items()):
             rows = source.rect[frame_stack_rows(np.array([ft + 1]), k)[0], fr].copy()
             rows[-1] = raw
-            fv = torch.as_tensor(final_frame_valid(view.last_start, ft, fr, k), device=env.device) if k > 1 else None
+            fv = (torch.as_tensor(frame_valid(view.last_start, np.array([ft + 1]), np.array([fr]), k, np.array([ft])),
+                                  device=env.device) if k > 1 else None)
             fo = codec.unpack(env.table, torch.as_tensor(rows[None], device=env.device), env.statics,
                               torch.as_tensor([fr % 2], device=env.device), fv)
             final_values[ft, fr] = float(model.value(fo)[0])

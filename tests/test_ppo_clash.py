@@ -1676,16 +1676,16 @@ def test_frame_stack_rows_and_liveness():
 def test_a_final_observations_stack_is_live_back_to_its_own_episodes_start():
     """k = 3, slot 0: an episode began at cycle 4 and ended on the transition out of cycle 5 (two
     decisions), the next began at cycle 6. The final observation's stack (cycles 4, 5, final) is
-    all its own episode's; one that ended out of cycle 4 (one decision) has cycle 3 dead, and
-    frame_valid at the next cycle, which reads the next episode's start, would kill its history."""
+    all its own episode's; one that ended out of cycle 4 (one decision) has cycle 3 dead; and
+    with no owner_t, frame_valid would read the next episode's start and kill its history."""
     k = 3
     last_start = np.zeros((8 + k, 1), np.int64)
     last_start[k - 1 + 4, 0] = last_start[k - 1 + 5, 0] = 4
     last_start[k - 1 + 6:, 0] = 6
-    assert P.final_frame_valid(last_start, 5, 0, k).tolist() == [[True, True, True]]
+    assert P.frame_valid(last_start, np.array([6]), np.array([0]), k, np.array([5])).tolist() == [[True, True, True]]
     assert P.frame_valid(last_start, np.array([6]), np.array([0]), k).tolist() == [[False, False, True]]
     last_start[k - 1 + 5:, 0] = 5          # the episode of cycle 4 ended at once; the next began at 5
-    assert P.final_frame_valid(last_start, 4, 0, k).tolist() == [[False, True, True]]
+    assert P.frame_valid(last_start, np.array([5]), np.array([0]), k, np.array([4])).tolist() == [[False, True, True]]
 
 
 def test_latest_checkpoint_reads_manifests_and_survives_strays(tmp_path):
