@@ -50,7 +50,8 @@ test-fast: $(VENV)/.installed
 SLOW_LOG := .pytest_cache/slow-test_ppo_clash.log
 
 test-slow: $(VENV)/.installed
-	@mkdir -p .pytest_cache; \
+	@echo "$(VPY) -m pytest -q -m slow, as two processes: tests/test_ppo_clash.py (into $(SLOW_LOG)) beside the rest"; \
+	mkdir -p .pytest_cache; \
 	$(VPY) -m pytest -q -m slow tests/test_ppo_clash.py > $(SLOW_LOG) 2>&1 & learner=$$!; \
 	$(VPY) -m pytest -q -m slow --ignore tests/test_ppo_clash.py; rest=$$?; \
 	wait $$learner; own=$$?; \

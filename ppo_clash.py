@@ -3487,7 +3487,7 @@ def user_code_digest(entry: Path | str | None = None, extra: Sequence[Path] = ()
 def script_digest(src: bytes, filename: str) -> tuple[str, tuple[str, ...]]:
     """One script's code_tokens hash and the top-level modules it imports: a pure function of its
     bytes, so a process that opens several runs (verify-resume, a test session) tokenizes each
-    script once (0.5 s for the project's five [M])."""
+    script once (0.5 s for the four a run imports [M])."""
     imported = []
     for node in ast.walk(ast.parse(src, filename=filename)):
         names = ([a.name for a in node.names] if isinstance(node, ast.Import) else

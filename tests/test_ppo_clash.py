@@ -3210,34 +3210,33 @@ def test_candidates_are_due_at_multiples_of_the_cadence_so_a_1m_benchmark_gates_
 
 @pytest.mark.slow
 def test_a_run_stopped_between_two_gates_continues_as_if_it_never_stopped(tmp_path):
-    """design 7.4 / 8.1 / 2.4: a smoke run with gates at iterations 2 and 3 (172 game-steps an
-    iteration, a candidate due at each multiple of 258 [A]) and a probe on iteration 3; battles
-    are played whole, so B's last checkpoint finds them mid-episode (the resume re-simulates them,
-    design 3.9). Run A goes straight to iteration 3.
-    Run B stops at its limit after iteration 2, between the gates, and a fresh process extends it
-    to 3. B's row 3 equals A's field for field (wall clock aside), its probe and the second gate
+    """design 7.4 / 8.1 / 2.4: a smoke run with gates at iterations 2 and 4 (172 game-steps an
+    iteration, a candidate due at each multiple of 300 [A]) and a probe every 2; battles are
+    played whole, so B's last checkpoint finds them mid-episode (the resume re-simulates them,
+    design 3.9). Run A goes straight to iteration 4.
+    Run B stops at its limit after iteration 3, between the gates, and a fresh process extends it
+    to 4. B's row 4 equals A's field for field (wall clock aside), its probe and the second gate
     decide the same, and B's result log holds exactly A's games (no replayed battle
     appended twice)."""
     import subprocess
     import sys
-    flags = ["--profile", "smoke", "--ladder.candidate-every-env-steps", "258",
+    flags = ["--profile", "smoke", "--ladder.candidate-every-env-steps", "300",
              "--ladder.refit-every-iterations", "1", "--ladder.gate.champion-games", "4",
              "--ladder.gate.anchor-games", "2", "--ladder.gate.stratified-games", "2",
              "--ladder.gate.bootstrap-resamples", "100",
-             "--ladder.probe-every-iterations", "3", "--ladder.probe-games", "2",
+             "--ladder.probe-every-iterations", "2", "--ladder.probe-games", "2",
              "--checkpoint.every-env-steps", "100000"]
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
-    run_a = P.train(P.parse_args(flags + ["--runs-dir", str(a_dir), "--timestep-limit", str(3 * 256)]), quiet=True)
-    run_b = P.train(P.parse_args(flags + ["--runs-dir", str(b_dir), "--timestep-limit", str(2 * 256)]), quiet=True)
+    run_a = P.train(P.parse_args(flags + ["--runs-dir", str(a_dir), "--timestep-limit", str(4 * 256)]), quiet=True)
+    run_b = P.train(P.parse_args(flags + ["--runs-dir", str(b_dir), "--timestep-limit", str(3 * 256)]), quiet=True)
     rows_a = [json.loads(x) for x in (run_a / "metrics.jsonl").read_text().splitlines()]
-    assert [r["run/iteration"] for r in rows_a] == [1, 2, 3]
-    assert [r["ladder/gate_attempts"] for r in rows_a] == [0, 1, 2]
-    assert [any(k.startswith("ladder/score_vs") for k in r) for r in rows_a] == [False, False, True]
+    assert [r["run/iteration"] for r in rows_a] == [1, 2, 3, 4]
+    assert [r["ladder/gate_attempts"] for r in rows_a] == [0, 1, 1, 2]
     proc = subprocess.run([sys.executable, str(ROOT / "ppo_clash.py"), "--resume", str(run_b),
-                           "--timestep-limit", str(3 * 256)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "--timestep-limit", str(4 * 256)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows_b = [json.loads(x) for x in (run_b / "metrics.jsonl").read_text().splitlines()]
-    assert [r["run/iteration"] for r in rows_b] == [1, 2, 3]
+    assert [r["run/iteration"] for r in rows_b] == [1, 2, 3, 4]
     clock = P.NONDETERMINISTIC + ("ladder/gate_seconds_frac", "ladder/probe_seconds_frac")
     keep = lambda r: {k: v for k, v in r.items() if not k.startswith(clock)}  # noqa: E731
     for ra, rb in zip(rows_a, rows_b):
