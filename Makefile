@@ -14,7 +14,7 @@ find_python = $(firstword $(PYTHON) \
 	$(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python $(HOME)/.pyenv/versions/3.13*/bin/python \
 	           $(PYENV_ROOT)/versions/3.12*/bin/python /root/.pyenv/versions/3.12*/bin/python))
 
-.PHONY: test test-fast test-slow train clean $(VENV)
+.PHONY: test test-fast test-slow slow-learner slow-rest train clean $(VENV)
 
 $(VENV)/.installed: pyproject.toml
 	@py="$(strip $(find_python))"; \
@@ -42,21 +42,20 @@ test: $(VENV)/.installed
 test-fast: $(VENV)/.installed
 	$(VPY) -m pytest -q
 
-# The slow tests run as two pytest processes side by side: the learner's file, whose output waits
-# in SLOW_LOG and is printed after, and the rest. A slow test trains on one torch thread (the smoke
-# profile's), so most of the time one core of a 2-core machine sat idle (the README has the
-# times). Either half failing fails the target; pytest exits 5 when a marker selects no
-# test, and a half may legitimately be empty.
-SLOW_LOG := .pytest_cache/slow-test_ppo_clash.log
-
+# The slow tests run as two pytest processes side by side (make -j2): the learner's file, and the
+# rest, each half's output printed whole when it ends. A slow test trains on one torch thread (the
+# smoke profile's), so one after the other one core of a 2-core machine sat idle (the README has
+# the times). Either half failing fails the target, Ctrl-C stops both, and the learner's half
+# keeps its own pytest cache so neither overwrites the other's last failures. pytest exits 5 when
+# a marker selects no test; a half may legitimately be empty.
 test-slow: $(VENV)/.installed
-	@echo "$(VPY) -m pytest -q -m slow, as two processes: tests/test_ppo_clash.py (into $(SLOW_LOG)) beside the rest"; \
-	mkdir -p .pytest_cache; \
-	$(VPY) -m pytest -q -m slow tests/test_ppo_clash.py > $(SLOW_LOG) 2>&1 & learner=$$!; \
-	$(VPY) -m pytest -q -m slow --ignore tests/test_ppo_clash.py; rest=$$?; \
-	wait $$learner; own=$$?; \
-	echo "--- the slow tests of tests/test_ppo_clash.py, run beside the above ($(SLOW_LOG)):"; cat $(SLOW_LOG); \
-	{ [ $$rest -eq 0 ] || [ $$rest -eq 5 ]; } && { [ $$own -eq 0 ] || [ $$own -eq 5 ]; }
+	@$(MAKE) --no-print-directory -j2 --output-sync=target slow-learner slow-rest
+
+slow-learner: $(VENV)/.installed
+	$(VPY) -m pytest -q -m slow -o cache_dir=.pytest_cache/slow-learner tests/test_ppo_clash.py || [ $$? -eq 5 ]
+
+slow-rest: $(VENV)/.installed
+	$(VPY) -m pytest -q -m slow --ignore tests/test_ppo_clash.py || [ $$? -eq 5 ]
 
 # laptop where CUDA is present, the cpu profile otherwise.
 train: $(VENV)/.installed
