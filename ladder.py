@@ -971,6 +971,16 @@ def snapshot_player_id(snapshot_id: str) -> str:
     return f"snap:{snapshot_id}"
 
 
+def _decode_spec(snapshot_id: str, path: Path, data: bytes) -> SnapshotSpec:
+    """spec.json's bytes as a SnapshotSpec. A shipped folder's id is its spec's own hash, so an
+    edited or truncated spec.json gets past the hash check and fails here, naming the file."""
+    try:
+        return msgspec.json.decode(data, type=SnapshotSpec)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise SnapshotMismatch(f"snapshot {snapshot_id}: {path} is not a snapshot spec ({e}); "
+                               f"the folder is damaged, or not a snapshot") from None
+
+
 class SnapshotStore:
     """runs/<id>/ladder/snapshots/<sha16>/{actor.safetensors, spec.json}. The folder name is the
     first 16 hex of sha256(spec.json), and spec.json carries the sha256 of the weights file, so
@@ -1039,7 +1049,7 @@ class SnapshotStore:
         if hashlib.sha256(data).hexdigest()[:16] != snapshot_id:
             raise SnapshotMismatch(f"snapshot {snapshot_id}: {path} does not hash to its folder name; "
                                    f"the spec was edited after it was saved")
-        return msgspec.json.decode(data, type=SnapshotSpec)
+        return _decode_spec(snapshot_id, path, data)
 
     def ids(self) -> list[str]:
         held = [p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")] \
@@ -1057,7 +1067,7 @@ class SnapshotStore:
         if hashlib.sha256(spec_bytes).hexdigest()[:16] != snapshot_id:
             raise SnapshotMismatch(f"snapshot {snapshot_id}: {folder / 'spec.json'} does not hash to its "
                                    f"folder name; the spec was edited after it was saved")
-        spec = msgspec.json.decode(spec_bytes, type=SnapshotSpec)
+        spec = _decode_spec(snapshot_id, folder / "spec.json", spec_bytes)
         for field, want in (expect or {}).items():
             if field not in DIGEST_FIELDS:
                 raise ValueError(f"expect has {field!r}; only {DIGEST_FIELDS} are checked")
@@ -2103,13 +2113,22 @@ def cmd_plot(args: Any) -> int:
         import matplotlib  # noqa: F401
     except ImportError:
         raise CliError("plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)") from None
+    # a path with nothing in it to draw (a typo, runs/ instead of runs/<id>) gets no picture
+    empty = "nothing to draw: no metric rows (metrics.jsonl; a run writes its first when iteration 1 ends)"
     if len(runs) > 1:
         series = [(label, read_metric_rows(run)) for label, run in zip(labels, runs)]
+        for run, (_, rows) in zip(runs, series):
+            if not rows:
+                print(f"{run}: {empty}")
+                return 1
         draw_signals(series, f"learning signals of {len(runs)} runs", Path(args.out))
         print(f"wrote {args.out}")
         return 0
     run = runs[0]
     data = read_strength(run)
+    if not data.rows and data.table is None:
+        print(f"{run}: {empty} and no evaluation games")
+        return 1
     out = Path(args.out) if args.out else run / "strength.png"
     draw_strength(data, f"{run.name}: {len(data.rows)} iterations, "
                         f"{data.rows[-1]['run/cumulative_env_steps']:,} game-steps" if data.rows else run.name, out)

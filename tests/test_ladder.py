@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -1297,8 +1299,20 @@ def test_the_rungs_and_the_seeds_are_levels_and_the_run_s_snapshots_are_not():
 
 
 def test_plot_of_a_run_without_games_says_so_and_without_matplotlib_says_how_to_install_it(tmp_path):
+    """A run with rows and no games is drawn and says so; a directory with neither (a mistyped
+    path) or, among several runs, one without rows gets one line, exit 1 and no picture."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = run_cli("plot", str(empty))
+    assert r.returncode == 1 and r.stdout.strip().splitlines() == [
+        f"{empty}: nothing to draw: no metric rows (metrics.jsonl; a run writes its first when iteration 1 ends) "
+        "and no evaluation games"] and list(empty.iterdir()) == []
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"run/iteration": 1, "run/cumulative_env_steps": 10,
                                                          "ppo/kl": 0.01}) + "\n")
+    r = run_cli("plot", str(tmp_path), str(empty), "--out", str(tmp_path / "both.png"))
+    assert r.returncode == 1 and r.stdout.strip().splitlines() == [
+        f"{empty}: nothing to draw: no metric rows (metrics.jsonl; a run writes its first when iteration 1 ends)"]
+    assert not (tmp_path / "both.png").exists()
     r = run_cli("plot", str(tmp_path))
     lines = r.stdout.strip().splitlines()
     assert r.returncode == 0 and len(lines) == 2 and lines[0].startswith(f"{tmp_path}: no evaluation games yet")
@@ -1343,10 +1357,20 @@ def test_yardstick_refuses_what_it_cannot_measure_in_one_line(tmp_path, capsys):
     folder.mkdir(parents=True)
     (folder / "spec.json").write_text("{}")
     (folder / "actor.safetensors").write_bytes(b"")
+    damaged = tmp_path / "models" / "damaged"      # a truncated spec.json hashes to a new id, so it is read
+    shutil.copytree(folder, damaged)
+    (damaged / "spec.json").write_text('{"step": 3')
     for argv, want in ((["yardstick", "--snapshot", str(folder)], "without --run has no frozen seed set: pass --master-seed S"),
+                       (["yardstick", "--snapshot", str(damaged), "--master-seed", "1"],
+                        f"{damaged / 'spec.json'} is not a snapshot spec (Input data was truncated); the folder is damaged"),
                        (["yardstick", "--snapshot", str(tmp_path / "nope"), "--master-seed", "1"],
                         "nope: not a snapshot folder (it needs spec.json and actor.safetensors)"),
                        (["yardstick"], "pass --run RUN (its champion, or --snapshot snap:<id>) or --snapshot <folder>")):
         assert L.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("ladder.py yardstick: ") and want in err and err.count("\n") == 1, err
+    store = L.SnapshotStore(None)
+    sid = store.add_folder(damaged)
+    for read in (store.spec, store.load):       # what eval, yardstick and play read a folder by
+        with pytest.raises(L.SnapshotMismatch, match=re.escape(f"snapshot {sid}: {damaged / 'spec.json'} is not a snapshot spec")):
+            read(sid)
