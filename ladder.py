@@ -2285,6 +2285,19 @@ def _open_runner(args: Any, players: Sequence[str]) -> EvalRunner:
                       battles_at_once=args.battles_at_once, workers=_eval_workers(args, run))
 
 
+def _seeds_asked(args: Any, held: int, default: int) -> int:
+    """--seeds as given, refused below 1 or above the seed set (a --master-seed set is drawn to
+    its size); not given, `default` up to the set's size."""
+    if args.seeds is None:
+        return min(default, held)
+    if args.seeds < 1:
+        raise CliError(f"--seeds {args.seeds}: must be at least 1 (each seed is played from both sides)")
+    if args.seeds > held:
+        raise CliError(f"--seeds {args.seeds}: the run's frozen set holds {held} seeds (ladder.eval_seed_count); "
+                       f"pass at most {held}, or --master-seed S, which draws a set of any size")
+    return args.seeds
+
+
 def _eval_workers(args: Any, run: Path | None) -> int:
     """--eval-workers, else the run's rollout.eval_workers, else 1."""
     if args.eval_workers is not None:
@@ -2316,7 +2329,7 @@ def cmd_eval(args: Any) -> int:
         if recorded and (ladder_dir(run) / "games.jsonl").exists() else 0
     runner = _open_runner(args, (a, b)) if recorded else _runner_for(args, run, (a, b), store, False, print)
     with runner as r:
-        n_seeds = min(args.seeds or len(r.seeds.seeds), len(r.seeds.seeds))
+        n_seeds = _seeds_asked(args, len(r.seeds.seeds), len(r.seeds.seeds))
         # The acting streams are addressed by how many games the pair already has, so a second
         # `eval` of the same pair adds new games rather than replaying the first byte for byte.
         cid = f"cli/{a}/vs/{b}/after/{n_prior}"
@@ -2398,7 +2411,7 @@ def cmd_yardstick(args: Any) -> int:
     prior = collections.Counter(frozenset((g.a, g.b)) for g in ResultLog(run).read().games) if recorded else {}
     say(f"yardstick: {snap} against every scripted rung, both sides of each seed")
     with _runner_for(args, run, (snap,), store, recorded, say, args.release_mode) as r:
-        n_seeds = min(args.seeds or YARDSTICK_SEEDS, len(r.seeds.seeds))
+        n_seeds = _seeds_asked(args, len(r.seeds.seeds), YARDSTICK_SEEDS)
         for row in yardstick(r, snap, n_seeds, prior):
             print(msgspec.json.encode(row).decode() if args.json else
                   f"  vs {row['rung']:<26} score {row['score']:.3f}  95% [{row['lower']:.3f}, {row['upper']:.3f}]  "
@@ -2560,7 +2573,7 @@ class Yardstick(_Runner):
     snapshot: Optional[str] = None
     """snap:<id> or seed:<name> of the run, or a snapshot folder such as models/<name> (default: the run's champion)"""
     seeds: Optional[int] = None
-    """seeds a rung, each from both sides (default 20, at most the frozen set)"""
+    """seeds a rung, each from both sides (default 20, or the whole frozen set if smaller)"""
     master_seed: Optional[int] = None
     """draw the seed set from this master seed instead of the run's frozen set (printed only)"""
     json: bool = False

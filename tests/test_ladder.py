@@ -1074,6 +1074,22 @@ def test_eval_cli_without_torch_appends_games_and_rate_ranks_random_legal_above_
     assert r.returncode == 2 and "needs ppo_clash.py and torch" in r.stderr
 
 
+def test_eval_and_yardstick_refuse_a_seed_count_they_cannot_play_in_one_line_before_any_battle(tmp_path, capsys):
+    """--seeds below 1 (0 once meant the default) or above the run's frozen set (it was clipped
+    to the set) is refused by name; a --master-seed set is drawn to the size asked."""
+    (tmp_path / "config.json").write_text(json.dumps({"master_seed": 5, "ladder": {"eval_seed_count": 8}}))
+    pair = ["--run", str(tmp_path), "--a", "scripted:random_legal", "--b", "scripted:noop"]
+    for argv, want in ((["eval", *pair, "--seeds", "0"], "--seeds 0: must be at least 1 (each seed is played from both sides)"),
+                       (["eval", *pair, "--seeds", "9"], "--seeds 9: the run's frozen set holds 8 seeds "
+                        "(ladder.eval_seed_count); pass at most 8, or --master-seed S, which draws a set of any size"),
+                       (["yardstick", "--snapshot", str(ROOT / "models" / "cpu-pointer"), "--master-seed", "1",
+                         "--seeds", "-1"], "--seeds -1: must be at least 1")):
+        assert L.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith(f"ladder.py {argv[0]}: ") and want in err[-1], err
+    assert not (tmp_path / "ladder" / "games.jsonl").exists()
+
+
 # ladder.py run as the script __main__ (as `python ladder.py` runs it), then what the process holds.
 # A snap: player makes the CLI import ppo_clash, which does `import ladder`: that import must find
 # the running module, not execute ladder.py a second time beside it.
