@@ -617,7 +617,12 @@ def replay_to_trace(renv: ReplayEnv, i: int, rec: farm.EpisodeRecord, path: Path
         print(f"no trace written: the replay diverged from the record, so {path} would show a battle "
               "that did not happen")
         return 1
-    save_trace(trace, path)
+    try:   # a new folder is made, as play --save makes one
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_trace(trace, path)
+    except OSError as e:
+        raise CheckError(f"--trace {path}: cannot be written ({e.strerror}); the replay matched, so run it "
+                         "again with a path you can write") from None
     problems = verify_trace(trace, renv.make().engine)
     print(f"trace {path}: {len(trace.steps)} steps, {len(trace.frames)} frames, final state hash "
           f"{trace.result.final_hash}")

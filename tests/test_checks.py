@@ -198,7 +198,7 @@ def test_replay_writes_a_trace_that_verifies_and_holds_the_records_battle(smoke_
     recs = [json.loads(x) for x in (smoke_run / "episodes.jsonl").read_text().splitlines()]
     i = max(range(len(recs)), key=lambda j: len(recs[j]["played"]))
     rec = recs[i]
-    for name in ("t.msgpack", "t.json"):
+    for name in ("t.msgpack", "new/folder/t.json"):      # a missing folder is made, as play --save does
         code, out, _ = run_main("replay", str(smoke_run), "--episode", str(i), "--trace", str(tmp_path / name))
         assert code == 0 and "verify_trace: identical on a fresh engine" in out, out
         trace = load_trace(tmp_path / name)
@@ -215,6 +215,10 @@ def test_replay_writes_a_trace_that_verifies_and_holds_the_records_battle(smoke_
     assert code == 1 and "verify_trace FAILS on a fresh engine (1 divergences), the first: tick 3: hash a" in out
     code, _, err = run_main("replay", str(smoke_run), "--all", "--trace", str(tmp_path / "a.msgpack"))
     assert code == 2 and "--trace writes one battle: give --episode N instead of --all" in err
+    monkeypatch.undo()
+    blocked = tmp_path / "t.msgpack" / "x.msgpack"     # under a file: no folder can be made there
+    code, _, err = run_main("replay", str(smoke_run), "--episode", str(i), "--trace", str(blocked))
+    assert code == 2 and err.count("\n") == 1 and f"--trace {blocked}: cannot be written (" in err, err
 
 
 @pytest.mark.slow
