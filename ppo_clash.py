@@ -2465,22 +2465,28 @@ def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: boo
     t0 = time.perf_counter() if t_start is None else t_start
     if comm.voice:
         run = open_run(args, env, learner, resume, allow_drift, quiet, t0)    # identity; a resume restores
-        if cloned is not None:
-            (run.path / "warm.json").write_bytes(msgspec.json.format(canonical_json(cloned)))
-        lad = LadderLoop(args, run.path, run.rid, args.master_seed, env.n_battles, env.spec, env.table, env.device,
-                         env.seed)
-        opening = start_ladder(lad, run, learner, env, seeds)   # v0 and the seeds, or the checkpoint's pool
-        comm.share((str(run.path), run.rid, run.identity, lad.shared()))
     else:
         path, rid, identity, shared = comm.share(None)   # after rank 0 wrote the run, its seeds and v0
         run = follow_run(args, env, learner, Path(path), rid, identity, resume, quiet, t0, comm.rank)
-        lad = LadderLoop(args, run.path, rid, args.master_seed, env.n_battles, env.spec, env.table, env.device,
-                         env.seed, voice=False)
-        opening = lad.load(run.ladder_saved) if run.ladder_saved is not None else None
-        lad.follow(shared)
-    lad.join(comm)
-    source = open_farm(args, env, run.start_ordinals, lad.assign, lad.mm.roles, run.start_generations,
-                       run.start_in_flight)
+    try:   # from here a failure closes the run's files and lets go of its training lock
+        if comm.voice:
+            if cloned is not None:
+                (run.path / "warm.json").write_bytes(msgspec.json.format(canonical_json(cloned)))
+            lad = LadderLoop(args, run.path, run.rid, args.master_seed, env.n_battles, env.spec, env.table,
+                             env.device, env.seed)
+            opening = start_ladder(lad, run, learner, env, seeds)   # v0 and the seeds, or the checkpoint's pool
+            comm.share((str(run.path), run.rid, run.identity, lad.shared()))
+        else:
+            lad = LadderLoop(args, run.path, run.rid, args.master_seed, env.n_battles, env.spec, env.table,
+                             env.device, env.seed, voice=False)
+            opening = lad.load(run.ladder_saved) if run.ladder_saved is not None else None
+            lad.follow(shared)
+        lad.join(comm)
+        source = open_farm(args, env, run.start_ordinals, lad.assign, lad.mm.roles, run.start_generations,
+                           run.start_in_flight)
+    except BaseException:
+        run.close()
+        raise
     view = RectView(source.rect, env, args.obs.frame_stack)
     view.resume(run.start_in_flight or [])   # the battles the farm re-simulated are mid-episode
     return Setup(env, learner, run, lad, opening, source, view)
@@ -3866,10 +3872,22 @@ def open_run(args: Args, env: Env, learner: Learner, resume: Path | None, allow_
                               f"python ppo_clash.py --resume {path}, or start another with a new --run-name "
                               "or --master-seed")
         path.mkdir(parents=True)
+        lock = hold_run(path)
         (path / "config.json").write_bytes(config_json(args))
         (path / "identity.json").write_bytes(msgspec.json.format(canonical_json(identity)))
-        return Run(args, path, identity, rid, quiet, t_start)
+        return Run(args, path, identity, rid, quiet, t_start, lock=lock)
     path = Path(resume).parent.parent
+    lock = hold_run(path)   # before anything below writes (drift.json, the logs' cut)
+    try:
+        return _resume_run(args, env, learner, path, Path(resume), identity, allow_drift, quiet, t_start, lock)
+    except BaseException:
+        lock.close()
+        raise
+
+
+def _resume_run(args: Args, env: Env, learner: Learner, path: Path, resume: Path, identity: RunIdentity,
+                allow_drift: bool, quiet: bool, t_start: float, lock: Any) -> Run:
+    """open_run's resume (design 2.4), the run's training lock held."""
     man, files = read_checkpoint(Path(resume))
     diff = identity_diff(msgspec.convert(man.identity, RunIdentity), identity)
     ranks = [d for d in diff if d.startswith(("world_size:", "backend:"))]
@@ -3892,7 +3910,33 @@ def open_run(args: Args, env: Env, learner: Learner, resume: Path | None, allow_
     for line in cut_back(path, man, saved["start_ordinals"]):   # after every refusal above: a refused resume moves nothing
         print(line)
     return Run(args, path, identity, man.run_id, quiet, t_start, drifted=(path / "drift.json").exists(),
-               last_saved=learner.env_steps, **saved)
+               last_saved=learner.env_steps, lock=lock, **saved)
+
+
+def hold_run(path: Path) -> Any:
+    """The run's training lock, an exclusive flock on <run>/train.lock held by the process that
+    trains the run (rank 0 under torchrun) and released when it ends, however it ends (a SIGKILL
+    included: the OS drops the lock with the process). A second trainer, a --resume of a run that
+    is still training, is refused before it writes: two processes appending to one run's logs
+    interleave their rows (design 2.4 item 6). The file names the holder for that refusal."""
+    f = open(path / "train.lock", "a+")
+    try:
+        import fcntl
+    except ImportError:   # no flock (Windows): one trainer a run is the user's to keep
+        return f
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "a process"
+        f.close()
+        raise ConfigError(f"{path} is being trained by {holder}: stop it first (`echo q > {path / 'control'}` "
+                          "stops it at its iteration's end, with a checkpoint), then resume it") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {platform.node()}")
+    f.flush()
+    return f
 
 
 def resume_command(run: Path, world: int) -> str:
@@ -3947,12 +3991,13 @@ class Run:
                  drifted: bool = False, start_ordinals: list[int] | None = None,
                  ladder_saved: dict[str, Any] | None = None, last_saved: int = -1,
                  start_generations: list[int] | None = None, start_in_flight: list[Any] | None = None,
-                 rank: int = 0) -> None:
+                 rank: int = 0, lock: Any = None) -> None:
         self.args, self.path, self.identity, self.rid, self.quiet, self.t_start = args, path, identity, rid, quiet, t_start
         self.drifted, self.start_ordinals, self.ladder_saved, self.last_saved = drifted, start_ordinals, ladder_saved, last_saved
         self.start_generations, self.start_in_flight = start_generations, start_in_flight
         # a torchrun rank other than 0 opens no file and no sink: rank 0 writes the run (design 3.10)
         self.rank, self.voice = rank, rank == 0
+        self.lock = lock   # hold_run's file: the run is this process's to write until close()
         voice = self.voice
         self.files = {name: open(path / f"{name}.jsonl", "ab") for name in ("metrics", "episodes", "alarms")
                       if voice}
@@ -4068,6 +4113,8 @@ class Run:
             self.wandb.close()
         if self.tb is not None:
             self.tb.close()
+        if self.lock is not None:   # last: every log above is closed
+            self.lock.close()
 
 
 def _pkg_version(name: str) -> str:

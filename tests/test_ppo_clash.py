@@ -1969,6 +1969,28 @@ def test_two_gloo_ranks_write_one_run_and_a_resume_in_fresh_processes_reproduces
 
 
 @pytest.mark.slow
+def test_a_resume_of_a_run_still_training_is_refused_before_it_writes_and_goes_ahead_once_it_stops(
+        straight_smoke, tmp_path, capsys):
+    """hold_run: the process training a run holds <run>/train.lock (flock), so a --resume of it
+    from a second process (here the same process through another open file, which flock treats
+    alike) is refused in one line naming the holder, before any file of the run changes: two
+    trainers once interleaved their rows in one metrics.jsonl. A finished run has let go of it."""
+    run = _copy_run(straight_smoke[0], tmp_path)
+    live = P.hold_run(run)                                       # what the live trainer holds
+    files = lambda: {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}   # noqa: E731
+    before = files()
+    capsys.readouterr()
+    assert P.main(["--resume", str(run), "--timestep-limit", "1290"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{run} is being trained by pid {os.getpid()} on " in err, err
+    assert f"`echo q > {run / 'control'}` stops it" in err and files() == before
+    live.close()
+    assert P.main(["--resume", str(run), "--timestep-limit", "1290"]) == 0   # stopped: it goes ahead
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 5        # [A: 258 timesteps a row, 1,032 -> 1,290]
+    P.hold_run(run).close()                                      # and let go of the lock when it ended
+
+
+@pytest.mark.slow
 def test_a_changed_identity_is_refused_by_name_and_accepted_as_drift(straight_smoke, tmp_path, capsys):
     """design 2.4 item 1: `--resume` with another master seed is refused, exit 2, naming the field;
     under --allow-identity-drift it is accepted, drift.json records it, later rows are marked, and
