@@ -366,14 +366,10 @@ def read_records(run: Path) -> list[farm.EpisodeRecord]:
     path = run / "episodes.jsonl"
     if not path.exists():
         raise CheckError(f"{path}: missing (a run writes it at its first iteration)")
-    dec = msgspec.json.Decoder(farm.EpisodeRecord)
-    out = []
-    for n, line in enumerate(path.read_bytes().splitlines(), 1):
-        try:
-            out.append(dec.decode(line))
-        except msgspec.DecodeError as e:
-            raise CheckError(f"{path}: line {n} is not an EpisodeRecord ({e}); the file is corrupt") from None
-    return out
+    try:   # a live run's last line may be unfinished: left out
+        return ladder.read_log(path, msgspec.json.Decoder(farm.EpisodeRecord).decode, "an EpisodeRecord")[0]
+    except ValueError as e:
+        raise CheckError(str(e)) from None
 
 
 class ReplayEnv:

@@ -211,6 +211,24 @@ def lock_file(f: Any) -> None:
     fcntl.flock(f.fileno(), fcntl.LOCK_EX)
 
 
+def read_log(path: Path, decode: Callable[[bytes], Any], what: str) -> tuple[list[Any], bytes]:
+    """A run log's lines decoded, and its torn last line (b"" when the file ends with a newline).
+    Logs are appended a line at a time, so a run killed mid-write, or one read while it trains,
+    may end in an unfinished line: it is left out. A bad line anywhere else is corruption, refused
+    by file and line number."""
+    lines = path.read_bytes().split(b"\n")
+    tail = lines.pop()
+    out = []
+    for lineno, line in enumerate(lines, 1):
+        try:
+            out.append(decode(line))
+        except msgspec.DecodeError as e:
+            raise ValueError(f"{path}: line {lineno} is not {what} ({e}); only the last line may be torn (a "
+                             "crash's, or a live run's being written), so this is corruption: restore the file "
+                             "from a copy") from None
+    return out, tail
+
+
 class LogRead(msgspec.Struct):
     games: list[GameResult]
     torn_tail: bytes | None    # the bytes of a torn last line, ignored; None when the log is clean
@@ -233,18 +251,7 @@ class ResultLog:
     def read(self) -> LogRead:
         if not self.path.exists():
             return LogRead(games=[], torn_tail=None)
-        data = self.path.read_bytes()
-        lines = data.split(b"\n")
-        tail = lines.pop()               # b"" when the file ends with a newline
-        games = []
-        dec = msgspec.json.Decoder(GameResult)
-        for lineno, line in enumerate(lines, 1):
-            try:
-                games.append(dec.decode(line))
-            except msgspec.DecodeError as e:
-                raise ValueError(
-                    f"{self.path}: line {lineno} is not a GameResult ({e}); only the LAST line may be "
-                    f"torn by a crash, so this is corruption: restore the file from a copy") from None
+        games, tail = read_log(self.path, msgspec.json.Decoder(GameResult).decode, "a GameResult")
         return LogRead(games=games, torn_tail=tail if tail else None)
 
     def _cut_torn_tail(self) -> None:
@@ -1961,7 +1968,7 @@ def read_strength(run: Path) -> StrengthData:
 def read_metric_rows(run: Path) -> list[dict[str, Any]]:
     """metrics.jsonl's rows, one an iteration; none before the first iteration ends."""
     metrics = Path(run) / "metrics.jsonl"
-    return [msgspec.json.decode(x) for x in metrics.read_bytes().splitlines() if x.strip()] if metrics.exists() else []
+    return read_log(metrics, msgspec.json.decode, "a metric row")[0] if metrics.exists() else []
 
 
 def draw_strength(data: StrengthData, title: str, out: Path) -> None:

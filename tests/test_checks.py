@@ -72,7 +72,8 @@ def test_bad_input_exits_2_with_one_line_naming_the_thing(tmp_path):
     (run / "episodes.jsonl").write_bytes(msgspec.json.encode(a_record()) + b"\n" + b'{"slot": 1\n')
     code, _, err = run_main("replay", str(run), "--episode", "0")
     assert code == 2 and "episodes.jsonl: line 2 is not an EpisodeRecord" in err
-    (run / "episodes.jsonl").write_bytes(msgspec.json.encode(a_record()) + b"\n")
+    (run / "episodes.jsonl").write_bytes(msgspec.json.encode(a_record()) + b"\n" + b'{"slot": 1')
+    assert checks.read_records(run) == [a_record()]     # a live run's unfinished last line: left out
     code, _, err = run_main("replay", str(run), "--episode", "3")
     assert code == 2 and "--episode 3 is out of range" in err and "holds 1 records (0..0)" in err
     code, _, err = run_main("replay", str(run))

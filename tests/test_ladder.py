@@ -1324,7 +1324,8 @@ def test_plot_of_a_run_without_games_says_so_and_without_matplotlib_says_how_to_
         f"{empty}: nothing to draw: no metric rows (metrics.jsonl; a run writes its first when iteration 1 ends) "
         "and no evaluation games"] and list(empty.iterdir()) == []
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"run/iteration": 1, "run/cumulative_env_steps": 10,
-                                                         "ppo/kl": 0.01}) + "\n")
+                                                         "ppo/kl": 0.01}) + "\n" + '{"run/iteration": 2, "run/cumul')
+    assert [r["run/iteration"] for r in L.read_metric_rows(tmp_path)] == [1]   # a live run's unfinished row: left out
     r = run_cli("plot", str(tmp_path), str(empty), "--out", str(tmp_path / "both.png"))
     assert r.returncode == 1 and r.stdout.strip().splitlines() == [
         f"{empty}: nothing to draw: no metric rows (metrics.jsonl; a run writes its first when iteration 1 ends)"]
@@ -1339,6 +1340,10 @@ def test_plot_of_a_run_without_games_says_so_and_without_matplotlib_says_how_to_
                        text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "ladder.py plot: plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)"]
+    (tmp_path / "metrics.jsonl").write_text('{"run/iteration": 1\n{"run/iteration": 2}\n')   # not the last line
+    r = run_cli("plot", str(tmp_path))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and \
+        f"ladder.py plot: {tmp_path / 'metrics.jsonl'}: line 1 is not a metric row" in r.stderr, r.stderr
 
 
 def test_eval_of_snapshot_folders_refuses_what_it_cannot_compare_in_one_line(tmp_path, capsys):
