@@ -1,5 +1,5 @@
 # clash-ppo: two commands from a fresh clone.
-#   make test    create .venv (first use), install, run the fast tests, then the slow ones
+#   make test    create .venv (first use), install, run the fast and the slow tests
 #   make train   create .venv (first use), install, train with the profile that fits this machine
 #   make .venv   build the environment alone
 #
@@ -14,7 +14,7 @@ find_python = $(firstword $(PYTHON) \
 	$(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python $(HOME)/.pyenv/versions/3.13*/bin/python \
 	           $(PYENV_ROOT)/versions/3.12*/bin/python /root/.pyenv/versions/3.12*/bin/python))
 
-.PHONY: test test-fast test-slow slow-learner slow-rest train clean $(VENV)
+.PHONY: test test-fast test-slow fast-then-slow-rest slow-learner slow-rest train clean $(VENV)
 
 $(VENV)/.installed: pyproject.toml
 	@py="$(strip $(find_python))"; \
@@ -35,27 +35,35 @@ $(VENV)/.installed: pyproject.toml
 
 $(VENV): $(VENV)/.installed
 
+# Two pytest processes side by side (make -j2): tests/test_ppo_clash.py's slow tests in one, the
+# fast tests and then the other files' slow tests in the other. A test trains on one torch thread
+# (the smoke profile's), so one after the other, one core of a 2-core machine sat idle (the README
+# has the times). Each recipe line's output prints whole when it ends, the fast tests' first;
+# either half failing fails the target; Ctrl-C stops both. The learner's half keeps its own pytest
+# cache, so neither overwrites the other's last failures. pytest exits 5 when a marker selects no
+# test; a half may legitimately be empty.
+PYTEST_FAST         = $(VPY) -m pytest -q
+PYTEST_SLOW_LEARNER = $(VPY) -m pytest -q -m slow -o cache_dir=.pytest_cache/slow-learner tests/test_ppo_clash.py || [ $$? -eq 5 ]
+PYTEST_SLOW_REST    = $(VPY) -m pytest -q -m slow --ignore tests/test_ppo_clash.py || [ $$? -eq 5 ]
+
 test: $(VENV)/.installed
-	$(VPY) -m pytest -q
-	@$(MAKE) --no-print-directory test-slow
+	@$(MAKE) --no-print-directory -j2 --output-sync=target slow-learner fast-then-slow-rest
 
 test-fast: $(VENV)/.installed
-	$(VPY) -m pytest -q
+	$(PYTEST_FAST)
 
-# The slow tests run as two pytest processes side by side (make -j2): the learner's file, and the
-# rest, each half's output printed whole when it ends. A slow test trains on one torch thread (the
-# smoke profile's), so one after the other one core of a 2-core machine sat idle (the README has
-# the times). Either half failing fails the target, Ctrl-C stops both, and the learner's half
-# keeps its own pytest cache so neither overwrites the other's last failures. pytest exits 5 when
-# a marker selects no test; a half may legitimately be empty.
 test-slow: $(VENV)/.installed
 	@$(MAKE) --no-print-directory -j2 --output-sync=target slow-learner slow-rest
 
+fast-then-slow-rest: $(VENV)/.installed
+	$(PYTEST_FAST)
+	$(PYTEST_SLOW_REST)
+
 slow-learner: $(VENV)/.installed
-	$(VPY) -m pytest -q -m slow -o cache_dir=.pytest_cache/slow-learner tests/test_ppo_clash.py || [ $$? -eq 5 ]
+	$(PYTEST_SLOW_LEARNER)
 
 slow-rest: $(VENV)/.installed
-	$(VPY) -m pytest -q -m slow --ignore tests/test_ppo_clash.py || [ $$? -eq 5 ]
+	$(PYTEST_SLOW_REST)
 
 # laptop where CUDA is present, the cpu profile otherwise.
 train: $(VENV)/.installed
