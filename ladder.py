@@ -200,15 +200,20 @@ def rebuild_aggregate(games: Sequence[GameResult]) -> Aggregate:
     return Aggregate(lines=len(games), cells=dict(sorted(cells.items())))
 
 
-def lock_file(f: Any) -> None:
+def lock_file(f: Any, wait: bool = True) -> bool:
     """An exclusive advisory lock on an open file, held until it is closed: every writer of a run
-    log takes it (ResultLog.append, a resume's cut). fcntl is POSIX; where it is absent (Windows)
-    a single writer per run is the caller's to keep."""
+    log takes it (ResultLog.append, a resume's cut), and the trainer holds a run's train.lock
+    (ppo_clash.hold_run). With wait False, False when another open file holds it. fcntl is POSIX;
+    where it is absent (Windows) a single writer per run is the caller's to keep."""
     try:
         import fcntl
     except ImportError:
-        return
-    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        return True
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        return False
+    return True
 
 
 def read_log(path: Path, decode: Callable[[bytes], Any], what: str) -> tuple[list[Any], bytes]:

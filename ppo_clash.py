@@ -3920,18 +3920,12 @@ def hold_run(path: Path) -> Any:
     is still training, is refused before it writes: two processes appending to one run's logs
     interleave their rows (design 2.4 item 6). The file names the holder for that refusal."""
     f = open(path / "train.lock", "a+")
-    try:
-        import fcntl
-    except ImportError:   # no flock (Windows): one trainer a run is the user's to keep
-        return f
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if not ladder.lock_file(f, wait=False):
         f.seek(0)
         holder = f.read().strip() or "a process"
         f.close()
         raise ConfigError(f"{path} is being trained by {holder}: stop it first (`echo q > {path / 'control'}` "
-                          "stops it at its iteration's end, with a checkpoint), then resume it") from None
+                          "stops it at its iteration's end, with a checkpoint), then resume it")
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {platform.node()}")
