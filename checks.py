@@ -1109,13 +1109,13 @@ def _rig_figures(s: P.Setup, args: P.Args, env: P.Env) -> tuple[list[BenchFigure
     view.new_iteration(renumber=False)
     source.begin_iteration(lad.plan(0, source.ordinals, s.opening))
     roll = P.collect(source, view, learner.model, lad, env, s.run, 0, 0, sched["gamma"], time.perf_counter())
-    crit = P.critic_pass(learner.model, view, source, roll.action, env, args.ppo.critic_chunk)
+    crit = P.critic_pass(learner.model, view, source, roll, env, args.ppo, 0)
     adv = P.advantages(learner.scaler, roll, crit, sched["gamma"], args)
-    rows, cells = int(roll.trainable.sum()), (env.T + 1) * env.R
+    rows, cells = int(roll.trainable.sum()), crit.rows
     return [timed_figure("inference", "ms/round", lambda: 1e3 * replay_inference(roll, view, learner, lad, env),
                          f"{rows / max(roll.rounds, 1):.1f} learner rows a shard-round, pool seats included"),
             timed_figure("critic pass", "ms/row", lambda: 1e3 * P.critic_pass(
-                learner.model, view, source, roll.action, env, args.ppo.critic_chunk).seconds / cells,
+                learner.model, view, source, roll, env, args.ppo, 0).seconds / cells,
                 f"{cells} rows a pass, chunks of {args.ppo.critic_chunk}"),
             timed_figure("PPO update", "ms/learner-row", lambda: 1e3 * timed_update(s, roll, crit, adv, sched, args) / rows,
                          f"{rows} learner rows, {args.ppo.n_epochs} epochs")], rows

@@ -279,9 +279,11 @@ class PPOArgs:
     """ratio invariant tolerance with autocast off (design 6.4)"""
     ratio_atol_bf16: float = 2e-2
     """under bf16 autocast: the rollout and update forwards differ at the 1e-2 level"""
-    forced_rows: Literal["all", "critic_only", "critic_only_choice_mean"] = "critic_only"
+    forced_rows: Literal["all", "critic_only", "critic_only_choice_mean", "smdp"] = "critic_only"
     """what the update does with one-legal-action rows (design 6.5). critic_only is exact (a forced row
-    gives the actor zero gradient) and skips their actor compute; needs net.separate_trunks"""
+    gives the actor zero gradient) and skips their actor compute; smdp also folds them into the
+    transitions between a slot's choice cells, so the critic runs on the choice cells and a sample
+    (design 6.6); both need net.separate_trunks"""
 
 
 @dataclass
@@ -1734,6 +1736,46 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, final_values: torch.Tensor,
     return out, out + values[:T]
 
 
+def smdp_gae(rewards: torch.Tensor, values: torch.Tensor, final_values: torch.Tensor, terminated: torch.Tensor,
+             truncated: torch.Tensor, choice: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over decisions rather than ticks (design 6.6): one backward loop of T steps over (R,)
+    vectors, the same arguments as gae() plus choice (T, R), the cells whose mask offered more
+    than the no-op.
+
+    A transition runs from a choice cell to its slot's next choice cell k ticks later (or to its
+    episode's end, or to row T), carrying R = sum_{j<k} gamma^j r, a discount gamma^k and a trace
+    lambda^k: A = R + gamma^k V(next) - V + (gamma lambda)^k A(next). An end inside it bootstraps
+    as gae() does (0 on termination, gamma^k V(final observation) on truncation), the edge from
+    gamma^(T - t) V(row T) with no advantage behind it. A forced cell's value is never read.
+    Both exponents are needed: a per-decision gamma would pay the policy for slowing its own
+    clock (dumping elixir lengthens a stretch), and a per-decision lambda would triple the credit
+    horizon.
+
+    Two carries hold what a transition meets at cell t + 1: `head`, the part discounted by gamma
+    (V(t + 1) at a choice cell, else that cell's own reward sum and bootstrap), and `tail`, the
+    part discounted by gamma*lambda (A(t + 1) at a choice cell, else that cell's own tail). With
+    every cell a choice it is gae() operation for operation, so bit for bit. Returns
+    (advantages, targets), both (T, R): the advantage at choice cells (0 elsewhere); the target
+    at every cell, A + V at a choice cell and, at a forced one, the lambda-return of the
+    transition from it to the next choice cell, which never reads its own value (the critic's
+    target on its forced sample)."""
+    T = rewards.shape[0]
+    ended = terminated | truncated
+    zeros = torch.zeros_like(final_values)
+    end_boot = torch.where(terminated, zeros, final_values)
+    head, tail = values[T], torch.zeros_like(rewards[0])
+    adv, target = torch.empty_like(rewards), torch.empty_like(rewards)
+    for t in reversed(range(T)):
+        s = rewards[t] + gamma * torch.where(ended[t], end_boot[t], head)
+        p = gamma * lam * (~ended[t]).to(rewards.dtype) * tail
+        a = s - values[t] + p
+        adv[t] = torch.where(choice[t], a, 0.0)
+        target[t] = torch.where(choice[t], a + values[t], s + p)
+        head = torch.where(choice[t], values[t], s)
+        tail = torch.where(choice[t], a, p)
+    return adv, target
+
+
 def discounted_return_per_episode(rewards: np.ndarray, ended: np.ndarray, gamma: float) -> np.ndarray:
     """(T, R) return-to-go of the raw rewards, G_t = r_t + gamma * G_{t+1}, cut at each episode
     end (the discount_cumsum of the references), within this iteration: an episode still running
@@ -1834,7 +1876,8 @@ def credit_horizon_seconds(decision_ms: int, gamma: float, lam: float) -> float:
 # divided by the BATCH's count with one optimizer step per batch, which makes minibatch_size a
 # pure memory knob (a test holds the accumulated gradient to the full-batch one).
 
-FORCED_ROWS = ("all", "critic_only", "critic_only_choice_mean")
+FORCED_ROWS = ("all", "critic_only", "critic_only_choice_mean", "smdp")
+CHOICE_MEAN = ("critic_only_choice_mean", "smdp")   # the actor's terms divided by the choice count
 
 
 class Minibatch(NamedTuple):
@@ -1956,10 +1999,10 @@ def ratio_invariant(ac: ActorCritic, data: Any, perm0: np.ndarray, minibatch_siz
 def accumulate_batch(ac: ActorCritic, data: Any, bidx: np.ndarray, ppo: "PPOArgs", ent_coef: float,
                      ent_coef_noop: float, acc: _Acc, epoch: int = 0, debug: bool = True, comm: Comm = SOLO) -> None:
     """Forward and backward one batch, minibatch by minibatch; leaves the summed gradient in
-    .grad. Under critic_only* the batch's cells are stably partitioned choice rows first, so the
-    actor runs on whole minibatches of choice rows; the critic always runs on every row at
+    .grad. Under every value but all the batch's cells are stably partitioned choice rows first,
+    so the actor runs on whole minibatches of choice rows; the critic always runs on every row at
     weight 1/N. The actor's three terms are sums over its rows divided by N (all, critic_only)
-    or by the batch's choice count (critic_only_choice_mean) -- design 6.5's table. Under torchrun
+    or by the batch's choice count (critic_only_choice_mean, smdp) -- design 6.5's table. Under torchrun
     both counts are the global batch's, every rank's rows together (Comm)."""
     mode = ppo.forced_rows
     n_here = int(len(bidx))
@@ -1967,7 +2010,7 @@ def accumulate_batch(ac: ActorCritic, data: Any, bidx: np.ndarray, ppo: "PPOArgs
     choice = nl > 1
     order = bidx if mode == "all" else np.concatenate([bidx[choice], bidx[~choice]])
     N, n_choice = comm.counts(n_here, int(choice.sum()))
-    d_pol = max(n_choice, 1) if mode == "critic_only_choice_mean" else N
+    d_pol = max(n_choice, 1) if mode in CHOICE_MEAN else N
     acc.rows += N
     acc.choice_rows += n_choice
     for s in range(0, n_here, ppo.minibatch_size):
@@ -2316,8 +2359,8 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
             run.phase = "collect"
             roll = collect(source, view, learner.model, lad, env, run, iteration, first, sched["gamma"], t_it)
             roll.failures = found + roll.failures
-            # 2. the critic on every cell and the bootstrap row; it also reads each cell's legality
-            crit = critic_pass(learner.model, view, source, roll.action, env, args.ppo.critic_chunk)
+            # 2. each cell's legality, then the critic on the cells the advantages read
+            crit = critic_pass(learner.model, view, source, roll, env, args.ppo, iteration)
             # 3. judged on what collection wrote, before anything learns from it (design 10.1)
             check_rollout(roll, crit, env, args)
             # 4. advantages: scale the rewards, one GAE scan, standardise once (design 6.1, 6.2)
@@ -2328,7 +2371,7 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
             else:
                 adv = advantages(learner.scaler, roll, crit, sched["gamma"], args, comm)
                 # 5. the PPO update over the trainable cells, then the kl backoff (design 6.3)
-                upd = update(learner, view, roll, crit, adv, sched, args, n_rows)
+                upd = update(learner, view, roll, crit, adv, sched, args)
             # under torchrun every rank now holds the same weights, or the run stops naming the rank;
             # rank 0, the one voice, takes every rank's episodes for the ladder and the row (design 3.10)
             same_weights(comm, learner)
@@ -3014,35 +3057,38 @@ def act_round(rnd: Any, t: int, u: torch.Tensor, view: RectView, model: ActorCri
 # 2. The critic pass.
 
 class Critic(NamedTuple):
-    values: np.ndarray        # (T + 1, R): row T is the bootstrap
+    values: np.ndarray        # (T + 1, R): row T is the bootstrap; 0 where the critic did not run (smdp)
     final_values: np.ndarray  # (T, R): the critic on a truncated episode's final observation
     n_legal: np.ndarray       # (T, R): legal actions under the stored mask (1: a forced cell)
     legal: np.ndarray         # (T, R): the stored action is legal under the stored mask
     seconds: float
+    rows: int                 # observations the critic ran on, finals included
+    sample: np.ndarray | None = None    # smdp: (T, R) the forced cells the critic trains on
+    heldout: np.ndarray | None = None   # smdp: (T, R) forced cells it is only measured on
 
 
-def critic_pass(model: ActorCritic, view: RectView, source: Any, action: np.ndarray, env: Env, chunk: int) -> Critic:
-    """The critic over every cell and the bootstrap row, in chunks (an unchunked pass is a memory
-    spike). The same decoded masks give each cell's legal-action count and whether its stored
-    action was legal, which the invariants and the forced-row split read (design 6.5, 10.1)."""
+def critic_pass(model: ActorCritic, view: RectView, source: Any, roll: Rollout, env: Env, ppo: PPOArgs,
+                iteration: int) -> Critic:
+    """The critic on the cells whose value the advantages read, in chunks (an unchunked pass is a
+    memory spike): every cell and the bootstrap row, or under smdp the choice cells, the forced
+    sample, the held-out sample, row T and the truncation finals of the learner's slots (design
+    6.6). Each cell's legal-action count and whether its stored action was legal come first, from
+    the host's rectangle, for the invariants and the forced-row split (design 6.5, 10.1)."""
     t0 = time.perf_counter()
-    T, R, k = env.T, env.R, view.k
-    tt, rr = np.meshgrid(np.arange(T + 1), np.arange(R), indexing="ij")
-    tt, rr = tt.ravel(), rr.ravel()
-    values = np.zeros(T * R + R, np.float32)
-    n_legal = np.zeros(T * R + R, np.int64)
-    legal = np.ones(T * R + R, bool)
-    act_flat = np.concatenate([action.ravel(), np.zeros(R, np.int64)])
+    T, R, k, chunk = env.T, env.R, view.k, ppo.critic_chunk
+    n_legal, legal = host_legality(view, roll.action, chunk)
+    need, finals_at, sample, heldout = np.ones((T + 1, R), bool), np.ones((T, R), bool), None, None
+    if ppo.forced_rows == "smdp":
+        choice, sample, heldout = smdp_cells(roll.trainable, n_legal, env.seed, iteration)
+        need[:T], need[T], finals_at = choice | sample | heldout, roll.trainable[T - 1], roll.trainable
+    tt, rr = np.nonzero(need)   # cycle-major, as the rectangle is laid out
+    values = np.zeros((T + 1, R), np.float32)
+    finals = [(ft, fr, raw) for (ft, fr), raw in sorted(source.finals.items()) if finals_at[ft, fr]]
     with torch.no_grad():
         for s in range(0, tt.size, chunk):
-            o = view.obs(tt[s:s + chunk], rr[s:s + chunk])
-            n = len(o.vector)
-            values[s:s + n] = model.value(o).cpu().numpy()
-            n_legal[s:s + n] = o.mask.sum(-1).cpu().numpy()
-            a_t = torch.as_tensor(act_flat[s:s + n], device=env.device)
-            legal[s:s + n] = o.mask.gather(1, a_t[:, None]).squeeze(1).cpu().numpy()
-        final_values = values.reshape(T + 1, R)[1:].copy()      # truncated without a final obs
-        for (ft, fr), raw in sorted(source.finals.items()):
+            values[tt[s:s + chunk], rr[s:s + chunk]] = model.value(view.obs(tt[s:s + chunk], rr[s:s + chunk])).cpu().numpy()
+        final_values = values[1:].copy()      # truncated without a final obs
+        for ft, fr, raw in finals:
             rows = source.rect[frame_stack_rows(np.array([ft + 1]), k)[0], fr].copy()
             rows[-1] = raw
             fv = (torch.as_tensor(frame_valid(view.last_start, np.array([ft + 1]), np.array([fr]), k, np.array([ft])),
@@ -3050,8 +3096,42 @@ def critic_pass(model: ActorCritic, view: RectView, source: Any, action: np.ndar
             fo = codec.unpack(env.table, torch.as_tensor(rows[None], device=env.device), env.statics,
                               torch.as_tensor([fr % 2], device=env.device), fv)
             final_values[ft, fr] = float(model.value(fo)[0])
-    return Critic(values.reshape(T + 1, R), final_values, n_legal.reshape(T + 1, R)[:T],
-                  legal.reshape(T + 1, R)[:T], time.perf_counter() - t0)
+    return Critic(values, final_values, n_legal, legal, time.perf_counter() - t0, int(tt.size) + len(finals),
+                  sample, heldout)
+
+
+def host_legality(view: RectView, action: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """(n_legal, legal), both (T, R): each cell's legal-action count and whether its stored
+    action is legal under its stored mask, read from the host's rectangle (codec.host_mask, the
+    bits unpack decodes), a chunk of cycles at a time: no device round trip, and under smdp the
+    forced split is known before the critic runs."""
+    T, R = action.shape
+    n_legal, legal = np.zeros((T, R), np.int64), np.zeros((T, R), bool)
+    step = max(1, chunk // R)
+    for t in range(0, T, step):
+        rows = view.rect[view.k - 1 + t: view.k - 1 + min(t + step, T)]   # cycle t's newest frame: row t + k - 1
+        mask = codec.host_mask(view.table, rows.reshape(-1, rows.shape[-1])).reshape(len(rows), R, -1)
+        n_legal[t:t + len(rows)] = mask.sum(-1)
+        legal[t:t + len(rows)] = np.take_along_axis(mask, action[t:t + len(rows), :, None], -1)[..., 0]
+    return n_legal, legal
+
+
+def smdp_cells(trainable: np.ndarray, n_legal: np.ndarray, seed: int, iteration: int) -> tuple[np.ndarray, ...]:
+    """(choice, sample, heldout), each (T, R) bool (design 6.6). The critic trains on the choice
+    cells and on a uniform sample of the forced cells of equal count; V(row T) and the finals are
+    read at forced states most of the time, so a critic fitted on choice cells alone would be
+    asked about states it never saw. A held-out sample of half that count measures it there
+    (ppo/explained_variance_forced_heldout). Both from one permutation of the forced cells, drawn
+    from a stream named by the iteration, so a resume draws the same cells."""
+    choice = trainable & (n_legal > 1)
+    ft, fr = np.nonzero(trainable & (n_legal == 1))
+    n_s = min(ft.size, int(choice.sum()))
+    n_h = min(ft.size - n_s, n_s // 2)
+    perm = derive_generator(seed, f"ppo/smdp/forced_sample/iteration/{iteration}").permutation(ft.size)
+    sample, heldout = np.zeros_like(choice), np.zeros_like(choice)
+    sample[ft[perm[:n_s]], fr[perm[:n_s]]] = True
+    heldout[ft[perm[n_s:n_s + n_h]], fr[perm[n_s:n_s + n_h]]] = True
+    return choice, sample, heldout
 
 
 # 3. The invariants.
@@ -3083,31 +3163,39 @@ class Advantages(NamedTuple):
 def advantages(scaler: WelfordReturnScaler, roll: Rollout, crit: Critic, gamma: float, args: Args,
                comm: Comm = SOLO) -> Advantages:
     """Rewards divided by the running std of raw returns (design 6.2), GAE in one backward scan
-    over the rectangle (design 6.1), then one standardisation over the cells the update reads:
-    every trainable cell, or under critic_only_choice_mean the choice cells alone (design 6.5).
-    Under torchrun the scaler and the standardisation read every rank's cells (design 3.10); the
-    row's statistics (explained variance, the choice cells' advantage) are this rank's."""
+    over the rectangle (design 6.1; under smdp over decisions, design 6.6), then one
+    standardisation over the cells the actor reads: every trainable cell, or under
+    critic_only_choice_mean and smdp the choice cells alone (design 6.5). Under torchrun the
+    scaler and the standardisation read every rank's cells (design 3.10); the row's statistics
+    (explained variance, the choice cells' advantage) are this rank's."""
     t0 = time.perf_counter()
     T = roll.action.shape[0]
     trainable = roll.trainable
+    choice = trainable & (crit.n_legal > 1)
     rewards = np.where(roll.valid, roll.scalars["reward"], 0.0).astype(np.float64)
     scaler.update(discounted_return_per_episode(rewards, roll.terminated | roll.truncated, gamma)[trainable], comm)
     rew_scaled, reward_clip_frac = scaler.scale(rewards)
     vals_t = torch.as_tensor(crit.values, dtype=torch.float32)
-    adv, ret = gae(torch.as_tensor(rew_scaled), vals_t, torch.as_tensor(crit.final_values),
-                   torch.as_tensor(roll.terminated), torch.as_tensor(roll.truncated), gamma, args.advantage.gae_lambda)
+    scan = (torch.as_tensor(rew_scaled), vals_t, torch.as_tensor(crit.final_values), torch.as_tensor(roll.terminated),
+            torch.as_tensor(roll.truncated))
+    if args.ppo.forced_rows == "smdp":
+        adv, ret = smdp_gae(*scan, torch.as_tensor(choice), gamma, args.advantage.gae_lambda)
+        fitted = choice | crit.sample   # the cells whose value the critic ran on and trains on
+    else:
+        adv, ret = gae(*scan, gamma, args.advantage.gae_lambda)
+        fitted = trainable
+    ev_on = lambda cells: explained_variance(vals_t[:T][torch.as_tensor(cells)], ret[torch.as_tensor(cells)])  # noqa: E731
     adv_np = adv.numpy()
-    choice = trainable & (crit.n_legal > 1)
     pre = adv_np[choice]
     stats = {"ppo/advantage_std_choice_pre_norm": float(pre.std(ddof=1)) if pre.size > 1 else None,
              "ppo/advantage_mean_choice": float(pre.mean()) if pre.size else None,
-             "ppo/explained_variance_choice": explained_variance(
-                 vals_t[:T][torch.as_tensor(choice)], ret[torch.as_tensor(choice)]) if pre.size > 1 else None}
-    ev = explained_variance(vals_t[:T][torch.as_tensor(trainable)], ret[torch.as_tensor(trainable)])
-    cells = choice if args.ppo.forced_rows == "critic_only_choice_mean" else trainable
+             "ppo/explained_variance_choice": ev_on(choice) if pre.size > 1 else None}
+    if crit.heldout is not None:
+        stats["ppo/explained_variance_forced_heldout"] = ev_on(crit.heldout) if crit.heldout.sum() > 1 else None
+    cells = choice if args.ppo.forced_rows in CHOICE_MEAN else trainable
     if args.ppo.advantage_standardization and comm.counts(int(cells.sum()))[0] > 1:
         adv_np = standardize_advantages(adv_np, cells, comm)
-    return Advantages(adv_np, ret.numpy(), stats, ev, reward_clip_frac, time.perf_counter() - t0)
+    return Advantages(adv_np, ret.numpy(), stats, ev_on(fitted), reward_clip_frac, time.perf_counter() - t0)
 
 
 # 5. The update.
@@ -3124,12 +3212,14 @@ def no_update(roll: Rollout) -> tuple[Advantages, dict[str, Any]]:
 
 
 def update(learner: Learner, view: RectView, roll: Rollout, crit: Critic, adv: Advantages,
-           sched: dict[str, float], args: Args, n_rows: int) -> dict[str, Any]:
-    """ppo_update (section 6) over the trainable cells, the mask asserts on the first
-    debug_assert_iterations and the ratio invariant on its cadence (design 6.4); then the kl
-    backoff. Returns the update's ppo/ keys plus "outliers" (the ten worst ratios, for a bundle)."""
+           sched: dict[str, float], args: Args) -> dict[str, Any]:
+    """ppo_update (section 6) over the trainable cells (under smdp the choice cells and the
+    critic's forced sample, design 6.6), the mask asserts on the first debug_assert_iterations and
+    the ratio invariant on its cadence (design 6.4); then the kl backoff. Returns the update's
+    ppo/ keys plus "outliers" (the ten worst ratios, for a bundle)."""
     t0 = time.perf_counter()
-    ct, cr = np.nonzero(roll.trainable)
+    cells = roll.trainable if crit.sample is None else (roll.trainable & (crit.n_legal > 1)) | crit.sample
+    ct, cr = np.nonzero(cells)
     data = RectData(view, ct, cr, roll.action[ct, cr], roll.log_prob[ct, cr], adv.adv[ct, cr], adv.ret[ct, cr],
                     crit.n_legal[ct, cr])
     it, p = learner.iteration, args.ppo
@@ -3145,7 +3235,7 @@ def update(learner: Learner, view: RectView, roll: Rollout, crit: Critic, adv: A
         learner.backoff.apply(learner.opt_a, learner.opt_c)
     upd["time/update"] = time.perf_counter() - t0
     upd["outliers"] = outliers
-    upd["trainable_rows"] = n_rows   # every rank's, as actor_rows_seen counts them
+    upd["trainable_rows"] = learner.comm.counts(data.n)[0]   # every rank's, as actor_rows_seen counts them
     return upd
 
 
@@ -4432,7 +4522,7 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "run/state_digest": ("sha256", "the whole learner: weights, optimizers, scaler, schedules (design 2.4)", None, False),
     "time/iteration": ("s", "wall clock of the iteration", None, False),
     "time/collection": ("s", "rounds from the farm, inference included", None, False),
-    "time/critic_pass": ("s", "the whole-rectangle critic pass", None, False),
+    "time/critic_pass": ("s", "the cells' legality and the critic pass (every cell, or smdp's)", None, False),
     "time/gae": ("s", "reward scaling, GAE, advantage standardisation", None, False),
     "time/update": ("s", "the PPO update", None, False),
     "throughput/collected_steps_per_second": ("game-steps/s", "env steps over collection time", None, False),
@@ -4449,7 +4539,7 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "ppo/kl": ("nats", "Schulman k3, choice rows; lr_backoff reads it", (0.003, 0.02), False),
     "ppo/clip_fraction": ("", "|ratio - 1| > clip_range, choice rows", (0.05, 0.2), False),
     "ppo/dual_clip_fraction": ("", "the dual clip bound, choice rows", None, False),
-    "ppo/forced_frac": ("", "trainable rows with one legal action", None, False),
+    "ppo/forced_frac": ("", "rows through the update with one legal action (smdp: its forced sample)", None, False),
     "ppo/actor_rows": ("rows", "rows the actor ran on, all epochs", None, False),
     "ppo/actor_forwards": ("count", "actor minibatch forwards, all epochs", None, False),
     "ppo/optimizer_steps": ("count", "one per batch, nothing dropped", None, False),
@@ -4463,8 +4553,10 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "ppo/update_magnitude_critic": ("", "|| theta_after - theta_before ||", None, False),
     "ppo/kl_epoch*": ("nats", "kl per epoch; epoch 3 > 2x epoch 1 says lower n_epochs", None, False),
     "ppo/clip_fraction_epoch*": ("", "clip fraction per epoch", None, False),
-    "ppo/explained_variance": ("", "1 - Var(G - V) / Var(G) over trainable cells", (0.0, 1.0), False),
+    "ppo/explained_variance": ("", "1 - Var(G - V) / Var(G) over the cells the critic trains on", (0.0, 1.0), False),
     "ppo/explained_variance_choice": ("", "the same over trainable choice cells (design 6.5)", None, True),
+    "ppo/explained_variance_forced_heldout": ("", "the same over forced cells it never trains on (smdp, design 6.6)",
+                                              None, True),
     "ppo/advantage_std_choice_pre_norm": ("", "advantage std over choice cells before standardising", None, True),
     "ppo/advantage_mean_choice": ("", "advantage mean over choice cells before standardising", None, True),
     "ppo/reward_clip_frac": ("", "cells whose scaled reward hit reward_clip; exactly 0 when healthy", (0.0, 0.0), False),

@@ -666,6 +666,99 @@ def test_gae_bootstraps_zero_on_termination_final_value_on_truncation_and_next_v
     assert adv[0, 4] == rew[0, 4] - val[0, 4]
 
 
+def reference_smdp_gae(rewards, values, final_values, terminated, truncated, choice, gamma, lam):
+    """Design 6.6 read transition by transition, in python floats: from a cell, walk the slot's
+    ticks to the next choice cell, the episode's end or row T, summing gamma^j r and counting k;
+    a choice cell's advantage is R + gamma^k V(boundary) - V + gamma^k lambda^k A(next choice);
+    a forced cell's target is the same walk's lambda-return, its own value unread."""
+    T, R = len(rewards), len(rewards[0])
+    adv = [[0.0] * R for _ in range(T)]
+    tgt = [[0.0] * R for _ in range(T)]
+    for r in range(R):
+        def walk(t):   # (R, gamma^k, lambda^k, bootstrap value, next choice cell or None)
+            total, disc, k = 0.0, 1.0, 0
+            for u in range(t, T):
+                total, disc, k = total + disc * rewards[u][r], disc * gamma, k + 1
+                if terminated[u][r]:
+                    return total, disc, lam ** k, 0.0, None
+                if truncated[u][r]:
+                    return total, disc, lam ** k, final_values[u][r], None
+                if u + 1 < T and choice[u + 1][r]:
+                    return total, disc, lam ** k, values[u + 1][r], u + 1
+            return total, disc, lam ** k, values[T][r], None   # the edge
+        a = {}
+        for t in range(T - 1, -1, -1):
+            rs, gk, lk, boot, nxt = walk(t)
+            ret = rs + gk * boot + (gk * lk * a[nxt] if nxt is not None else 0.0)
+            if choice[t][r]:
+                a[t] = ret - values[t][r]
+                adv[t][r] = a[t]
+            tgt[t][r] = ret
+    return adv, tgt
+
+
+def _choice(T=48, R=12, seed=0, p=0.25):
+    return torch.rand(T, R, generator=torch.Generator().manual_seed(100 + seed)) < p
+
+
+def test_smdp_gae_equals_the_transition_by_transition_reference():
+    for seed, (gamma, lam) in enumerate([(0.997, 0.98), (0.99, 0.95), (1.0, 1.0), (0.5, 0.0), (0.9, 0.7)]):
+        rew, val, fin, term, trunc = _gae_inputs(seed=seed)
+        ch = _choice(seed=seed)
+        ch[:, 6] = False   # a slot with no choice at all: every target a walk to row T
+        adv, tgt = P.smdp_gae(rew, val, fin, term, trunc, ch, gamma, lam)
+        radv, rtgt = reference_smdp_gae(rew.tolist(), val.tolist(), fin.tolist(), term.tolist(), trunc.tolist(),
+                                        ch.tolist(), gamma, lam)
+        assert np.abs(adv.numpy() - np.array(radv)).max() < 1e-9
+        assert np.abs(tgt.numpy() - np.array(rtgt)).max() < 1e-9
+        assert (adv[~ch] == 0).all()
+
+
+def test_smdp_gae_with_every_cell_a_choice_is_gae_bit_for_bit():
+    for seed, (gamma, lam) in enumerate([(0.997, 0.98), (0.99, 0.95), (1.0, 1.0), (0.5, 0.0)]):
+        rew, val, fin, term, trunc = _gae_inputs(seed=seed, dtype=torch.float32)
+        ch = torch.ones_like(term)
+        adv, ret = P.gae(rew, val, fin, term, trunc, gamma, lam)
+        sadv, sret = P.smdp_gae(rew, val, fin, term, trunc, ch, gamma, lam)
+        assert torch.equal(adv, sadv) and torch.equal(ret, sret)
+
+
+def test_smdp_gae_never_reads_a_forced_value_and_at_lambda_one_is_per_tick_gae_at_the_choice_cells():
+    rew, val, fin, term, trunc = _gae_inputs(seed=3)
+    ch = _choice(seed=3)
+    scrambled = val.clone()
+    scrambled[:-1][~ch] = torch.randn(int((~ch).sum()), dtype=val.dtype) * 50   # row T stays: the edge reads it
+    for lam in (0.95, 0.98):
+        a, g = P.smdp_gae(rew, val, fin, term, trunc, ch, 0.99, lam)
+        a2, g2 = P.smdp_gae(rew, scrambled, fin, term, trunc, ch, 0.99, lam)
+        assert torch.equal(a, a2) and torch.equal(g, g2)
+        per_tick, _ = P.gae(rew, val, fin, term, trunc, 0.99, lam)
+        assert (a[ch] - per_tick[ch]).abs().max() > 1e-3   # below lambda 1 the two differ: the test can tell
+    # at lambda 1 per-tick GAE telescopes: its choice-cell advantages are the SMDP's, whatever
+    # the forced cells' values
+    a, _ = P.smdp_gae(rew, scrambled, fin, term, trunc, ch, 0.99, 1.0)
+    for v in (val, scrambled):
+        per_tick, _ = P.gae(rew, v, fin, term, trunc, 0.99, 1.0)
+        assert (a[ch] - per_tick[ch]).abs().max() < 1e-9
+
+
+def test_smdp_cells_sample_the_forced_cells_equal_in_count_disjoint_and_named_by_the_iteration():
+    rng = np.random.default_rng(0)
+    trainable = rng.random((40, 12)) < 0.8
+    n_legal = np.where(rng.random((40, 12)) < 0.1, 7, 1)
+    choice, sample, heldout = P.smdp_cells(trainable, n_legal, seed=5, iteration=3)
+    forced = trainable & (n_legal == 1)
+    assert (choice == (trainable & (n_legal > 1))).all()
+    assert sample.sum() == choice.sum() and heldout.sum() == choice.sum() // 2
+    assert not (sample & ~forced).any() and not (heldout & ~forced).any() and not (sample & heldout).any()
+    again = P.smdp_cells(trainable, n_legal, seed=5, iteration=3)
+    other = P.smdp_cells(trainable, n_legal, seed=5, iteration=4)
+    assert (again[1] == sample).all() and (again[2] == heldout).all() and (other[1] != sample).any()
+    # more choice cells than forced ones: every forced cell is sampled, none held out
+    _, s2, h2 = P.smdp_cells(trainable, np.where(n_legal == 1, 7, 1), seed=5, iteration=3)
+    assert s2.sum() == (trainable & (n_legal != 1)).sum() and h2.sum() == 0
+
+
 def test_welford_scaler_matches_numpy_and_never_subtracts_the_mean():
     rng = np.random.default_rng(0)
     chunks = [rng.normal(3.0, 2.0, size=n) for n in (1, 7, 100, 33)]
@@ -738,7 +831,7 @@ def _reference_grads(geo, net, data, ppo, mode, seed=0):
     obj = P.clipped_surrogate(torch.exp(d.log_prob(m.action) - m.log_prob), m.adv, ppo.clip_range, ppo.dual_clip_c)
     ent, ent2 = d.entropy(), d.noop_entropy()
     ch = m.n_legal > 1
-    if mode == "critic_only_choice_mean":
+    if mode in P.CHOICE_MEAN:   # the actor's mean over choice rows (critic_only_choice_mean, smdp)
         actor = -obj[ch].mean() - 0.01 * ent[ch].mean() - 0.02 * ent2[ch].mean()
     else:
         actor = -obj.mean() - 0.01 * ent.mean() - 0.02 * ent2.mean()
