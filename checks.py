@@ -1126,7 +1126,7 @@ def timed_update(s: P.Setup, roll: P.Rollout, crit: P.Critic, adv: P.Advantages,
     """Seconds of one update from the weights that collected the rectangle: each repeat starts
     from the same learner state (the ratio invariant holds the update to it, design 6.4)."""
     before = s.learner.files(args.master_seed)
-    seconds = P.update(s.learner, s.view, roll, crit, adv, sched, args, int(roll.trainable.sum()))["time/update"]
+    seconds = P.update(s.learner, s.view, roll, crit, adv, sched, args)["time/update"]
     s.learner.restore(before)
     return seconds
 

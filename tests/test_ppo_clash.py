@@ -1880,6 +1880,47 @@ def _run_files(run: Path) -> dict[str, Any]:
             "counts": [(r["throughput/inference_rows_forward"], r["throughput/inference_rows_skipped"]) for r in rows]}
 
 
+@pytest.mark.slow
+def test_under_smdp_the_critic_runs_on_the_choice_cells_its_samples_row_T_and_the_finals_alone(tmp_path):
+    """Design 6.6's population, counted by a wrapper on the critic's forward: in the critic pass,
+    the choice cells, the forced sample (as many), the held-out sample (half that), row T of the
+    learner's slots and the learner's truncation finals, nothing else; in the update, the choice
+    cells and the sample each epoch (actor_rows_seen), the actor on the choice cells alone."""
+    counted, passes = [0], []
+    value, critic_pass = P.ActorCritic.value, P.critic_pass
+
+    def counting_value(self, obs):
+        counted[0] += len(obs.vector)
+        return value(self, obs)
+
+    def recording_pass(model, view, source, roll, env, ppo, iteration):
+        counted[0] = 0
+        crit = critic_pass(model, view, source, roll, env, ppo, iteration)
+        finals = sum(bool(roll.trainable[t, r]) for t, r in source.finals)
+        passes.append((counted[0], crit, roll.trainable.copy(), finals, len(source.finals)))
+        return crit
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(P.ActorCritic, "value", counting_value)
+        mp.setattr(P, "critic_pass", recording_pass)
+        run = P.train(P.parse_args(["--profile", "smoke", "--ppo.forced-rows", "smdp", "--obs.max-steps", "60",
+                                    "--runs-dir", str(tmp_path)]), quiet=True, max_iterations=3)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(passes) == len(rows) == 3
+    assert sum(f for *_, f, _ in passes) > 0 and sum(a - f for *_, f, a in passes) > 0   # finals of both kinds
+    for (n, crit, trainable, finals, _), row in zip(passes, rows):
+        choice, forced = trainable & (crit.n_legal > 1), trainable & (crit.n_legal == 1)
+        n_s = min(int(choice.sum()), int(forced.sum()))
+        assert crit.sample.sum() == n_s and crit.heldout.sum() == min(int(forced.sum()) - n_s, n_s // 2)
+        assert not ((crit.sample | crit.heldout) & ~forced).any() and not (crit.sample & crit.heldout).any()
+        assert n == crit.rows == choice.sum() + crit.sample.sum() + crit.heldout.sum() + trainable[-1].sum() + finals
+        ran = np.vstack([choice | crit.sample | crit.heldout, trainable[-1:]])
+        assert (crit.values[~ran] == 0).all() and (crit.values[ran] != 0).all()
+        assert row["ppo/actor_rows_seen"] == (choice.sum() + n_s) * 3 and row["ppo/actor_rows"] == choice.sum() * 3
+        assert row["health/samples_unused_frac"] == 0.0
+        assert row["ppo/explained_variance_forced_heldout"] is not None
+
+
 # The differential tests' smoke run: a gate and a probe on iteration 3, so evaluation games are
 # played through raw_obs_act too.
 DIFFERENTIAL_FLAGS = ["--profile", "smoke", "--ladder.candidate-every-env-steps", "400",
