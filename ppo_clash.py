@@ -3208,7 +3208,7 @@ def no_update(roll: Rollout) -> tuple[Advantages, dict[str, Any]]:
     adv = Advantages(zero, zero, {"ppo/advantage_std_choice_pre_norm": None, "ppo/advantage_mean_choice": None,
                                   "ppo/explained_variance_choice": None}, None, 0.0, 0.0)
     return adv, {"ppo/optimizer_steps": 0.0, "ppo/actor_rows_seen": 0.0, "run/lr_backoff": False,
-                 "time/update": 0.0, "outliers": [], "trainable_rows": 0}
+                 "time/update": 0.0, "outliers": [], "trainable_rows": 0, "update_rows": 0}
 
 
 def update(learner: Learner, view: RectView, roll: Rollout, crit: Critic, adv: Advantages,
@@ -3235,7 +3235,9 @@ def update(learner: Learner, view: RectView, roll: Rollout, crit: Critic, adv: A
         learner.backoff.apply(learner.opt_a, learner.opt_c)
     upd["time/update"] = time.perf_counter() - t0
     upd["outliers"] = outliers
-    upd["trainable_rows"] = learner.comm.counts(data.n)[0]   # every rank's, as actor_rows_seen counts them
+    # every rank's: the learner's ticks (timesteps count them, smdp too) and the update's rows
+    # (actor_rows_seen counts these)
+    upd["trainable_rows"], upd["update_rows"] = learner.comm.counts(int(roll.trainable.sum()), data.n)
     return upd
 
 
@@ -5243,7 +5245,7 @@ def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: LadderLoop
         "time/env": fst["env_ms"] / 1e3, "time/codec": fst["codec_ms"] / 1e3,
         "throughput/parent_wait_frac": fst["parent_wait_frac"],
         "throughput/boundary_mb_per_second": fst["bytes_out"] / 1e6 / max(roll.t_collect, 1e-9),
-        "health/samples_unused_frac": 1.0 - upd["ppo/actor_rows_seen"] / max(upd["trainable_rows"] * args.ppo.n_epochs, 1),
+        "health/samples_unused_frac": 1.0 - upd["ppo/actor_rows_seen"] / max(upd["update_rows"] * args.ppo.n_epochs, 1),
         "policy/cards_per_match": mean([e.cards_played for e in mine]),
         "policy/noop_rate": float((roll.action[trainable] == 0).mean()) if trainable.any() else None,
         "env/win_rate_vs_scripted": mean([e.outcome > 0 for e in mine if e.bucket == "scripted"]),

@@ -1907,6 +1907,8 @@ def test_under_smdp_the_critic_runs_on_the_choice_cells_its_samples_row_T_and_th
                                     "--runs-dir", str(tmp_path)]), quiet=True, max_iterations=3)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(passes) == len(rows) == 3
+    # timesteps stay per learner tick: the rollout's trainable cells, not the update's rows
+    assert [r["run/cumulative_timesteps"] for r in rows] == list(np.cumsum([p[2].sum() for p in passes]))
     assert sum(f for *_, f, _ in passes) > 0 and sum(a - f for *_, f, a in passes) > 0   # finals of both kinds
     for (n, crit, trainable, finals, _), row in zip(passes, rows):
         choice, forced = trainable & (crit.n_legal > 1), trainable & (crit.n_legal == 1)
