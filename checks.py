@@ -207,13 +207,14 @@ WALL_CLOCK = P.NONDETERMINISTIC + ("ladder/gate_seconds_frac", "ladder/probe_sec
 _ABSENT = "<absent>"
 
 
-def resume_flags(profile: str, runs_dir: Path) -> list[str]:
-    """The profile with a checkpoint every SPLIT iterations; the limit sits at TOTAL iterations,
-    so the resumed process stops where the straight run did."""
-    env = P.read_env(P.profile_args(profile))
-    return ["--profile", profile, "--runs-dir", str(runs_dir),
-            "--checkpoint.every-env-steps", str(SPLIT * env.T * env.n_battles),
-            "--timestep-limit", str(TOTAL * env.T * env.learner_rows)]
+def resume_flags(profile: str, config: str | None, runs_dir: Path) -> list[str]:
+    """The profile (with the --config change merged over it) and a checkpoint every SPLIT
+    iterations; the limit sits at TOTAL iterations, so the resumed process stops where the
+    straight run did."""
+    chosen = ["--profile", profile] + (["--config", config] if config else [])
+    env = P.read_env(P.parse_args(chosen))
+    return chosen + ["--runs-dir", str(runs_dir), "--checkpoint.every-env-steps", str(SPLIT * env.T * env.n_battles),
+                     "--timestep-limit", str(TOTAL * env.T * env.learner_rows)]
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -266,11 +267,13 @@ class ResumeFailed(RuntimeError):
     """The fresh process could not resume or refused what it reached: a failed check, exit 1."""
 
 
-def make_resumed_pair(profile: str, work: Path, say: Callable[[str], None] = print) -> tuple[Path, Path]:
+def make_resumed_pair(profile: str, config: str | None, work: Path,
+                      say: Callable[[str], None] = print) -> tuple[Path, Path]:
     """Train the straight run and the stopped one, then resume the stopped one from the straight
     run's iteration-SPLIT checkpoint in a fresh process. Returns (straight, resumed) run dirs."""
-    flags_a, flags_b = resume_flags(profile, work / "a"), resume_flags(profile, work / "b")
-    say(f"straight run: {TOTAL} iterations of --profile {profile}, a checkpoint every {SPLIT}")
+    flags_a, flags_b = resume_flags(profile, config, work / "a"), resume_flags(profile, config, work / "b")
+    say(f"straight run: {TOTAL} iterations of {' '.join(flags_a[:flags_a.index('--runs-dir')])}, "
+        f"a checkpoint every {SPLIT}")
     a = P.train(P.parse_args(flags_a), max_iterations=TOTAL, quiet=True)
     say(f"stopped run: the same configuration, stopped after iteration {SPLIT}")
     b = P.train(P.parse_args(flags_b), max_iterations=SPLIT, quiet=True)
@@ -290,10 +293,10 @@ def make_resumed_pair(profile: str, work: Path, say: Callable[[str], None] = pri
     return a, b
 
 
-def verify_resume(profile: str, work: Path, say: Callable[[str], None] = print) -> str | None:
+def verify_resume(profile: str, config: str | None, work: Path, say: Callable[[str], None] = print) -> str | None:
     """The whole check: the first difference (file, row, field, both values), or None for PASS."""
     try:
-        a, b = make_resumed_pair(profile, work, say)
+        a, b = make_resumed_pair(profile, config, work, say)
     except ResumeFailed as e:
         return str(e)
     return compare_runs(a, b)
@@ -305,7 +308,7 @@ def cmd_verify_resume(cmd: "VerifyResume") -> int:
     if any(work.iterdir()):
         raise CheckError(f"{work}: not empty; verify-resume trains two runs there (pass an empty or new --work-dir)")
     try:
-        found = verify_resume(cmd.profile, work)
+        found = verify_resume(cmd.profile, cmd.config, work)
     finally:
         if not cmd.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -1417,6 +1420,9 @@ class VerifyResume:
     checkpoint, and two more in a fresh process; compared file, row and field."""
     profile: str = "smoke"
     """the profile to prove (battles are played whole: the checkpoint finds them mid-episode)"""
+    config: Optional[str] = None
+    """a JSON object of fields merged over the profile, as ppo_clash.py --config: prove a fork's or
+    an experiment's change resumes exactly (e.g. docs/experiments/smdp.json)"""
     work_dir: Optional[str] = None
     """an empty folder for the two runs (default: a new temporary one)"""
     keep: bool = False

@@ -21,6 +21,9 @@ import checks
 import farm
 import ppo_clash as P
 
+# the smdp experiment's change (docs/learning.md), which verify-resume proves resumes exactly
+SMDP = Path(checks.__file__).parent / "docs" / "experiments" / "smdp.json"
+
 
 def run_main(*argv: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
@@ -295,9 +298,11 @@ def test_identity_of_a_run_is_its_name_and_recomputes_from_its_config(smoke_run)
 
 @pytest.fixture(scope="module")
 def verified(tmp_path_factory):
-    """`checks.py verify-resume` (smoke) through the CLI, its runs kept for the planted test."""
+    """`checks.py verify-resume` (smoke, under forced_rows smdp: its forced sample is drawn per
+    iteration, so a resume must draw the same cells) through the CLI, its runs kept for the
+    planted test. Resume under critic_only is proven by tests/test_ppo_clash.py's kill -9 test."""
     work = tmp_path_factory.mktemp("verify") / "work"
-    code, out, err = run_main("verify-resume", "--work-dir", str(work), "--keep")
+    code, out, err = run_main("verify-resume", "--config", str(SMDP), "--work-dir", str(work), "--keep")
     return code, out + err, work
 
 
@@ -309,6 +314,7 @@ def test_verify_resume_passes_on_smoke(verified):
     (b,) = (work / "b").iterdir()
     rows = [json.loads(x) for x in (b / "metrics.jsonl").read_text().splitlines()]
     assert [r["run/iteration"] for r in rows] == [1, 2, 3, 4]
+    assert json.loads((b / "config.json").read_text())["ppo"]["forced_rows"] == "smdp"
     # whole battles: the split's checkpoint found them mid-episode, and they finished after it
     split = sorted((b / "checkpoints").iterdir())[0]
     assert json.loads((split / "rollout" / "in_flight.json").read_text())

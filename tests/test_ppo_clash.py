@@ -2067,9 +2067,10 @@ def test_two_gloo_ranks_write_one_run_and_a_resume_in_fresh_processes_reproduces
     every iteration (a difference halts: the run ending 0 says they were equal). Resumed from
     iteration 4's checkpoint in fresh processes (both ranks re-simulate battles mid-episode), the
     logs are the straight run's, clock aside; one process resuming it is refused (the identity's
-    world size and backend differ)."""
-    flags = ["--profile", "smoke", "--checkpoint.every-env-steps", "688", "--timestep-limit", "3096",
-             "--alarms.kl-high", "-1"]
+    world size and backend differ). Under forced_rows smdp (design 6.6): each rank draws its own
+    forced sample, and the ranks' weights still agree every iteration."""
+    flags = ["--profile", "smoke", "--ppo.forced-rows", "smdp", "--checkpoint.every-env-steps", "688",
+             "--timestep-limit", "3096", "--alarms.kl-high", "-1"]
     p = _torchrun(*flags, "--runs-dir", str(tmp_path / "runs"))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     (run,) = (tmp_path / "runs").iterdir()
@@ -2079,6 +2080,7 @@ def test_two_gloo_ranks_write_one_run_and_a_resume_in_fresh_processes_reproduces
                r["run/cumulative_timesteps"] == 516 * r["run/iteration"] for r in rows)   # [A: 2 x 43 x 6 rows]
     ident = json.loads((run / "identity.json").read_text())
     assert ident["world_size"] == 2 and ident["backend"] == "gloo"
+    assert json.loads((run / "config.json").read_text())["ppo"]["forced_rows"] == "smdp"
     episodes = {(e["battle"], e["ordinal"]) for e in map(json.loads, (run / "episodes.jsonl").read_text().splitlines())}
     battles = {b for b, _ in episodes}
     assert battles & {0, 1, 2, 3} and battles & {4, 5, 6, 7} and battles <= set(range(8))
