@@ -767,6 +767,14 @@ def game_rules(args: Args) -> list[tuple[str, bool, str]]:
     ]
 
 
+def one_folder_name(name: str) -> bool:
+    """The run folder is <runs_dir>/<run_name>-<run_id>: a name must be one path component, so it
+    can neither climb out of --runs-dir nor make a folder the file system refuses (NAME_MAX is 255
+    bytes, less "-<run_id>" and a side folder's suffix: 128 [A]). isprintable first, so that encode
+    cannot raise (an undecodable argv byte is a surrogate, not printable)."""
+    return name.isprintable() and 0 < len(name.encode()) <= 128 and not any(s in name for s in ("/", "\\", ".."))
+
+
 def config_rules(args: Args) -> list[tuple[str, bool, str]]:
     """Every size, count, fraction and divisibility the code relies on, one rule a line: (field,
     holds, what it must be). All in one place (the game's share in game_rules) so a bad value stops
@@ -781,6 +789,8 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
     paired = f"be even, at least 2 and at most 2 x --ladder.eval-seed-count = {twice} (a seed plays from both sides)"
     pos, nonneg, frac = "be > 0", "be >= 0", "be in [0, 1]"
     return [
+        ("run_name", one_folder_name(args.run_name), "be one folder name: 1 to 128 bytes of printable characters, "
+         "without '/', '\\' or '..' (the run folder is <runs_dir>/<run_name>-<run_id>)"),
         ("master_seed", 0 <= args.master_seed < 2 ** 63, "be in [0, 2**63): every stream derives from it"),
         ("timestep_limit", args.timestep_limit >= 1, "be >= 1"),
         ("metrics.image_every", args.metrics.image_every >= 0, "be >= 0 (0: no heatmaps)"),
@@ -791,9 +801,9 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("rollout.games_per_worker", r.shards_per_worker < 1 or r.games_per_worker % r.shards_per_worker == 0,
          f"be a multiple of --rollout.shards-per-worker = {r.shards_per_worker} (each shard holds the same battles)"),
         ("rollout.spin_us", r.spin_us >= 0, nonneg),
-        ("rollout.round_timeout_s", r.round_timeout_s > 0, pos),
+        ("rollout.round_timeout_s", 0 < r.round_timeout_s < math.inf, "be > 0 and finite (inf: no hang detection)"),
         ("rollout.max_restarts_per_worker", r.max_restarts_per_worker >= 0, nonneg),
-        ("rollout.launch_delay_s", r.launch_delay_s >= 0, nonneg),
+        ("rollout.launch_delay_s", 0 <= r.launch_delay_s < math.inf, "be >= 0 and finite"),
         ("rollout.overlap", not r.overlap, "be false: lag-1 collection is not built (design 10.1)"),
         ("rollout.eval_workers", r.eval_workers >= 1, "be >= 1"),
         ("rollout.eval_games_per_worker", r.eval_games_per_worker >= 1, "be >= 1"),
@@ -2321,6 +2331,8 @@ def train(args: Args, *, max_iterations: int | None = None, quiet: bool = False,
     the farm's episode ordinals and the ladder are restored. The process-wide determinism settings
     are put back on the way out, so a caller in the same process (a test, checks.py) keeps its own."""
     check_consistency(args)   # design 1.3: an Args built in code is held to the rules the command line is
+    # where the run will write, before the start-up gates' seconds: a file, or a read-only disk, in its way
+    check_writable(Path(resume).parent.parent if resume else Path(args.runs_dir), "--resume" if resume else "--runs-dir")
     comm = open_comm(args)    # torchrun's ranks, or SOLO (design 3.10)
     try:
         with process_settings_kept():
@@ -2500,6 +2512,7 @@ def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: boo
     Under torchrun rank 0 opens the run and its ladder first; the other ranks then follow it."""
     apply_determinism(args)                   # design 2.1: before the first tensor exists
     env = read_env(args, comm)                # geometry, codec table and T x R, read off a reset env
+    check_gates([ram_gate(args, env, parameter_count(args, env))])   # design 3.8 step 9, before any allocation
     learner = Learner(args, env, comm)        # the network, its optimizers, scaler, backoff, positions
     seeds = check_seeds(args, env, learner.model) if comm.voice and resume is None else []   # before any long step
     run_startup_gates(args, env, learner.model, quiet or not comm.voice)   # design 3.8
@@ -3760,7 +3773,33 @@ def ram_ledger(args: Args, env: Env, params: int) -> list[tuple[str, float, str]
             ("weights, gradients, Adam moments: 4 x 4 B a parameter", 16 * params / 2**20, "[A]"),
             (f"{r.workers} workers x {r.games_per_worker} battles", r.workers * worker(r.games_per_worker), "[M]"),
             (f"at a gate: {r.eval_workers} eval workers x {r.eval_games_per_worker} battles",
-             r.eval_workers * worker(r.eval_games_per_worker), "[M]")]
+             r.eval_workers * worker(r.eval_games_per_worker), "[M]"),
+            # a seed: int64 8 B drawn, a Python int 32 B and its list slot 8 B, about 21 B of JSON
+            (f"{args.ladder.eval_seed_count} eval seeds x 69 B", args.ladder.eval_seed_count * 69 / 2**20, "[A]")]
+
+
+def ram_gate(args: Args, env: Env, params: float) -> Gate:
+    """Step 9: the RAM ledger within doctor.ram_budget_mb. set_up checks it before the network
+    exists, on parameter_count, so no size the machine cannot hold is ever allocated."""
+    ledger = ram_ledger(args, env, params)
+    total = sum(mb for _, mb, _ in ledger)
+    return Gate(9, "RAM ledger within doctor.ram_budget_mb", total <= args.doctor.ram_budget_mb,
+                f"{total:,.0f} MB projected of {args.doctor.ram_budget_mb:,} MB: "
+                + "; ".join(f"{t} {mb:,.0f} {src}" for t, mb, src in ledger),
+                "lower the field behind the largest term (rollout.workers, rollout.games_per_worker, net.*, "
+                "ladder.eval_seed_count), or raise --doctor.ram-budget-mb")
+
+
+def parameter_count(args: Args, env: Env) -> float:
+    """The network's parameters, counted on torch's meta device (shapes, no storage); inf for a
+    network whose byte count a tensor cannot even represent (torch says "overflowed")."""
+    try:
+        with torch.device("meta"):
+            return float(sum(p.numel() for p in ActorCritic(env.geo, args.net, args.master_seed).parameters()))
+    except RuntimeError as e:
+        if "overflow" not in str(e):
+            raise
+        return math.inf
 
 
 def startup_gates(args: Args, env: Env, model: ActorCritic) -> tuple[list[Gate], int]:
@@ -3792,12 +3831,7 @@ def startup_gates(args: Args, env: Env, model: ActorCritic) -> tuple[list[Gate],
                       f"{s.planes_mismatch} states whose mask_planes differ from the mask",
                       "the pointer head's tiles would name the wrong actions: update PointerHead to the parser"))
     gates.append(Gate(8, "engine build recorded in the identity", True, f"catalogue {eb.catalogue_sha256[:12]}"))
-    ledger = ram_ledger(args, env, sum(p.numel() for p in model.parameters()))
-    total = sum(mb for _, mb, _ in ledger)
-    gates.append(Gate(9, "RAM ledger within doctor.ram_budget_mb", total <= args.doctor.ram_budget_mb,
-                      f"{total:,.0f} MB projected of {args.doctor.ram_budget_mb:,} MB: "
-                      + "; ".join(f"{t} {mb:,.0f} {src}" for t, mb, src in ledger),
-                      "lower rollout.workers or rollout.games_per_worker, or raise --doctor.ram-budget-mb"))
+    gates.append(ram_gate(args, env, sum(p.numel() for p in model.parameters())))
     gates.append(vram_gate(args, env, model))
     return gates, n_dis
 
@@ -4003,6 +4037,21 @@ def _resume_run(args: Args, env: Env, learner: Learner, path: Path, resume: Path
         print(line)
     return Run(args, path, identity, man.run_id, quiet, t_start, drifted=(path / "drift.json").exists(),
                last_saved=learner.env_steps, lock=lock, **saved)
+
+
+def check_writable(path: Path, name: str) -> None:
+    """`path` must be a folder this process can write in, or one it can make: its nearest existing
+    folder (itself or an ancestor) is a folder, not a file, and writable (os.access says no on a
+    read-only mount, root included). Read only: nothing is made here."""
+    try:
+        there = next(q for q in (path.absolute(), *path.absolute().parents) if q.exists())
+        if not there.is_dir():
+            raise ConfigError(f"{name} {path}: {there} is a file, not a folder; pass a folder (made if absent)")
+        if not os.access(there, os.W_OK | os.X_OK):
+            raise ConfigError(f"{name} {path}: {there} is not writable (a read-only disk, or another user's "
+                              "folder); pass a folder you can write in")
+    except OSError as e:   # a name the file system refuses to look up (too long, say)
+        raise ConfigError(f"{name} {path}: cannot be looked up ({e.strerror}); pass another folder") from None
 
 
 def hold_run(path: Path) -> Any:
@@ -5731,6 +5780,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             rest.append(argv[i])
         i += 1
     try:
+        for name, val, like in (("--resume", resume, "runs/<dir>"), ("--checkpoint", ckpt, "runs/<dir>/checkpoints/<step>")):
+            if val == "":   # Path("") is the current folder: never what was meant
+                raise ConfigError(f"{name} needs a value, such as {name} {like}")
         if resume is not None:
             ck = Path(ckpt) if ckpt else latest_checkpoint(Path(resume))
             if ck is None:

@@ -1222,6 +1222,7 @@ def test_refusals_that_need_two_fields():
 # One bad value per rule of P.config_rules, on the smoke profile (8 channels, 4 norm groups, one
 # worker of 4 battles: 6 learner seats a cycle, 8 eval seeds): (field, bad value, context fields).
 BAD_VALUES = [
+    ("run_name", "../../escaped/x", {}), ("run_name", "x" * 300, {}), ("run_name", "\udcff\udcfe\x01bad", {}),
     ("master_seed", -1, {}), ("timestep_limit", 0, {}), ("metrics.image_every", -1, {}), ("obs.frame_stack", 0, {}), ("obs.decision_ms", 0, {}),
     ("obs.reveal", ["enemy_hand"], {}), ("obs.max_steps", -1, {}), ("reward.crown", -0.1, {}), ("reward.tower_hp", float("nan"), {}), ("reward.elixir", -1, {}),
     ("warm.rung", "scripted:nope", {}), ("warm.rung", "scripted:noop", {"obs.frame_stack": 2}),
@@ -1229,8 +1230,9 @@ BAD_VALUES = [
     ("warm.critic_iterations", -1, {"warm.rung": "scripted:noop"}), ("warm.critic_iterations", 2, {}),
     ("rollout.workers", 0, {}), ("rollout.games_per_worker", 0, {}), ("rollout.shards_per_worker", 0, {}),
     ("rollout.games_per_worker", 15, {"rollout.shards_per_worker": 2}), ("rollout.spin_us", -1, {}),
-    ("rollout.round_timeout_s", 0, {}), ("rollout.max_restarts_per_worker", -1, {}),
-    ("rollout.launch_delay_s", -1, {}), ("rollout.overlap", True, {}), ("rollout.eval_workers", 0, {}),
+    ("rollout.round_timeout_s", 0, {}), ("rollout.round_timeout_s", float("inf"), {}),
+    ("rollout.max_restarts_per_worker", -1, {}), ("rollout.launch_delay_s", -1, {}),
+    ("rollout.launch_delay_s", float("inf"), {}), ("rollout.overlap", True, {}), ("rollout.eval_workers", 0, {}),
     ("rollout.eval_games_per_worker", 0, {}),
     ("net.channels", 0, {}), ("net.blocks", -1, {}), ("net.norm_groups", 3, {}), ("net.vector_embed", 0, {}),
     ("net.value_hidden", 0, {}), ("net.noop_bias", float("nan"), {}), ("net.noop_bias", 1.0, {"net.policy_head": "factored"}),
@@ -1284,19 +1286,52 @@ def _nested(flat):
     return out
 
 
-@pytest.mark.parametrize("path,value,context", BAD_VALUES, ids=[f"{p}={v}" for p, v, _ in BAD_VALUES])
+@pytest.mark.parametrize("path,value,context", BAD_VALUES, ids=[f"{p}={v!r:.24}" for p, v, _ in BAD_VALUES])
 def test_a_bad_config_value_is_one_line_naming_the_field_and_exits_2_before_any_run_directory(
         tmp_path, capsys, path, value, context):
     """design 1.3: ppo_clash.main with the bad flag returns 2, prints one line naming the field as
-    the command line spells it and its rule, and nothing is written under --runs-dir."""
-    argv = ["--profile", "smoke", "--runs-dir", str(tmp_path / "runs")]
+    the command line spells it and its rule, and nothing is written, under --runs-dir or outside
+    it (a run name with ../.. would climb two folders up: here still inside tmp_path)."""
+    argv = ["--profile", "smoke", "--runs-dir", str(tmp_path / "a" / "runs")]
     for p, v in context.items():
         argv += _tokens(p, v)
     rc = P.main(argv + _tokens(path, value))
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"error: {P.flag(path)} ") and ": must " in err and "Traceback" not in err
-    assert not (tmp_path / "runs").exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+# Issue 39 item 6: places and sizes a run cannot use, each refused before the start-up gates run
+# (no gate line printed) and before anything is written: (case, flags given tmp_path, words).
+BAD_PLACES = [
+    ("runs-dir a file", lambda t: ["--runs-dir", str(t / "f")], "f is a file, not a folder"),
+    ("runs-dir under a file", lambda t: ["--runs-dir", str(t / "f" / "runs")], "f is a file, not a folder"),
+    ("runs-dir read-only", lambda t: ["--runs-dir", str(t / "ro" / "runs")], "ro is not writable (a read-only disk"),
+    ("resume empty", lambda t: ["--resume="], "--resume needs a value, such as --resume runs/<dir>"),
+    ("net.channels 1e9", lambda t: ["--net.channels", "1000000000"],
+     "start-up gate 9 (RAM ledger within doctor.ram_budget_mb) failed: inf MB projected of 6,500 MB"),
+    ("ladder.eval-seed-count 1e12", lambda t: ["--ladder.eval-seed-count", "1000000000000"],
+     "1000000000000 eval seeds x 69 B 65,803,528 [A]"),
+]
+
+
+@pytest.mark.parametrize("case,flags,words", BAD_PLACES, ids=[c for c, _, _ in BAD_PLACES])
+def test_a_place_or_size_the_machine_cannot_use_is_one_line_before_the_start_up_gates(
+        tmp_path, monkeypatch, capsys, case, flags, words):
+    """A --runs-dir that is a file, lies under one or is read-only (os.access says so, as on a
+    read-only mount: root writes through a chmod), an empty --resume, a network or an eval seed set
+    the RAM ledger cannot hold: exit 2, one line, no gate run, no file written, nothing allocated."""
+    (tmp_path / "f").write_text("a file")
+    (tmp_path / "ro").mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != tmp_path / "ro" and real(p, mode))
+    monkeypatch.chdir(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    rc = P.main(["--profile", "smoke", "--runs-dir", str(tmp_path / "runs"), *flags(tmp_path)])
+    out, err = capsys.readouterr()
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("error: ") and words in err, err
+    assert "start-up gates" not in out and sorted(tmp_path.rglob("*")) == before
 
 
 def test_the_reward_weights_reach_the_env_and_their_defaults_leave_its_spec_and_the_run_id_alone():
