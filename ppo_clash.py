@@ -3420,7 +3420,8 @@ def crash_line(run: Run, learner: Learner, exc: BaseException, saved: Path | Non
     last = saved or latest_checkpoint(run.path)
     kept = None if last is None else f"emergency checkpoint {last}" if saved else f"the last checkpoint is {last}"
     resume = (f"{kept}; resume: {resume_command(run.path, comm.world)}" if kept else
-              "no checkpoint yet: start the run again with the same command")
+              f"no checkpoint yet: the same command, or {resume_command(run.path, comm.world)}, starts it again "
+              "from its start")
     return (f"{f'rank {comm.rank} ' if comm.on else ''}{what} in iteration {k} ({run.phase}): {type(exc).__name__}"
             f"{': ' + said if said else ''}; full traceback in {path}; {resume}")
 
@@ -3994,9 +3995,7 @@ def open_run(args: Args, env: Env, learner: Learner, resume: Path | None, allow_
         rid = run_id(identity)
         path = Path(args.runs_dir) / f"{args.run_name}-{rid}"
         if path.exists():   # the same identity, run before: never written over (design 2.3)
-            raise ConfigError(f"{path} exists: a run with this identity was started before. Continue it with "
-                              f"python ppo_clash.py --resume {path}, or start another with a new --run-name "
-                              "or --master-seed")
+            set_aside_unsaved(path)
         path.mkdir(parents=True)
         lock = hold_run(path)
         (path / "config.json").write_bytes(config_json(args))
@@ -4037,6 +4036,35 @@ def _resume_run(args: Args, env: Env, learner: Learner, path: Path, resume: Path
         print(line)
     return Run(args, path, identity, man.run_id, quiet, t_start, drifted=(path / "drift.json").exists(),
                last_saved=learner.env_steps, lock=lock, **saved)
+
+
+def free_side(path: Path, tag: str) -> Path:
+    """Where `path` is set aside, beside it: <name><tag>, or <name>-2<tag>, -3, ... when taken."""
+    side, n = path.with_name(path.name + tag), 1
+    while side.exists():
+        n += 1
+        side = path.with_name(f"{path.name}-{n}{tag}")
+    return side
+
+
+def set_aside_unsaved(path: Path) -> None:
+    """The same command again, for the run folder it already made. One with a checkpoint is never
+    touched: refused, naming the resume command. One that stopped before its first checkpoint (a
+    crash, a kill -9) holds nothing a resume can start from, so it is moved aside whole, kept, to
+    <path>.no-checkpoint (free_side), and the run starts again from its start; one
+    still training is refused by hold_run, whose lock a live run holds."""
+    if latest_checkpoint(path) is not None:
+        raise ConfigError(f"{path} exists: a run with this identity was started before. Continue it with "
+                          f"python ppo_clash.py --resume {path}, or start another with a new --run-name "
+                          "or --master-seed")
+    lock = hold_run(path)
+    side = free_side(path, ".no-checkpoint")
+    try:
+        path.rename(side)
+    finally:
+        lock.close()
+    print(f"{path} holds no checkpoint a resume can start from (it stopped before its first): moved to "
+          f"{side.name}, and the run starts again from its start")
 
 
 def check_writable(path: Path, name: str) -> None:
@@ -5785,9 +5813,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError(f"{name} needs a value, such as {name} {like}")
         if resume is not None:
             ck = Path(ckpt) if ckpt else latest_checkpoint(Path(resume))
-            if ck is None:
-                raise ConfigError(f"{resume} has no checkpoint to resume (looked in {Path(resume) / 'checkpoints'})")
+            if ck is None and not (Path(resume) / "config.json").exists():
+                raise ConfigError(f"{resume} has no checkpoint to resume (looked in {Path(resume) / 'checkpoints'}) "
+                                  "and no config.json to start it again from: start it with the command that made it")
             args = parse_args(["--config", str(Path(resume) / "config.json"), *rest])
+            if ck is None:   # it stopped before its first checkpoint: start it again, in its own folder
+                args.runs_dir = str(Path(resume).parent)
         else:
             ck = None
             args = parse_args(rest)

@@ -2428,6 +2428,44 @@ def test_a_crash_in_the_loop_is_one_line_with_its_traceback_file_and_the_resume_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("again", ["same command", "resume"])
+def test_a_run_that_stops_before_its_first_checkpoint_starts_again_with_the_command_its_line_names(
+        tmp_path, monkeypatch, capsys, again):
+    """Issue 39 item 1: a crash in iteration 1, before any checkpoint, names two next steps, and
+    each works: the same command, or --resume of the run, sets the folder aside whole (kept) and
+    starts the run again from its start. While the run is training (its train.lock held) both are
+    refused and nothing moves."""
+    import farm
+    real = farm.InlineFarm.next_round
+
+    def planted(self, *a, **kw):
+        if self.iteration == 0 and self._cycle == 3:
+            raise RuntimeError("planted fault")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(farm.InlineFarm, "next_round", planted)
+    flags = ["--profile", "smoke", "--runs-dir", str(tmp_path)]
+    assert P.main(flags) == 1
+    (run,) = tmp_path.iterdir()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith(
+        f"no checkpoint yet: the same command, or python ppo_clash.py --resume {run}, starts it again from its start\n")
+    monkeypatch.setattr(farm.InlineFarm, "next_round", real)
+    cmd = flags if again == "same command" else ["--resume", str(run)]
+    live = P.hold_run(run)                                       # a trainer still at it
+    assert P.main(cmd) == 2 and "is being trained by" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [run]
+    live.close()
+    assert P.main(cmd) == 0
+    side = tmp_path / f"{run.name}.no-checkpoint"
+    assert (f"{run} holds no checkpoint a resume can start from (it stopped before its first): moved to "
+            f"{side.name}, and the run starts again from its start") in capsys.readouterr().out
+    assert (side / "crash-iteration-1.txt").exists() and (side / "config.json").exists()   # kept whole
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["run/iteration"] for r in rows] == [1, 2, 3] and P.latest_checkpoint(run) is not None
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_a_signal_is_the_control_files_quit_and_a_second_one_stops_now(tmp_path, monkeypatch, capsys, sig):
     """Design 10.3: one SIGINT or SIGTERM during iteration 2's collection: the iteration finishes,
