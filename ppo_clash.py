@@ -4032,7 +4032,8 @@ def _resume_run(args: Args, env: Env, learner: Learner, path: Path, resume: Path
     if not quiet:
         print(f"resumed {resume} at iteration {learner.iteration}; state_digest {man.state_digest[:16]}")
     saved = saved_boundary(files, 0)
-    for line in cut_back(path, man, saved["start_ordinals"]):   # after every refusal above: a refused resume moves nothing
+    # after every refusal above: a refused resume moves nothing
+    for line in set_aside_damaged(path) + cut_back(path, man, saved["start_ordinals"]):
         print(line)
     return Run(args, path, identity, man.run_id, quiet, t_start, drifted=(path / "drift.json").exists(),
                last_saved=learner.env_steps, lock=lock, **saved)
@@ -4379,16 +4380,22 @@ def write_checkpoint(final_dir: Path, files: dict[str, bytes], manifest_fields: 
     return man
 
 
-def read_checkpoint(ckpt_dir: Path) -> tuple[Manifest, dict[str, bytes]]:
-    """Verify every hash, raising CheckpointFormatError naming the first mismatch (design 8.1)."""
-    ckpt_dir = Path(ckpt_dir)
+def read_manifest(ckpt_dir: Path) -> Manifest:
+    """A checkpoint's manifest.json, decoded; CheckpointFormatError naming the file when it is
+    missing or damaged (a truncated write, an edit). The one reader of a manifest."""
     mp = ckpt_dir / "manifest.json"
     if not mp.exists():
         raise CheckpointFormatError(f"{mp} is missing: not a checkpoint, or a write that never finished")
     try:
-        man = msgspec.json.decode(mp.read_bytes(), type=Manifest)
+        return msgspec.json.decode(mp.read_bytes(), type=Manifest)
     except msgspec.DecodeError as e:
         raise CheckpointFormatError(f"{mp} does not decode: {e}") from None
+
+
+def read_checkpoint(ckpt_dir: Path) -> tuple[Manifest, dict[str, bytes]]:
+    """Verify every hash, raising CheckpointFormatError naming the first mismatch (design 8.1)."""
+    ckpt_dir = Path(ckpt_dir)
+    man, mp = read_manifest(ckpt_dir), ckpt_dir / "manifest.json"
     if man.format_version > CHECKPOINT_FORMAT:
         raise CheckpointFormatError(f"{mp} has format_version {man.format_version}; this code reads up to {CHECKPOINT_FORMAT}")
     out = {}
@@ -4521,8 +4528,8 @@ def save_checkpoint(run: Run, learner: Learner, boundary: Boundary) -> Path:
     run.last_saved = learner.env_steps
     if not run.voice:
         return d
-    if d.exists():
-        old = msgspec.json.decode((d / "manifest.json").read_bytes(), type=Manifest).state_digest
+    if d.exists():   # a damaged one was set aside at the resume (set_aside_damaged); read_manifest names any other
+        old = read_manifest(d).state_digest
         if old != digest:
             raise CheckpointFormatError(f"{d} exists with state_digest {old[:16]} but this run reached that step "
                                         f"with {digest[:16]}: the resume did not reproduce the run")
@@ -4537,34 +4544,45 @@ def save_checkpoint(run: Run, learner: Learner, boundary: Boundary) -> Path:
     return d
 
 
-def latest_checkpoint(run: Path) -> Path | None:
-    """The checkpoint with the most env steps, by its manifest; a stray file, a .partial left by a
-    crash or a folder without a manifest is skipped rather than crashing the lookup (design 8.1)."""
-    best: tuple[int, Path] | None = None
+def scan_checkpoints(run: Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
+    """A run's checkpoint folders: (env steps, folder) for each whose manifest decodes, fewest steps
+    first, and (folder, why) for each whose manifest is missing or damaged. A stray file, a
+    .partial a crash left mid-write and a folder set aside as .damaged are neither (design 8.1)."""
+    sound, damaged = [], []
     for d in (run / "checkpoints").glob("*"):
-        if d.is_dir() and not d.name.endswith(".partial") and (d / "manifest.json").exists():
+        if d.is_dir() and not d.name.endswith((".partial", ".damaged")):
             try:
-                steps = int(json.loads((d / "manifest.json").read_bytes())["cumulative_env_steps"])
-            except (ValueError, KeyError):
-                continue
-            if best is None or steps > best[0]:
-                best = (steps, d)
-    return None if best is None else best[1]
+                sound.append((read_manifest(d).cumulative_env_steps, d))
+            except CheckpointFormatError as e:
+                damaged.append((d, str(e)))
+    return sorted(sound), sorted(damaged)
+
+
+def latest_checkpoint(run: Path) -> Path | None:
+    """The sound checkpoint with the most env steps, by its manifest (scan_checkpoints)."""
+    sound = scan_checkpoints(run)[0]
+    return sound[-1][1] if sound else None
+
+
+def set_aside_damaged(run: Path) -> list[str]:
+    """At a resume, the run's training lock held: each checkpoint whose manifest is missing or
+    damaged is renamed <step>.damaged (kept, never read again: a resumed run that reaches its step
+    writes a sound one there). One line each, naming it and why, for the console."""
+    out = []
+    for d, why in scan_checkpoints(run)[1]:
+        side = free_side(d, ".damaged")
+        d.rename(side)
+        out.append(f"resume: skipped the damaged checkpoint {d} ({why}); set aside as {side.name}")
+    return out
 
 
 def prune_checkpoints(run: Path, keep: int) -> list[Path]:
-    """Keep the newest `keep` checkpoints by their manifests' env steps; strays and .partial
-    folders are left alone, and a failed removal is reported, never raised (the run goes on)."""
+    """Keep the newest `keep` sound checkpoints by their manifests' env steps; strays, .partial and
+    damaged folders are left alone, and a failed removal is reported, never raised (the run goes on)."""
     import shutil
-    found = []
-    for d in (run / "checkpoints").glob("*"):
-        if d.is_dir() and not d.name.endswith(".partial") and (d / "manifest.json").exists():
-            try:
-                found.append((int(json.loads((d / "manifest.json").read_bytes())["cumulative_env_steps"]), d))
-            except (ValueError, KeyError):
-                continue
+    found = scan_checkpoints(run)[0]
     removed = []
-    for _, d in sorted(found)[:max(len(found) - max(keep, 1), 0)]:
+    for _, d in found[:max(len(found) - max(keep, 1), 0)]:
         try:
             shutil.rmtree(d)
             removed.append(d)

@@ -1816,16 +1816,26 @@ def test_a_final_observations_stack_is_live_back_to_its_own_episodes_start():
     assert P.frame_valid(last_start, np.array([5]), np.array([0]), k, np.array([4])).tolist() == [[False, True, True]]
 
 
+def _manifest(steps: int) -> bytes:
+    """A manifest that decodes, of a checkpoint at `steps` game-steps (its other fields filler)."""
+    return P.msgspec.json.encode(P.Manifest(
+        format_version=1, run_id="r", run_name="n", identity={}, config={}, config_hash="", iteration=0,
+        cumulative_env_steps=steps, cumulative_timesteps=0, cumulative_model_updates=0, wall_seconds=0.0,
+        created_unix_ns=0, state_digest="", component_versions={}, files={}))
+
+
 def test_latest_checkpoint_reads_manifests_and_survives_strays(tmp_path):
     ck = tmp_path / "checkpoints"
-    for steps in (64, 1280, 128):
+    for steps in (64, 1280, 128, 5000):
         d = ck / f"{steps:012d}"
         d.mkdir(parents=True)
-        (d / "manifest.json").write_text(json.dumps({"cumulative_env_steps": steps}))
+        (d / "manifest.json").write_bytes(_manifest(steps))
+    (ck / f"{5000:012d}" / "manifest.json").write_bytes(_manifest(5000)[:40])   # damaged: cut short
     (ck / "000000009999.partial").mkdir()
     (ck / "notes.txt").write_text("stray")
     (ck / "000000099999").mkdir()   # no manifest: a write that never finished
     assert P.latest_checkpoint(tmp_path).name == "000000001280"
+    assert [d.name for d, _ in P.scan_checkpoints(tmp_path)[1]] == ["000000005000", "000000099999"]
 
 
 # --- 11. the loop, end to end ---------------------------------------------------------------------------
@@ -2332,7 +2342,7 @@ def test_pruning_keeps_the_newest_by_manifest_and_leaves_strays(tmp_path):
     for steps in (64, 1280, 128, 640):
         d = ck / f"{steps:012d}"
         d.mkdir(parents=True)
-        (d / "manifest.json").write_text(json.dumps({"cumulative_env_steps": steps}))
+        (d / "manifest.json").write_bytes(_manifest(steps))
     (ck / "000000000001.partial").mkdir()
     (ck / "notes.txt").write_text("stray")
     removed = P.prune_checkpoints(tmp_path, keep=2)
@@ -2463,6 +2473,31 @@ def test_a_run_that_stops_before_its_first_checkpoint_starts_again_with_the_comm
     assert (side / "crash-iteration-1.txt").exists() and (side / "config.json").exists()   # kept whole
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["run/iteration"] for r in rows] == [1, 2, 3] and P.latest_checkpoint(run) is not None
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_manifest_is_named_and_set_aside_at_resume_and_the_run_rewrites_it(
+        straight_smoke, tmp_path, capsys):
+    """Issue 39 item 4: the newest checkpoint's manifest.json cut to half its length. The resume
+    names it in one line and sets it aside (<step>.damaged), resumes the checkpoint before it, and
+    writes a sound one at that step again: the logs end as the straight run's. Before, the resumed
+    run crashed reading the damaged manifest at that step, and so did every resume after."""
+    run = _copy_run(straight_smoke[0], tmp_path)
+    (*_, before, newest) = sorted((run / "checkpoints").iterdir())
+    mp = newest / "manifest.json"
+    mp.write_bytes(mp.read_bytes()[:len(mp.read_bytes()) // 2])
+    assert P.latest_checkpoint(run) == before
+    capsys.readouterr()
+    assert P.main(["--resume", str(run)]) == 0
+    out = capsys.readouterr().out
+    said = [x for x in out.splitlines() if x.startswith("resume: skipped")]
+    assert said == [f"resume: skipped the damaged checkpoint {newest} ({mp} does not decode: Input data was "
+                    f"truncated); set aside as {newest.name}.damaged"], out
+    assert P.read_manifest(newest).iteration == P.read_manifest(before).iteration + 1
+    assert (run / "checkpoints" / f"{newest.name}.damaged").is_dir()
+    for rel in ("metrics.jsonl", "episodes.jsonl", "ladder/games.jsonl"):
+        assert _unclocked(rel, (run / rel).read_bytes().splitlines()) == \
+            _unclocked(rel, straight_smoke[1][rel]), rel
 
 
 @pytest.mark.slow
