@@ -43,6 +43,7 @@ import ast
 import contextlib
 import dataclasses
 import difflib
+import errno
 import functools
 import hashlib
 import importlib.util
@@ -3389,6 +3390,8 @@ def emergency_save(run: Run, learner: Learner, source: Any, lad: LadderLoop, exc
     the original failure. Returns the checkpoint written, or None."""
     if isinstance(exc, AlarmHalt) or learner.sched is None or run.phase == "learn" or run.last_saved == learner.env_steps:
         return None
+    if disk_fault(exc, run.path):   # the write would fail too, leaving a .partial: the last checkpoint stands
+        return None
     if learner.comm.on:   # every rank's farm would have to answer, and a failed rank cannot (design 3.10)
         return None
     try:
@@ -3412,18 +3415,38 @@ def crash_line(run: Run, learner: Learner, exc: BaseException, saved: Path | Non
     appended, so a second crash there loses nothing), and the one line that names it."""
     k, comm = learner.iteration + 1, learner.comm
     path = run.path / (f"crash-iteration-{k}-rank-{comm.rank}.txt" if comm.on else f"crash-iteration-{k}.txt")
-    with path.open("a") as f:
-        f.write(f"--- {ladder.utc_now()} iteration {k}, phase {run.phase}\n"
-                + "".join(traceback.format_exception(exc)))
+    try:
+        with path.open("a") as f:
+            f.write(f"--- {ladder.utc_now()} iteration {k}, phase {run.phase}\n"
+                    + "".join(traceback.format_exception(exc)))
+        told = f"full traceback in {path}"
+    except OSError as e:   # the disk that failed the run fails this too: the line is all there is
+        told = f"no traceback written ({path}: {e.strerror})"
     what = "interrupted (a second Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else "crashed"
-    said = (str(exc).strip().splitlines() or [""])[0]
+    said = "; ".join(x for x in [(str(exc).strip().splitlines() or [""])[0], disk_fault(exc, run.path)] if x)
     last = saved or latest_checkpoint(run.path)
     kept = None if last is None else f"emergency checkpoint {last}" if saved else f"the last checkpoint is {last}"
     resume = (f"{kept}; resume: {resume_command(run.path, comm.world)}" if kept else
               f"no checkpoint yet: the same command, or {resume_command(run.path, comm.world)}, starts it again "
               "from its start")
     return (f"{f'rank {comm.rank} ' if comm.on else ''}{what} in iteration {k} ({run.phase}): {type(exc).__name__}"
-            f"{': ' + said if said else ''}; full traceback in {path}; {resume}")
+            f"{': ' + said if said else ''}; {told}; {resume}")
+
+
+# A disk that takes no more writes, anywhere in a run: full, over a quota, or mounted read-only.
+DISK_FAULTS = {errno.ENOSPC: "is full", errno.EDQUOT: "is over its quota", errno.EROFS: "is read-only"}
+
+
+def disk_fault(exc: BaseException | None, where: Path | str) -> str | None:
+    """The remedy when `exc`, or an exception it came from, is a disk that takes no more writes
+    (DISK_FAULTS), naming the file it failed on (`where`, the run folder, when the error does not
+    name one: a write to a file already open); None for any other exception."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in DISK_FAULTS:
+            return (f"the disk holding {exc.filename or where} {DISK_FAULTS[exc.errno]}: free space on it (or "
+                    "remount it writable), or move the run to a disk with room")
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 class StopSignals:
@@ -4270,7 +4293,10 @@ class Run:
         if self.stop is not None:
             self.stop.restore()
         for f in self.files.values():
-            f.close()
+            # record() flushes each row, so a close writes nothing but what a failed write left in
+            # the buffer: on a full disk that fails again, and the crash line already says why
+            with contextlib.suppress(OSError):
+                f.close()
         if self.viser is not None:
             self.viser.close()
         if self.wandb is not None:
@@ -5851,6 +5877,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunCrashed as e:   # one line; the traceback is in the run directory (design 10.3)
         print(f"error: {e}", file=sys.stderr)
         return 130 if e.interrupted else 1
+    except OSError as e:   # a full or read-only disk while the run is set up (the loop's are RunCrashed)
+        fault = disk_fault(e, "the run folder")
+        if fault is None:
+            raise
+        print(f"error: {e}; {fault}; then run the same command again", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -2500,6 +2500,124 @@ def test_a_damaged_newest_manifest_is_named_and_set_aside_at_resume_and_the_run_
             _unclocked(rel, straight_smoke[1][rel]), rel
 
 
+def _disk_gone(monkeypatch, root: Path, err: int) -> Any:
+    """A disk that stops taking writes (full: ENOSPC; read-only: EROFS) once the returned function
+    is called: from then every open of a file under root to write or append raises, as the kernel
+    would, naming the file."""
+    import builtins
+    import io
+    real = builtins.open
+
+    def refusing(file, mode="r", *a, **kw):
+        if any(c in mode for c in "wax+") and str(file).startswith(str(root)):
+            raise OSError(err, os.strerror(err), str(file))
+        return real(file, mode, *a, **kw)
+
+    def gone() -> None:
+        monkeypatch.setattr(builtins, "open", refusing)
+        monkeypatch.setattr(io, "open", refusing)
+    return gone
+
+
+class _RefusingLog:
+    """A log file on a disk that took its last write: write raises err (no file name: the file
+    is open), close works."""
+
+    def __init__(self, f: Any, err: int) -> None:
+        self.f, self.err = f, err
+
+    def write(self, data: bytes) -> int:
+        raise OSError(self.err, os.strerror(self.err))
+
+    def close(self) -> None:
+        self.f.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("err", ["ENOSPC", "EROFS"])
+@pytest.mark.parametrize("where", ["checkpoint", "log"])
+def test_a_full_or_read_only_disk_is_one_line_and_the_last_checkpoint_resumes_the_straight_run(
+        straight_smoke, tmp_path, monkeypatch, capsys, where, err):
+    """Issue 39 item 5: in iteration 3 the disk stops taking writes, at the checkpoint's third file
+    (its .partial folder left) or at the metrics row, and from then on every write under the runs
+    folder fails, the crash handler's own included (the crash is iteration 4's: the learner has
+    finished iteration 3, design 10.3). main returns 1 with one line naming the
+    error, the path, the remedy, the last sound checkpoint (iteration 2's: no emergency save is
+    tried) and the resume command; no traceback. Once the disk takes writes again that resume
+    ends with the straight run's logs."""
+    import errno
+    import ladder
+    code = getattr(errno, err)
+    gone = _disk_gone(monkeypatch, tmp_path, code)
+    if where == "checkpoint":
+        write, seen = ladder.write_atomic, []
+
+        def failing(path, data):
+            if f"{516:012d}.partial" in str(path):   # iteration 3's checkpoint [A: 172 game-steps an iteration]
+                seen.append(path)
+                if len(seen) == 3:
+                    gone()
+                    raise OSError(code, os.strerror(code), str(path))
+            return write(path, data)
+        monkeypatch.setattr(ladder, "write_atomic", failing)
+    else:
+        record = P.Run.record
+
+        def failing(self, row, episodes):
+            if row["run/iteration"] == 3:
+                gone()
+                self.files["metrics"] = _RefusingLog(self.files["metrics"], code)
+            return record(self, row, episodes)
+        monkeypatch.setattr(P.Run, "record", failing)
+    assert P.main(RESUME_FLAGS + ["--runs-dir", str(tmp_path)]) == 1
+    (run,) = tmp_path.iterdir()
+    err_line = capsys.readouterr().err
+    fault = "is full" if code == errno.ENOSPC else "is read-only"
+    assert err_line.count("\n") == 1 and "Traceback" not in err_line, err_line
+    assert f"crashed in iteration 4 (boundary): OSError: [Errno {code}] {os.strerror(code)}" in err_line
+    assert f"{fault}: free space on it (or remount it writable), or move the run to a disk with room" in err_line
+    assert f"the disk holding {run if where == 'log' else tmp_path}" in err_line
+    assert f"no traceback written ({run / 'crash-iteration-4.txt'}: {os.strerror(code)})" in err_line
+    assert err_line.endswith(f"the last checkpoint is {run / 'checkpoints' / f'{344:012d}'}; resume: python "
+                             f"ppo_clash.py --resume {run}\n")
+    assert (run / "checkpoints" / f"{516:012d}.partial").is_dir() == (where == "checkpoint")
+    monkeypatch.undo()                                           # space freed, or the disk remounted
+    assert P.main(["--resume", str(run)]) == 0
+    assert not list((run / "checkpoints").glob("*.partial"))
+    for rel in ("metrics.jsonl", "episodes.jsonl", "ladder/games.jsonl"):
+        assert _unclocked(rel, (run / rel).read_bytes().splitlines()) == \
+            _unclocked(rel, straight_smoke[1][rel]), rel
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_the_run_is_set_up_is_one_line_and_the_same_command_starts_it_again(
+        straight_smoke, tmp_path, monkeypatch, capsys):
+    """Issue 39 item 5, before the loop: the disk fills at the ladder's first file (the run folder,
+    config.json and identity.json written). main returns 1 with one line naming the file and the
+    remedy; once there is room the same command sets the checkpointless folder aside and runs."""
+    import errno
+    import ladder
+    write = ladder.write_atomic
+
+    def failing(path, data):
+        if Path(path).name == "eval_seeds.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return write(path, data)
+
+    monkeypatch.setattr(ladder, "write_atomic", failing)
+    flags = RESUME_FLAGS + ["--runs-dir", str(tmp_path)]
+    assert P.main(flags) == 1
+    (run,) = tmp_path.iterdir()
+    seeds = run / "ladder" / "eval_seeds.json"
+    assert capsys.readouterr().err == (
+        f"error: [Errno 28] No space left on device: '{seeds}'; the disk holding {seeds} is full: free space on it "
+        "(or remount it writable), or move the run to a disk with room; then run the same command again\n")
+    monkeypatch.undo()
+    assert P.main(flags) == 0 and (tmp_path / f"{run.name}.no-checkpoint" / "config.json").exists()
+    assert _unclocked("metrics.jsonl", (run / "metrics.jsonl").read_bytes().splitlines()) == \
+        _unclocked("metrics.jsonl", straight_smoke[1]["metrics.jsonl"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_a_signal_is_the_control_files_quit_and_a_second_one_stops_now(tmp_path, monkeypatch, capsys, sig):
