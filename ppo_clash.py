@@ -43,6 +43,7 @@ import ast
 import contextlib
 import dataclasses
 import difflib
+import errno
 import functools
 import hashlib
 import importlib.util
@@ -767,6 +768,14 @@ def game_rules(args: Args) -> list[tuple[str, bool, str]]:
     ]
 
 
+def one_folder_name(name: str) -> bool:
+    """The run folder is <runs_dir>/<run_name>-<run_id>: a name must be one path component, so it
+    can neither climb out of --runs-dir nor make a folder the file system refuses (NAME_MAX is 255
+    bytes, less "-<run_id>" and a side folder's suffix: 128 [A]). isprintable first, so that encode
+    cannot raise (an undecodable argv byte is a surrogate, not printable)."""
+    return name.isprintable() and 0 < len(name.encode()) <= 128 and not any(s in name for s in ("/", "\\", ".."))
+
+
 def config_rules(args: Args) -> list[tuple[str, bool, str]]:
     """Every size, count, fraction and divisibility the code relies on, one rule a line: (field,
     holds, what it must be). All in one place (the game's share in game_rules) so a bad value stops
@@ -781,6 +790,8 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
     paired = f"be even, at least 2 and at most 2 x --ladder.eval-seed-count = {twice} (a seed plays from both sides)"
     pos, nonneg, frac = "be > 0", "be >= 0", "be in [0, 1]"
     return [
+        ("run_name", one_folder_name(args.run_name), "be one folder name: 1 to 128 bytes of printable characters, "
+         "without '/', '\\' or '..' (the run folder is <runs_dir>/<run_name>-<run_id>)"),
         ("master_seed", 0 <= args.master_seed < 2 ** 63, "be in [0, 2**63): every stream derives from it"),
         ("timestep_limit", args.timestep_limit >= 1, "be >= 1"),
         ("metrics.image_every", args.metrics.image_every >= 0, "be >= 0 (0: no heatmaps)"),
@@ -791,9 +802,9 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("rollout.games_per_worker", r.shards_per_worker < 1 or r.games_per_worker % r.shards_per_worker == 0,
          f"be a multiple of --rollout.shards-per-worker = {r.shards_per_worker} (each shard holds the same battles)"),
         ("rollout.spin_us", r.spin_us >= 0, nonneg),
-        ("rollout.round_timeout_s", r.round_timeout_s > 0, pos),
+        ("rollout.round_timeout_s", 0 < r.round_timeout_s < math.inf, "be > 0 and finite (inf: no hang detection)"),
         ("rollout.max_restarts_per_worker", r.max_restarts_per_worker >= 0, nonneg),
-        ("rollout.launch_delay_s", r.launch_delay_s >= 0, nonneg),
+        ("rollout.launch_delay_s", 0 <= r.launch_delay_s < math.inf, "be >= 0 and finite"),
         ("rollout.overlap", not r.overlap, "be false: lag-1 collection is not built (design 10.1)"),
         ("rollout.eval_workers", r.eval_workers >= 1, "be >= 1"),
         ("rollout.eval_games_per_worker", r.eval_games_per_worker >= 1, "be >= 1"),
@@ -2321,6 +2332,8 @@ def train(args: Args, *, max_iterations: int | None = None, quiet: bool = False,
     the farm's episode ordinals and the ladder are restored. The process-wide determinism settings
     are put back on the way out, so a caller in the same process (a test, checks.py) keeps its own."""
     check_consistency(args)   # design 1.3: an Args built in code is held to the rules the command line is
+    # where the run will write, before the start-up gates' seconds: a file, or a read-only disk, in its way
+    check_writable(Path(resume).parent.parent if resume else Path(args.runs_dir), "--resume" if resume else "--runs-dir")
     comm = open_comm(args)    # torchrun's ranks, or SOLO (design 3.10)
     try:
         with process_settings_kept():
@@ -2500,6 +2513,7 @@ def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: boo
     Under torchrun rank 0 opens the run and its ladder first; the other ranks then follow it."""
     apply_determinism(args)                   # design 2.1: before the first tensor exists
     env = read_env(args, comm)                # geometry, codec table and T x R, read off a reset env
+    check_gates([ram_gate(args, env, parameter_count(args, env))])   # design 3.8 step 9, before any allocation
     learner = Learner(args, env, comm)        # the network, its optimizers, scaler, backoff, positions
     seeds = check_seeds(args, env, learner.model) if comm.voice and resume is None else []   # before any long step
     run_startup_gates(args, env, learner.model, quiet or not comm.voice)   # design 3.8
@@ -3376,6 +3390,8 @@ def emergency_save(run: Run, learner: Learner, source: Any, lad: LadderLoop, exc
     the original failure. Returns the checkpoint written, or None."""
     if isinstance(exc, AlarmHalt) or learner.sched is None or run.phase == "learn" or run.last_saved == learner.env_steps:
         return None
+    if disk_fault(exc, run.path):   # the write would fail too, leaving a .partial: the last checkpoint stands
+        return None
     if learner.comm.on:   # every rank's farm would have to answer, and a failed rank cannot (design 3.10)
         return None
     try:
@@ -3399,17 +3415,38 @@ def crash_line(run: Run, learner: Learner, exc: BaseException, saved: Path | Non
     appended, so a second crash there loses nothing), and the one line that names it."""
     k, comm = learner.iteration + 1, learner.comm
     path = run.path / (f"crash-iteration-{k}-rank-{comm.rank}.txt" if comm.on else f"crash-iteration-{k}.txt")
-    with path.open("a") as f:
-        f.write(f"--- {ladder.utc_now()} iteration {k}, phase {run.phase}\n"
-                + "".join(traceback.format_exception(exc)))
+    try:
+        with path.open("a") as f:
+            f.write(f"--- {ladder.utc_now()} iteration {k}, phase {run.phase}\n"
+                    + "".join(traceback.format_exception(exc)))
+        told = f"full traceback in {path}"
+    except OSError as e:   # the disk that failed the run fails this too: the line is all there is
+        told = f"no traceback written ({path}: {e.strerror})"
     what = "interrupted (a second Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else "crashed"
-    said = (str(exc).strip().splitlines() or [""])[0]
+    said = "; ".join(x for x in [(str(exc).strip().splitlines() or [""])[0], disk_fault(exc, run.path)] if x)
     last = saved or latest_checkpoint(run.path)
     kept = None if last is None else f"emergency checkpoint {last}" if saved else f"the last checkpoint is {last}"
     resume = (f"{kept}; resume: {resume_command(run.path, comm.world)}" if kept else
-              "no checkpoint yet: start the run again with the same command")
+              f"no checkpoint yet: the same command, or {resume_command(run.path, comm.world)}, starts it again "
+              "from its start")
     return (f"{f'rank {comm.rank} ' if comm.on else ''}{what} in iteration {k} ({run.phase}): {type(exc).__name__}"
-            f"{': ' + said if said else ''}; full traceback in {path}; {resume}")
+            f"{': ' + said if said else ''}; {told}; {resume}")
+
+
+# A disk that takes no more writes, anywhere in a run: full, over a quota, or mounted read-only.
+DISK_FAULTS = {errno.ENOSPC: "is full", errno.EDQUOT: "is over its quota", errno.EROFS: "is read-only"}
+
+
+def disk_fault(exc: BaseException | None, where: Path | str) -> str | None:
+    """The remedy when `exc`, or an exception it came from, is a disk that takes no more writes
+    (DISK_FAULTS), naming the file it failed on (`where`, the run folder, when the error does not
+    name one: a write to a file already open); None for any other exception."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in DISK_FAULTS:
+            return (f"the disk holding {exc.filename or where} {DISK_FAULTS[exc.errno]}: free space on it (or "
+                    "remount it writable), or move the run to a disk with room")
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 class StopSignals:
@@ -3760,7 +3797,33 @@ def ram_ledger(args: Args, env: Env, params: int) -> list[tuple[str, float, str]
             ("weights, gradients, Adam moments: 4 x 4 B a parameter", 16 * params / 2**20, "[A]"),
             (f"{r.workers} workers x {r.games_per_worker} battles", r.workers * worker(r.games_per_worker), "[M]"),
             (f"at a gate: {r.eval_workers} eval workers x {r.eval_games_per_worker} battles",
-             r.eval_workers * worker(r.eval_games_per_worker), "[M]")]
+             r.eval_workers * worker(r.eval_games_per_worker), "[M]"),
+            # a seed: int64 8 B drawn, a Python int 32 B and its list slot 8 B, about 21 B of JSON
+            (f"{args.ladder.eval_seed_count} eval seeds x 69 B", args.ladder.eval_seed_count * 69 / 2**20, "[A]")]
+
+
+def ram_gate(args: Args, env: Env, params: float) -> Gate:
+    """Step 9: the RAM ledger within doctor.ram_budget_mb. set_up checks it before the network
+    exists, on parameter_count, so no size the machine cannot hold is ever allocated."""
+    ledger = ram_ledger(args, env, params)
+    total = sum(mb for _, mb, _ in ledger)
+    return Gate(9, "RAM ledger within doctor.ram_budget_mb", total <= args.doctor.ram_budget_mb,
+                f"{total:,.0f} MB projected of {args.doctor.ram_budget_mb:,} MB: "
+                + "; ".join(f"{t} {mb:,.0f} {src}" for t, mb, src in ledger),
+                "lower the field behind the largest term (rollout.workers, rollout.games_per_worker, net.*, "
+                "ladder.eval_seed_count), or raise --doctor.ram-budget-mb")
+
+
+def parameter_count(args: Args, env: Env) -> float:
+    """The network's parameters, counted on torch's meta device (shapes, no storage); inf for a
+    network whose byte count a tensor cannot even represent (torch says "overflowed")."""
+    try:
+        with torch.device("meta"):
+            return float(sum(p.numel() for p in ActorCritic(env.geo, args.net, args.master_seed).parameters()))
+    except RuntimeError as e:
+        if "overflow" not in str(e):
+            raise
+        return math.inf
 
 
 def startup_gates(args: Args, env: Env, model: ActorCritic) -> tuple[list[Gate], int]:
@@ -3792,12 +3855,7 @@ def startup_gates(args: Args, env: Env, model: ActorCritic) -> tuple[list[Gate],
                       f"{s.planes_mismatch} states whose mask_planes differ from the mask",
                       "the pointer head's tiles would name the wrong actions: update PointerHead to the parser"))
     gates.append(Gate(8, "engine build recorded in the identity", True, f"catalogue {eb.catalogue_sha256[:12]}"))
-    ledger = ram_ledger(args, env, sum(p.numel() for p in model.parameters()))
-    total = sum(mb for _, mb, _ in ledger)
-    gates.append(Gate(9, "RAM ledger within doctor.ram_budget_mb", total <= args.doctor.ram_budget_mb,
-                      f"{total:,.0f} MB projected of {args.doctor.ram_budget_mb:,} MB: "
-                      + "; ".join(f"{t} {mb:,.0f} {src}" for t, mb, src in ledger),
-                      "lower rollout.workers or rollout.games_per_worker, or raise --doctor.ram-budget-mb"))
+    gates.append(ram_gate(args, env, sum(p.numel() for p in model.parameters())))
     gates.append(vram_gate(args, env, model))
     return gates, n_dis
 
@@ -3960,9 +4018,7 @@ def open_run(args: Args, env: Env, learner: Learner, resume: Path | None, allow_
         rid = run_id(identity)
         path = Path(args.runs_dir) / f"{args.run_name}-{rid}"
         if path.exists():   # the same identity, run before: never written over (design 2.3)
-            raise ConfigError(f"{path} exists: a run with this identity was started before. Continue it with "
-                              f"python ppo_clash.py --resume {path}, or start another with a new --run-name "
-                              "or --master-seed")
+            set_aside_unsaved(path)
         path.mkdir(parents=True)
         lock = hold_run(path)
         (path / "config.json").write_bytes(config_json(args))
@@ -3999,10 +4055,55 @@ def _resume_run(args: Args, env: Env, learner: Learner, path: Path, resume: Path
     if not quiet:
         print(f"resumed {resume} at iteration {learner.iteration}; state_digest {man.state_digest[:16]}")
     saved = saved_boundary(files, 0)
-    for line in cut_back(path, man, saved["start_ordinals"]):   # after every refusal above: a refused resume moves nothing
+    # after every refusal above: a refused resume moves nothing
+    for line in set_aside_damaged(path) + cut_back(path, man, saved["start_ordinals"]):
         print(line)
     return Run(args, path, identity, man.run_id, quiet, t_start, drifted=(path / "drift.json").exists(),
                last_saved=learner.env_steps, lock=lock, **saved)
+
+
+def free_side(path: Path, tag: str) -> Path:
+    """Where `path` is set aside, beside it: <name><tag>, or <name>-2<tag>, -3, ... when taken."""
+    side, n = path.with_name(path.name + tag), 1
+    while side.exists():
+        n += 1
+        side = path.with_name(f"{path.name}-{n}{tag}")
+    return side
+
+
+def set_aside_unsaved(path: Path) -> None:
+    """The same command again, for the run folder it already made. One with a checkpoint is never
+    touched: refused, naming the resume command. One that stopped before its first checkpoint (a
+    crash, a kill -9) holds nothing a resume can start from, so it is moved aside whole, kept, to
+    <path>.no-checkpoint (free_side), and the run starts again from its start; one
+    still training is refused by hold_run, whose lock a live run holds."""
+    if latest_checkpoint(path) is not None:
+        raise ConfigError(f"{path} exists: a run with this identity was started before. Continue it with "
+                          f"python ppo_clash.py --resume {path}, or start another with a new --run-name "
+                          "or --master-seed")
+    lock = hold_run(path)
+    side = free_side(path, ".no-checkpoint")
+    try:
+        path.rename(side)
+    finally:
+        lock.close()
+    print(f"{path} holds no checkpoint a resume can start from (it stopped before its first): moved to "
+          f"{side.name}, and the run starts again from its start")
+
+
+def check_writable(path: Path, name: str) -> None:
+    """`path` must be a folder this process can write in, or one it can make: its nearest existing
+    folder (itself or an ancestor) is a folder, not a file, and writable (os.access says no on a
+    read-only mount, root included). Read only: nothing is made here."""
+    try:
+        there = next(q for q in (path.absolute(), *path.absolute().parents) if q.exists())
+        if not there.is_dir():
+            raise ConfigError(f"{name} {path}: {there} is a file, not a folder; pass a folder (made if absent)")
+        if not os.access(there, os.W_OK | os.X_OK):
+            raise ConfigError(f"{name} {path}: {there} is not writable (a read-only disk, or another user's "
+                              "folder); pass a folder you can write in")
+    except OSError as e:   # a name the file system refuses to look up (too long, say)
+        raise ConfigError(f"{name} {path}: cannot be looked up ({e.strerror}); pass another folder") from None
 
 
 def hold_run(path: Path) -> Any:
@@ -4192,7 +4293,10 @@ class Run:
         if self.stop is not None:
             self.stop.restore()
         for f in self.files.values():
-            f.close()
+            # record() flushes each row, so a close writes nothing but what a failed write left in
+            # the buffer: on a full disk that fails again, and the crash line already says why
+            with contextlib.suppress(OSError):
+                f.close()
         if self.viser is not None:
             self.viser.close()
         if self.wandb is not None:
@@ -4302,16 +4406,22 @@ def write_checkpoint(final_dir: Path, files: dict[str, bytes], manifest_fields: 
     return man
 
 
-def read_checkpoint(ckpt_dir: Path) -> tuple[Manifest, dict[str, bytes]]:
-    """Verify every hash, raising CheckpointFormatError naming the first mismatch (design 8.1)."""
-    ckpt_dir = Path(ckpt_dir)
+def read_manifest(ckpt_dir: Path) -> Manifest:
+    """A checkpoint's manifest.json, decoded; CheckpointFormatError naming the file when it is
+    missing or damaged (a truncated write, an edit). The one reader of a manifest."""
     mp = ckpt_dir / "manifest.json"
     if not mp.exists():
         raise CheckpointFormatError(f"{mp} is missing: not a checkpoint, or a write that never finished")
     try:
-        man = msgspec.json.decode(mp.read_bytes(), type=Manifest)
+        return msgspec.json.decode(mp.read_bytes(), type=Manifest)
     except msgspec.DecodeError as e:
         raise CheckpointFormatError(f"{mp} does not decode: {e}") from None
+
+
+def read_checkpoint(ckpt_dir: Path) -> tuple[Manifest, dict[str, bytes]]:
+    """Verify every hash, raising CheckpointFormatError naming the first mismatch (design 8.1)."""
+    ckpt_dir = Path(ckpt_dir)
+    man, mp = read_manifest(ckpt_dir), ckpt_dir / "manifest.json"
     if man.format_version > CHECKPOINT_FORMAT:
         raise CheckpointFormatError(f"{mp} has format_version {man.format_version}; this code reads up to {CHECKPOINT_FORMAT}")
     out = {}
@@ -4444,8 +4554,8 @@ def save_checkpoint(run: Run, learner: Learner, boundary: Boundary) -> Path:
     run.last_saved = learner.env_steps
     if not run.voice:
         return d
-    if d.exists():
-        old = msgspec.json.decode((d / "manifest.json").read_bytes(), type=Manifest).state_digest
+    if d.exists():   # a damaged one was set aside at the resume (set_aside_damaged); read_manifest names any other
+        old = read_manifest(d).state_digest
         if old != digest:
             raise CheckpointFormatError(f"{d} exists with state_digest {old[:16]} but this run reached that step "
                                         f"with {digest[:16]}: the resume did not reproduce the run")
@@ -4460,34 +4570,45 @@ def save_checkpoint(run: Run, learner: Learner, boundary: Boundary) -> Path:
     return d
 
 
-def latest_checkpoint(run: Path) -> Path | None:
-    """The checkpoint with the most env steps, by its manifest; a stray file, a .partial left by a
-    crash or a folder without a manifest is skipped rather than crashing the lookup (design 8.1)."""
-    best: tuple[int, Path] | None = None
+def scan_checkpoints(run: Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
+    """A run's checkpoint folders: (env steps, folder) for each whose manifest decodes, fewest steps
+    first, and (folder, why) for each whose manifest is missing or damaged. A stray file, a
+    .partial a crash left mid-write and a folder set aside as .damaged are neither (design 8.1)."""
+    sound, damaged = [], []
     for d in (run / "checkpoints").glob("*"):
-        if d.is_dir() and not d.name.endswith(".partial") and (d / "manifest.json").exists():
+        if d.is_dir() and not d.name.endswith((".partial", ".damaged")):
             try:
-                steps = int(json.loads((d / "manifest.json").read_bytes())["cumulative_env_steps"])
-            except (ValueError, KeyError):
-                continue
-            if best is None or steps > best[0]:
-                best = (steps, d)
-    return None if best is None else best[1]
+                sound.append((read_manifest(d).cumulative_env_steps, d))
+            except CheckpointFormatError as e:
+                damaged.append((d, str(e)))
+    return sorted(sound), sorted(damaged)
+
+
+def latest_checkpoint(run: Path) -> Path | None:
+    """The sound checkpoint with the most env steps, by its manifest (scan_checkpoints)."""
+    sound = scan_checkpoints(run)[0]
+    return sound[-1][1] if sound else None
+
+
+def set_aside_damaged(run: Path) -> list[str]:
+    """At a resume, the run's training lock held: each checkpoint whose manifest is missing or
+    damaged is renamed <step>.damaged (kept, never read again: a resumed run that reaches its step
+    writes a sound one there). One line each, naming it and why, for the console."""
+    out = []
+    for d, why in scan_checkpoints(run)[1]:
+        side = free_side(d, ".damaged")
+        d.rename(side)
+        out.append(f"resume: skipped the damaged checkpoint {d} ({why}); set aside as {side.name}")
+    return out
 
 
 def prune_checkpoints(run: Path, keep: int) -> list[Path]:
-    """Keep the newest `keep` checkpoints by their manifests' env steps; strays and .partial
-    folders are left alone, and a failed removal is reported, never raised (the run goes on)."""
+    """Keep the newest `keep` sound checkpoints by their manifests' env steps; strays, .partial and
+    damaged folders are left alone, and a failed removal is reported, never raised (the run goes on)."""
     import shutil
-    found = []
-    for d in (run / "checkpoints").glob("*"):
-        if d.is_dir() and not d.name.endswith(".partial") and (d / "manifest.json").exists():
-            try:
-                found.append((int(json.loads((d / "manifest.json").read_bytes())["cumulative_env_steps"]), d))
-            except (ValueError, KeyError):
-                continue
+    found = scan_checkpoints(run)[0]
     removed = []
-    for _, d in sorted(found)[:max(len(found) - max(keep, 1), 0)]:
+    for _, d in found[:max(len(found) - max(keep, 1), 0)]:
         try:
             shutil.rmtree(d)
             removed.append(d)
@@ -5731,11 +5852,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             rest.append(argv[i])
         i += 1
     try:
+        for name, val, like in (("--resume", resume, "runs/<dir>"), ("--checkpoint", ckpt, "runs/<dir>/checkpoints/<step>")):
+            if val == "":   # Path("") is the current folder: never what was meant
+                raise ConfigError(f"{name} needs a value, such as {name} {like}")
         if resume is not None:
             ck = Path(ckpt) if ckpt else latest_checkpoint(Path(resume))
-            if ck is None:
-                raise ConfigError(f"{resume} has no checkpoint to resume (looked in {Path(resume) / 'checkpoints'})")
+            if ck is None and not (Path(resume) / "config.json").exists():
+                raise ConfigError(f"{resume} has no checkpoint to resume (looked in {Path(resume) / 'checkpoints'}) "
+                                  "and no config.json to start it again from: start it with the command that made it")
             args = parse_args(["--config", str(Path(resume) / "config.json"), *rest])
+            if ck is None:   # it stopped before its first checkpoint: start it again, in its own folder
+                args.runs_dir = str(Path(resume).parent)
         else:
             ck = None
             args = parse_args(rest)
@@ -5750,6 +5877,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunCrashed as e:   # one line; the traceback is in the run directory (design 10.3)
         print(f"error: {e}", file=sys.stderr)
         return 130 if e.interrupted else 1
+    except OSError as e:   # a full or read-only disk while the run is set up (the loop's are RunCrashed)
+        fault = disk_fault(e, "the run folder")
+        if fault is None:
+            raise
+        print(f"error: {e}; {fault}; then run the same command again", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1222,6 +1222,7 @@ def test_refusals_that_need_two_fields():
 # One bad value per rule of P.config_rules, on the smoke profile (8 channels, 4 norm groups, one
 # worker of 4 battles: 6 learner seats a cycle, 8 eval seeds): (field, bad value, context fields).
 BAD_VALUES = [
+    ("run_name", "../../escaped/x", {}), ("run_name", "x" * 300, {}), ("run_name", "\udcff\udcfe\x01bad", {}),
     ("master_seed", -1, {}), ("timestep_limit", 0, {}), ("metrics.image_every", -1, {}), ("obs.frame_stack", 0, {}), ("obs.decision_ms", 0, {}),
     ("obs.reveal", ["enemy_hand"], {}), ("obs.max_steps", -1, {}), ("reward.crown", -0.1, {}), ("reward.tower_hp", float("nan"), {}), ("reward.elixir", -1, {}),
     ("warm.rung", "scripted:nope", {}), ("warm.rung", "scripted:noop", {"obs.frame_stack": 2}),
@@ -1229,8 +1230,9 @@ BAD_VALUES = [
     ("warm.critic_iterations", -1, {"warm.rung": "scripted:noop"}), ("warm.critic_iterations", 2, {}),
     ("rollout.workers", 0, {}), ("rollout.games_per_worker", 0, {}), ("rollout.shards_per_worker", 0, {}),
     ("rollout.games_per_worker", 15, {"rollout.shards_per_worker": 2}), ("rollout.spin_us", -1, {}),
-    ("rollout.round_timeout_s", 0, {}), ("rollout.max_restarts_per_worker", -1, {}),
-    ("rollout.launch_delay_s", -1, {}), ("rollout.overlap", True, {}), ("rollout.eval_workers", 0, {}),
+    ("rollout.round_timeout_s", 0, {}), ("rollout.round_timeout_s", float("inf"), {}),
+    ("rollout.max_restarts_per_worker", -1, {}), ("rollout.launch_delay_s", -1, {}),
+    ("rollout.launch_delay_s", float("inf"), {}), ("rollout.overlap", True, {}), ("rollout.eval_workers", 0, {}),
     ("rollout.eval_games_per_worker", 0, {}),
     ("net.channels", 0, {}), ("net.blocks", -1, {}), ("net.norm_groups", 3, {}), ("net.vector_embed", 0, {}),
     ("net.value_hidden", 0, {}), ("net.noop_bias", float("nan"), {}), ("net.noop_bias", 1.0, {"net.policy_head": "factored"}),
@@ -1284,19 +1286,52 @@ def _nested(flat):
     return out
 
 
-@pytest.mark.parametrize("path,value,context", BAD_VALUES, ids=[f"{p}={v}" for p, v, _ in BAD_VALUES])
+@pytest.mark.parametrize("path,value,context", BAD_VALUES, ids=[f"{p}={v!r:.24}" for p, v, _ in BAD_VALUES])
 def test_a_bad_config_value_is_one_line_naming_the_field_and_exits_2_before_any_run_directory(
         tmp_path, capsys, path, value, context):
     """design 1.3: ppo_clash.main with the bad flag returns 2, prints one line naming the field as
-    the command line spells it and its rule, and nothing is written under --runs-dir."""
-    argv = ["--profile", "smoke", "--runs-dir", str(tmp_path / "runs")]
+    the command line spells it and its rule, and nothing is written, under --runs-dir or outside
+    it (a run name with ../.. would climb two folders up: here still inside tmp_path)."""
+    argv = ["--profile", "smoke", "--runs-dir", str(tmp_path / "a" / "runs")]
     for p, v in context.items():
         argv += _tokens(p, v)
     rc = P.main(argv + _tokens(path, value))
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"error: {P.flag(path)} ") and ": must " in err and "Traceback" not in err
-    assert not (tmp_path / "runs").exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+# Issue 39 item 6: places and sizes a run cannot use, each refused before the start-up gates run
+# (no gate line printed) and before anything is written: (case, flags given tmp_path, words).
+BAD_PLACES = [
+    ("runs-dir a file", lambda t: ["--runs-dir", str(t / "f")], "f is a file, not a folder"),
+    ("runs-dir under a file", lambda t: ["--runs-dir", str(t / "f" / "runs")], "f is a file, not a folder"),
+    ("runs-dir read-only", lambda t: ["--runs-dir", str(t / "ro" / "runs")], "ro is not writable (a read-only disk"),
+    ("resume empty", lambda t: ["--resume="], "--resume needs a value, such as --resume runs/<dir>"),
+    ("net.channels 1e9", lambda t: ["--net.channels", "1000000000"],
+     "start-up gate 9 (RAM ledger within doctor.ram_budget_mb) failed: inf MB projected of 6,500 MB"),
+    ("ladder.eval-seed-count 1e12", lambda t: ["--ladder.eval-seed-count", "1000000000000"],
+     "1000000000000 eval seeds x 69 B 65,803,528 [A]"),
+]
+
+
+@pytest.mark.parametrize("case,flags,words", BAD_PLACES, ids=[c for c, _, _ in BAD_PLACES])
+def test_a_place_or_size_the_machine_cannot_use_is_one_line_before_the_start_up_gates(
+        tmp_path, monkeypatch, capsys, case, flags, words):
+    """A --runs-dir that is a file, lies under one or is read-only (os.access says so, as on a
+    read-only mount: root writes through a chmod), an empty --resume, a network or an eval seed set
+    the RAM ledger cannot hold: exit 2, one line, no gate run, no file written, nothing allocated."""
+    (tmp_path / "f").write_text("a file")
+    (tmp_path / "ro").mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != tmp_path / "ro" and real(p, mode))
+    monkeypatch.chdir(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    rc = P.main(["--profile", "smoke", "--runs-dir", str(tmp_path / "runs"), *flags(tmp_path)])
+    out, err = capsys.readouterr()
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("error: ") and words in err, err
+    assert "start-up gates" not in out and sorted(tmp_path.rglob("*")) == before
 
 
 def test_the_reward_weights_reach_the_env_and_their_defaults_leave_its_spec_and_the_run_id_alone():
@@ -1781,16 +1816,26 @@ def test_a_final_observations_stack_is_live_back_to_its_own_episodes_start():
     assert P.frame_valid(last_start, np.array([5]), np.array([0]), k, np.array([4])).tolist() == [[False, True, True]]
 
 
+def _manifest(steps: int) -> bytes:
+    """A manifest that decodes, of a checkpoint at `steps` game-steps (its other fields filler)."""
+    return P.msgspec.json.encode(P.Manifest(
+        format_version=1, run_id="r", run_name="n", identity={}, config={}, config_hash="", iteration=0,
+        cumulative_env_steps=steps, cumulative_timesteps=0, cumulative_model_updates=0, wall_seconds=0.0,
+        created_unix_ns=0, state_digest="", component_versions={}, files={}))
+
+
 def test_latest_checkpoint_reads_manifests_and_survives_strays(tmp_path):
     ck = tmp_path / "checkpoints"
-    for steps in (64, 1280, 128):
+    for steps in (64, 1280, 128, 5000):
         d = ck / f"{steps:012d}"
         d.mkdir(parents=True)
-        (d / "manifest.json").write_text(json.dumps({"cumulative_env_steps": steps}))
+        (d / "manifest.json").write_bytes(_manifest(steps))
+    (ck / f"{5000:012d}" / "manifest.json").write_bytes(_manifest(5000)[:40])   # damaged: cut short
     (ck / "000000009999.partial").mkdir()
     (ck / "notes.txt").write_text("stray")
     (ck / "000000099999").mkdir()   # no manifest: a write that never finished
     assert P.latest_checkpoint(tmp_path).name == "000000001280"
+    assert [d.name for d, _ in P.scan_checkpoints(tmp_path)[1]] == ["000000005000", "000000099999"]
 
 
 # --- 11. the loop, end to end ---------------------------------------------------------------------------
@@ -2299,7 +2344,7 @@ def test_pruning_keeps_the_newest_by_manifest_and_leaves_strays(tmp_path):
     for steps in (64, 1280, 128, 640):
         d = ck / f"{steps:012d}"
         d.mkdir(parents=True)
-        (d / "manifest.json").write_text(json.dumps({"cumulative_env_steps": steps}))
+        (d / "manifest.json").write_bytes(_manifest(steps))
     (ck / "000000000001.partial").mkdir()
     (ck / "notes.txt").write_text("stray")
     removed = P.prune_checkpoints(tmp_path, keep=2)
@@ -2392,6 +2437,187 @@ def test_a_crash_in_the_loop_is_one_line_with_its_traceback_file_and_the_resume_
     assert P.main(["--resume", str(run)]) == 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["run/iteration"] for r in rows] == [1, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("again", ["same command", "resume"])
+def test_a_run_that_stops_before_its_first_checkpoint_starts_again_with_the_command_its_line_names(
+        tmp_path, monkeypatch, capsys, again):
+    """Issue 39 item 1: a crash in iteration 1, before any checkpoint, names two next steps, and
+    each works: the same command, or --resume of the run, sets the folder aside whole (kept) and
+    starts the run again from its start. While the run is training (its train.lock held) both are
+    refused and nothing moves."""
+    import farm
+    real = farm.InlineFarm.next_round
+
+    def planted(self, *a, **kw):
+        if self.iteration == 0 and self._cycle == 3:
+            raise RuntimeError("planted fault")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(farm.InlineFarm, "next_round", planted)
+    flags = ["--profile", "smoke", "--runs-dir", str(tmp_path)]
+    assert P.main(flags) == 1
+    (run,) = tmp_path.iterdir()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith(
+        f"no checkpoint yet: the same command, or python ppo_clash.py --resume {run}, starts it again from its start\n")
+    monkeypatch.setattr(farm.InlineFarm, "next_round", real)
+    cmd = flags if again == "same command" else ["--resume", str(run)]
+    live = P.hold_run(run)                                       # a trainer still at it
+    assert P.main(cmd) == 2 and "is being trained by" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [run]
+    live.close()
+    assert P.main(cmd) == 0
+    side = tmp_path / f"{run.name}.no-checkpoint"
+    assert (f"{run} holds no checkpoint a resume can start from (it stopped before its first): moved to "
+            f"{side.name}, and the run starts again from its start") in capsys.readouterr().out
+    assert (side / "crash-iteration-1.txt").exists() and (side / "config.json").exists()   # kept whole
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["run/iteration"] for r in rows] == [1, 2, 3] and P.latest_checkpoint(run) is not None
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_manifest_is_named_and_set_aside_at_resume_and_the_run_rewrites_it(
+        straight_smoke, tmp_path, capsys):
+    """Issue 39 item 4: the newest checkpoint's manifest.json cut to half its length. The resume
+    names it in one line and sets it aside (<step>.damaged), resumes the checkpoint before it, and
+    writes a sound one at that step again: the logs end as the straight run's. Before, the resumed
+    run crashed reading the damaged manifest at that step, and so did every resume after."""
+    run = _copy_run(straight_smoke[0], tmp_path)
+    (*_, before, newest) = sorted((run / "checkpoints").iterdir())
+    mp = newest / "manifest.json"
+    mp.write_bytes(mp.read_bytes()[:len(mp.read_bytes()) // 2])
+    assert P.latest_checkpoint(run) == before
+    capsys.readouterr()
+    assert P.main(["--resume", str(run)]) == 0
+    out = capsys.readouterr().out
+    said = [x for x in out.splitlines() if x.startswith("resume: skipped")]
+    assert said == [f"resume: skipped the damaged checkpoint {newest} ({mp} does not decode: Input data was "
+                    f"truncated); set aside as {newest.name}.damaged"], out
+    assert P.read_manifest(newest).iteration == P.read_manifest(before).iteration + 1
+    assert (run / "checkpoints" / f"{newest.name}.damaged").is_dir()
+    for rel in ("metrics.jsonl", "episodes.jsonl", "ladder/games.jsonl"):
+        assert _unclocked(rel, (run / rel).read_bytes().splitlines()) == \
+            _unclocked(rel, straight_smoke[1][rel]), rel
+
+
+def _disk_gone(monkeypatch, root: Path, err: int) -> Any:
+    """A disk that stops taking writes (full: ENOSPC; read-only: EROFS) once the returned function
+    is called: from then every open of a file under root to write or append raises, as the kernel
+    would, naming the file."""
+    import builtins
+    import io
+    real = builtins.open
+
+    def refusing(file, mode="r", *a, **kw):
+        if any(c in mode for c in "wax+") and str(file).startswith(str(root)):
+            raise OSError(err, os.strerror(err), str(file))
+        return real(file, mode, *a, **kw)
+
+    def gone() -> None:
+        monkeypatch.setattr(builtins, "open", refusing)
+        monkeypatch.setattr(io, "open", refusing)
+    return gone
+
+
+class _RefusingLog:
+    """A log file on a disk that took its last write: write raises err (no file name: the file
+    is open), close works."""
+
+    def __init__(self, f: Any, err: int) -> None:
+        self.f, self.err = f, err
+
+    def write(self, data: bytes) -> int:
+        raise OSError(self.err, os.strerror(self.err))
+
+    def close(self) -> None:
+        self.f.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("err", ["ENOSPC", "EROFS"])
+@pytest.mark.parametrize("where", ["checkpoint", "log"])
+def test_a_full_or_read_only_disk_is_one_line_and_the_last_checkpoint_resumes_the_straight_run(
+        straight_smoke, tmp_path, monkeypatch, capsys, where, err):
+    """Issue 39 item 5: in iteration 3 the disk stops taking writes, at the checkpoint's third file
+    (its .partial folder left) or at the metrics row, and from then on every write under the runs
+    folder fails, the crash handler's own included (the crash is iteration 4's: the learner has
+    finished iteration 3, design 10.3). main returns 1 with one line naming the
+    error, the path, the remedy, the last sound checkpoint (iteration 2's: no emergency save is
+    tried) and the resume command; no traceback. Once the disk takes writes again that resume
+    ends with the straight run's logs."""
+    import errno
+    import ladder
+    code = getattr(errno, err)
+    gone = _disk_gone(monkeypatch, tmp_path, code)
+    if where == "checkpoint":
+        write, seen = ladder.write_atomic, []
+
+        def failing(path, data):
+            if f"{516:012d}.partial" in str(path):   # iteration 3's checkpoint [A: 172 game-steps an iteration]
+                seen.append(path)
+                if len(seen) == 3:
+                    gone()
+                    raise OSError(code, os.strerror(code), str(path))
+            return write(path, data)
+        monkeypatch.setattr(ladder, "write_atomic", failing)
+    else:
+        record = P.Run.record
+
+        def failing(self, row, episodes):
+            if row["run/iteration"] == 3:
+                gone()
+                self.files["metrics"] = _RefusingLog(self.files["metrics"], code)
+            return record(self, row, episodes)
+        monkeypatch.setattr(P.Run, "record", failing)
+    assert P.main(RESUME_FLAGS + ["--runs-dir", str(tmp_path)]) == 1
+    (run,) = tmp_path.iterdir()
+    err_line = capsys.readouterr().err
+    fault = "is full" if code == errno.ENOSPC else "is read-only"
+    assert err_line.count("\n") == 1 and "Traceback" not in err_line, err_line
+    assert f"crashed in iteration 4 (boundary): OSError: [Errno {code}] {os.strerror(code)}" in err_line
+    assert f"{fault}: free space on it (or remount it writable), or move the run to a disk with room" in err_line
+    assert f"the disk holding {run if where == 'log' else tmp_path}" in err_line
+    assert f"no traceback written ({run / 'crash-iteration-4.txt'}: {os.strerror(code)})" in err_line
+    assert err_line.endswith(f"the last checkpoint is {run / 'checkpoints' / f'{344:012d}'}; resume: python "
+                             f"ppo_clash.py --resume {run}\n")
+    assert (run / "checkpoints" / f"{516:012d}.partial").is_dir() == (where == "checkpoint")
+    monkeypatch.undo()                                           # space freed, or the disk remounted
+    assert P.main(["--resume", str(run)]) == 0
+    assert not list((run / "checkpoints").glob("*.partial"))
+    for rel in ("metrics.jsonl", "episodes.jsonl", "ladder/games.jsonl"):
+        assert _unclocked(rel, (run / rel).read_bytes().splitlines()) == \
+            _unclocked(rel, straight_smoke[1][rel]), rel
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_the_run_is_set_up_is_one_line_and_the_same_command_starts_it_again(
+        straight_smoke, tmp_path, monkeypatch, capsys):
+    """Issue 39 item 5, before the loop: the disk fills at the ladder's first file (the run folder,
+    config.json and identity.json written). main returns 1 with one line naming the file and the
+    remedy; once there is room the same command sets the checkpointless folder aside and runs."""
+    import errno
+    import ladder
+    write = ladder.write_atomic
+
+    def failing(path, data):
+        if Path(path).name == "eval_seeds.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return write(path, data)
+
+    monkeypatch.setattr(ladder, "write_atomic", failing)
+    flags = RESUME_FLAGS + ["--runs-dir", str(tmp_path)]
+    assert P.main(flags) == 1
+    (run,) = tmp_path.iterdir()
+    seeds = run / "ladder" / "eval_seeds.json"
+    assert capsys.readouterr().err == (
+        f"error: [Errno 28] No space left on device: '{seeds}'; the disk holding {seeds} is full: free space on it "
+        "(or remount it writable), or move the run to a disk with room; then run the same command again\n")
+    monkeypatch.undo()
+    assert P.main(flags) == 0 and (tmp_path / f"{run.name}.no-checkpoint" / "config.json").exists()
+    assert _unclocked("metrics.jsonl", (run / "metrics.jsonl").read_bytes().splitlines()) == \
+        _unclocked("metrics.jsonl", straight_smoke[1]["metrics.jsonl"])
 
 
 @pytest.mark.slow
