@@ -118,9 +118,11 @@ import importlib
 import inspect
 import json
 import os
+import re
 import signal
 import struct
 import sys
+import threading
 import time
 import traceback
 from fractions import Fraction
@@ -860,6 +862,8 @@ def _eval_idle_seed(master_seed: int, battle: int, ordinal: int) -> int:
 #   j * n/2 .. (j+1) * n/2 - 1 and slots j * n .. (j+1) * n - 1 (slot = 2 * battle + seat,
 #   seat 0 blue, 1 red); "local slot i" below is slot j * n + i. All integers little-endian.
 #
+# Segment names carry the creating process's pid (<pid>) and its farm count (<n>); a new farm
+# removes those of a pid that is gone (remove_stale_segments, section 12).
 # Segment A "rlb-<pid>-<n>" (one per farm; the parent creates it, workers write rows):
 #   0     header HEADER_DTYPE, 128 B: magic "CLASHRLB" | layout_version u32 | codec_version u32 |
 #         cycles u32 | frame_stack u32 | n_slots u32 | row_bytes u32 | obs_offset u64 (= 128) | pad
@@ -1143,6 +1147,18 @@ class WorkerFailure(msgspec.Struct, frozen=True):
     cycle: int
     kind: str                               # "exception" | "crash" | "timeout" | "protocol"
     message: str                            # the child's traceback, verbatim
+
+
+def failure_reason(message: str) -> str:
+    """A WorkerFailure's message in one line: a traceback's exception (the lines after its last
+    frame, joined); a message that ends in a stack (a hang's), the lines before it; else every
+    line, joined ("worker 1 died with exit code -9")."""
+    raw = [x for x in message.splitlines() if x.strip()]
+    lines = [x.strip() for x in raw]
+    frames = [i for i, x in enumerate(raw) if x.startswith("  ") or re.search(r'", line \d+, in ', x)]
+    if frames:
+        lines = lines[frames[-1] + 1:] or lines[:frames[0]] or lines
+    return " ".join(lines) or "(it said nothing)"
 
 
 class FarmError(RuntimeError):
@@ -2614,10 +2630,115 @@ def where_it_stood(pid: int, ios: list[ShardIO]) -> str:
     return f"; it did not say where it stood within {STACK_WAIT_S} s (stuck outside Python?)"
 
 
+# --- Orphans and stale segments (design 3.7): a worker dies with its parent, however the parent
+# dies, and a new farm removes the shared memory a dead process left behind.
+# A parent that dies without close() (kill -9, the OOM killer) leaves its workers waiting on their
+# semaphores forever, re-parented to PID 1; and they hold multiprocessing's resource tracker open
+# (its pipe), so the tracker never reaches the end of its input, where it would unlink the
+# segments and semaphores. So each worker arms two guards as it starts: on Linux the parent-death
+# signal (prctl PR_SET_PDEATHSIG, SIGKILL; armed only when the worker was started from the
+# parent's main thread, since the kernel sends it when the *thread* that started the child ends),
+# and everywhere a thread that looks at its parent pid every PARENT_POLL_S and exits once it
+# changed (the parent is gone). With the workers gone, the tracker reads the end of its pipe,
+# unlinks what the dead parent registered and exits. Should the tracker die too (kill -9 of the
+# whole group), the segments stay in /dev/shm: each name carries its creator's pid ("rlb-<pid>-<n>",
+# "rlc-<pid>-<n>-<w>"), and remove_stale_segments, run by every new ProcessFarm and at a run's
+# start, unlinks those of a pid that no longer runs (a zombie counts as gone) and leaves every
+# other name alone. The tracker's semaphores ("sem.mp-<random>") carry no pid and are not touched.
+
+PARENT_POLL_S = 0.2
+PR_SET_PDEATHSIG = 1                     # <linux/prctl.h>
+SHM_DIR = "/dev/shm"
+SEGMENT_NAME = re.compile(r"rl[bc]-(\d+)-\d+(?:-\d+)?")   # rlb-<pid>-<n>, rlc-<pid>-<n>-<w>
+
+
+def pid_gone(pid: int) -> bool:
+    """Whether no process with this pid runs (a zombie, dead but not yet reaped, counts as gone).
+    Another user's process is not gone (kill answers EPERM)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def remove_stale_segments(shm_dir: str = SHM_DIR) -> list[tuple[str, int]]:
+    """Unlink the farm segments (SEGMENT_NAME) in shm_dir whose creator's pid is gone; returns
+    (name, bytes) of each removed. Nothing else is touched; no shm_dir (not Linux): nothing."""
+    try:
+        names = sorted(os.listdir(shm_dir))
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        m = SEGMENT_NAME.fullmatch(name)
+        if m is None or int(m.group(1)) == os.getpid() or not pid_gone(int(m.group(1))):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            size = os.stat(path).st_size
+            os.unlink(path)
+        except OSError:                  # another process removed it first, or not ours to remove
+            continue
+        removed.append((name, size))
+    return removed
+
+
+def stale_segments_line(removed: list[tuple[str, int]]) -> str:
+    """One console line for what remove_stale_segments removed ("" when nothing)."""
+    if not removed:
+        return ""
+    pids = sorted({int(SEGMENT_NAME.fullmatch(n).group(1)) for n, _ in removed})
+    return (f"removed shared memory left by dead process{'es' if len(pids) > 1 else ''} "
+            f"{', '.join(map(str, pids))}: "
+            + ", ".join(f"{SHM_DIR}/{n} ({b / 1e6:.1f} MB)" for n, b in removed))
+
+
+def parent_guard() -> tuple[int, bool]:
+    """die_with_parent's arguments, read in the parent as it starts a worker: its pid, and whether
+    the parent-death signal may be armed (this is the main thread, which ends only with the process)."""
+    return os.getpid(), threading.current_thread() is threading.main_thread()
+
+
+def die_with_parent(parent_pid: int, deathsig: bool) -> None:
+    """In a worker, first thing: exit when the parent (parent_pid) is gone. deathsig arms Linux's
+    parent-death signal (SIGKILL), which ends the worker even inside the engine; the polling
+    thread covers the rest (another OS, a parent thread that started the worker and ended, a
+    parent that died before the signal was armed)."""
+    if deathsig and sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass                         # the thread below still watches
+    if os.getppid() != parent_pid:       # gone before the signal was armed
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def _worker_entry(cfg_json: bytes, table_json: bytes, w: int, gen: int, ordinals: list[list[int]],
-                  seg_a: str, seg_b: str, obs_sems: list[Any], act_sems: list[Any]) -> None:
+                  seg_a: str, seg_b: str, obs_sems: list[Any], act_sems: list[Any],
+                  parent_pid: int | None = None, deathsig: bool = False) -> None:
     """The child. Its environment already carries the thread variables (set at exec by
-    _SpawnEnv, before numpy loaded); Ctrl-C is the parent's business."""
+    _SpawnEnv, before numpy loaded); Ctrl-C is the parent's business; it dies with the parent
+    (die_with_parent)."""
+    if parent_pid is not None:
+        die_with_parent(parent_pid, deathsig)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from multiprocessing import shared_memory
     cfg = msgspec.json.decode(cfg_json, type=FarmConfig)
@@ -2732,6 +2853,7 @@ class ProcessFarm(_FarmCore):
         from multiprocessing import shared_memory
         super().__init__(cfg, table, assign_fn)
         self._ctx = mp.get_context("spawn")
+        remove_stale_segments()             # what a dead process left (its pid is in the name)
         ProcessFarm._count += 1
         tag = f"{os.getpid()}-{ProcessFarm._count}"
         self._shm_a = shared_memory.SharedMemory(
@@ -2789,7 +2911,7 @@ class ProcessFarm(_FarmCore):
         ords = [self._book.shard_ordinals(j) for j in self._shards(w)]
         args = (self._cfg_json, self._table_json, w, self.generation[w], ords, self._shm_a.name,
                 self._shm_b[w].name, [self._obs_sems[j] for j in self._shards(w)],
-                [self._act_sems[j] for j in self._shards(w)])
+                [self._act_sems[j] for j in self._shards(w)], *parent_guard())
         p = self._ctx.Process(target=_worker_entry, args=args, name=f"farm-worker-{w}", daemon=True)
         with _SpawnEnv():
             p.start()

@@ -1693,7 +1693,8 @@ class FarmComparison:
                 if fails:
                     x = fails[0]
                     raise RuntimeError(f"comparison {self.cid}: evaluation worker {x.worker} failed "
-                                       f"({x.kind}) at cycle {x.cycle}:\n{x.message}")
+                                       f"({x.kind}) at cycle {x.cycle}: {farm.failure_reason(x.message)}"
+                                       f"\n{x.message}")   # the first line whole; the worker's text after
                 self._score(rnd)
                 if not self.left:
                     return

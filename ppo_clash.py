@@ -2356,6 +2356,7 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
     try:
         while learner.timesteps < args.timestep_limit and (max_iterations is None or learner.iteration < max_iterations):
             iteration, t_it = learner.iteration, time.perf_counter()
+            run.iteration = iteration + 1                # as its row will number it, whatever the phase
             sched = learner.schedule_values(args)        # gamma and entropy coefficients at this env step
             # 0. a worker that died since the last round (during the update) is restarted before the
             #    plan, so the iteration does not lose its rows (design 3.7)
@@ -2512,6 +2513,9 @@ def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: boo
     """Everything train() does once, in order (design 10.1); checks.py bench builds its rig with it.
     Under torchrun rank 0 opens the run and its ladder first; the other ranks then follow it."""
     apply_determinism(args)                   # design 2.1: before the first tensor exists
+    stale = farm.stale_segments_line(farm.remove_stale_segments())   # a dead run's shared memory (design 3.7)
+    if stale and not quiet and comm.voice:
+        print(stale, flush=True)
     env = read_env(args, comm)                # geometry, codec table and T x R, read off a reset env
     check_gates([ram_gate(args, env, parameter_count(args, env))])   # design 3.8 step 9, before any allocation
     learner = Learner(args, env, comm)        # the network, its optimizers, scaler, backoff, positions
@@ -3411,9 +3415,10 @@ class RunCrashed(RuntimeError):
 
 
 def crash_line(run: Run, learner: Learner, exc: BaseException, saved: Path | None) -> str:
-    """The full traceback appended to <run>/crash-iteration-<k>.txt (k the iteration in flight;
-    appended, so a second crash there loses nothing), and the one line that names it."""
-    k, comm = learner.iteration + 1, learner.comm
+    """The full traceback appended to <run>/crash-iteration-<k>.txt (k the iteration in flight,
+    numbered as its row: a gate after iteration k's update is k's, not k + 1's; appended, so a
+    second crash there loses nothing), and the one line that names it."""
+    k, comm = run.iteration or learner.iteration + 1, learner.comm
     path = run.path / (f"crash-iteration-{k}-rank-{comm.rank}.txt" if comm.on else f"crash-iteration-{k}.txt")
     try:
         with path.open("a") as f:
@@ -4207,6 +4212,7 @@ class Run:
                 self.alarms.evaluate(row)
             self.tail = rows[-50:]
         self.phase, self.boundary = "boundary", Boundary([], {})
+        self.iteration = 0   # the iteration the loop is in, numbered as its row will be (crash_line)
         self.stop: StopSignals | None = None   # installed when the loop starts (announce)
         self.progress = not quiet and voice and sys.stdout.isatty()   # a log file gets no progress lines
         # time/iteration runs row to row, so the checkpoint written after a row lands in the next

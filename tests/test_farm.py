@@ -860,6 +860,164 @@ def test_a_killed_worker_is_reported_as_a_crash(short_env):
         f.close()
 
 
+# A trainer in a child process: a training farm (1 worker) and an evaluation farm (2 workers),
+# each a round in; it prints its pid, its workers', its resource tracker's and its segments'
+# names, then waits to be killed.
+FARM_CHILD = r"""
+import json, os, time
+from multiprocessing import resource_tracker
+import farm
+spec = farm.default_env_spec(max_steps=20)
+env_spec, table = farm.preflight(spec, frame_stack=1, master_seed=7)
+cfg = farm.FarmConfig(env=spec, master_seed=7, workers=1, games_per_worker=1, cycles=4, viewer=False)
+train = farm.ProcessFarm(cfg, table, farm.mirror_assignment, env_spec=env_spec)
+train.begin_iteration(farm.SlotPlan(0, 1, 2, (farm.mirror_assignment(0, 0),), ()))
+train.next_round(30)
+plan = [farm.EvalEpisode(seed=1000 + i, seed_path=f"test/seed/{i}",
+                         players=("scripted:random_legal", "scripted:push"),
+                         streams=(f"s/{i}/blue", f"s/{i}/red")) for i in range(4)]
+ecfg = farm.FarmConfig(env=spec, master_seed=7, workers=2, games_per_worker=1, cycles=4, viewer=False,
+                       eval_plan=plan, launch_delay_s=0)
+ev = farm.ProcessFarm(ecfg, table, env_spec=env_spec)
+ev.begin_iteration(ev.eval_slot_plan(0))
+ev.next_round(30)
+print(json.dumps({"pid": os.getpid(), "workers": [p.pid for f in (train, ev) for p in f._procs],
+                  "tracker": resource_tracker._resource_tracker._pid,
+                  "segments": [s.name for f in (train, ev) for s in (f._shm_a, *f._shm_b)]}), flush=True)
+time.sleep(600)
+"""
+
+
+def _farm_child(tmp_path):
+    """Start FARM_CHILD on this checkout's farm.py; returns (its Popen, what it printed)."""
+    import json
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(farm.__file__))}
+    with open(tmp_path / "child.err", "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-c", FARM_CHILD], stdout=subprocess.PIPE, stderr=err, env=env)
+    line = proc.stdout.readline()
+    if not line:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"the farm child printed nothing: {(tmp_path / 'child.err').read_text()[-3000:]}")
+    info = json.loads(line)
+    assert info["pid"] == proc.pid and len(info["workers"]) == 3 and info["tracker"] is not None
+    return proc, info
+
+
+def _all_gone_within(pids, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if all(farm.pid_gone(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return all(farm.pid_gone(p) for p in pids)
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_with_sigkill_leaves_no_worker_tracker_or_segment_behind(tmp_path):
+    """Issue 39 item 2: kill -9 of a process holding a training and an evaluation farm. Its three
+    workers die with it (the parent-death signal, else the worker's own watch of its parent),
+    so multiprocessing's resource tracker reads the end of its pipe, unlinks the dead parent's
+    segments and exits: within 5 s nothing of it runs and nothing of it is in /dev/shm. Before,
+    the workers were re-parented to PID 1 and waited forever, holding the tracker and the
+    segments with them."""
+    import signal
+    proc, info = _farm_child(tmp_path)
+    ours = [*info["workers"], info["tracker"]]
+    try:
+        assert all(os.path.exists(f"/dev/shm/{n}") for n in info["segments"])
+        assert not any(farm.pid_gone(p) for p in ours)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        t0 = time.monotonic()
+        assert _all_gone_within(ours, 5.0), [p for p in ours if not farm.pid_gone(p)]
+        while any(os.path.exists(f"/dev/shm/{n}") for n in info["segments"]) and time.monotonic() < t0 + 5:
+            time.sleep(0.05)
+        assert not [n for n in info["segments"] if os.path.exists(f"/dev/shm/{n}")]
+    finally:
+        for p in ours:                                  # processes this test started, by pid
+            if not farm.pid_gone(p):
+                os.kill(p, signal.SIGKILL)
+        for n in info["segments"]:
+            if os.path.exists(f"/dev/shm/{n}"):
+                os.unlink(f"/dev/shm/{n}")
+
+
+@pytest.mark.slow
+def test_a_new_farm_removes_the_segments_a_dead_process_left_and_leaves_a_live_ones(tmp_path, short_env):
+    """Issue 39 item 2: the trainer and its tracker killed together (kill -9 of the process group,
+    the OOM killer): the workers still die within 5 s, but nobody unlinks the segments. The next
+    ProcessFarm to start removes them (their names carry the dead pid), and leaves a segment of a
+    live pid, and a name not of the farm's pattern, alone."""
+    import signal
+    import subprocess
+    proc, info = _farm_child(tmp_path)
+    ours = [*info["workers"], info["tracker"]]
+    live = subprocess.Popen(["sleep", "60"])            # a live pid that is not this process's
+    planted = [f"rlc-{live.pid}-1-0", f"rlb-{proc.pid}-1.keep"]
+    try:
+        os.kill(info["tracker"], signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert _all_gone_within(ours, 5.0), [p for p in ours if not farm.pid_gone(p)]
+        left = [n for n in info["segments"] if os.path.exists(f"/dev/shm/{n}")]
+        assert left == info["segments"]                 # the tracker died before it could unlink them
+        for n in planted:
+            with open(f"/dev/shm/{n}", "wb") as fh:
+                fh.write(b"\0" * 64)
+        spec, env_spec, table = short_env
+        cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, games_per_worker=1, cycles=2, viewer=False)
+        f = farm.ProcessFarm(cfg, table, farm.mirror_assignment, env_spec=env_spec)
+        f.close()
+        assert not [n for n in info["segments"] if os.path.exists(f"/dev/shm/{n}")]
+        assert all(os.path.exists(f"/dev/shm/{n}") for n in planted)
+    finally:
+        for p in ours:
+            if not farm.pid_gone(p):
+                os.kill(p, signal.SIGKILL)
+        live.kill()
+        live.wait()
+        for n in [*planted, *info["segments"]]:
+            if os.path.exists(f"/dev/shm/{n}"):
+                os.unlink(f"/dev/shm/{n}")
+
+
+def test_stale_segments_are_those_of_the_farm_s_names_whose_pid_is_gone(tmp_path):
+    """remove_stale_segments, on a folder of its own: rlb-<pid>-<n> and rlc-<pid>-<n>-<w> of a
+    dead pid go; the same names of a live pid (this process, another), other names and a
+    zombie's stay or go as its pid says (a zombie is gone); what went is named with its size."""
+    import subprocess
+    dead = subprocess.Popen(["true"])
+    dead.wait()                                         # reaped: its pid runs no more
+    zombie = subprocess.Popen(["true"])                 # not reaped yet: a zombie
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        deadline = time.monotonic() + 5
+        while not farm.pid_gone(zombie.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        names = {f"rlb-{dead.pid}-1": 100, f"rlc-{dead.pid}-1-0": 30, f"rlc-{zombie.pid}-2-1": 10,
+                 f"rlb-{live.pid}-1": 5, f"rlb-{os.getpid()}-1": 5, f"rlb-{dead.pid}-1.x": 5,
+                 f"rlx-{dead.pid}-1": 5, f"sem.mp-{dead.pid}": 5, "rlb-0-1": 5}
+        for n, size in names.items():
+            (tmp_path / n).write_bytes(b"\0" * size)
+        removed = farm.remove_stale_segments(str(tmp_path))
+        assert removed == sorted([(f"rlb-{dead.pid}-1", 100), (f"rlc-{dead.pid}-1-0", 30),
+                                  (f"rlc-{zombie.pid}-2-1", 10)])
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(names) - {n for n, _ in removed})
+        line = farm.stale_segments_line(removed)
+        assert line.startswith("removed shared memory left by dead processes ")
+        assert f"/dev/shm/rlb-{dead.pid}-1 (0.0 MB)" in line and "\n" not in line
+        assert farm.remove_stale_segments(str(tmp_path)) == [] and farm.stale_segments_line([]) == ""
+        assert farm.remove_stale_segments(str(tmp_path / "none")) == []
+        assert not farm.pid_gone(live.pid) and not farm.pid_gone(os.getpid()) and not farm.pid_gone(0)
+    finally:
+        live.kill()
+        live.wait()
+        zombie.wait()
+
+
 @pytest.mark.slow
 def test_a_worker_on_another_engine_binary_is_refused(short_env):
     spec, env_spec, table = short_env

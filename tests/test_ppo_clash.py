@@ -1423,6 +1423,41 @@ def test_a_second_run_with_the_same_identity_is_refused_in_one_line_and_the_firs
     assert (run / "metrics.jsonl").read_bytes() == before and list(tmp_path.iterdir()) == [run]
 
 
+def test_a_runs_start_removes_the_shared_memory_a_dead_run_left_and_says_so(tmp_path, monkeypatch, capsys):
+    """Issue 39 item 2: a trainer killed with its resource tracker leaves /dev/shm/rlb-<pid>-<n>;
+    the next run's start (set_up, before the env is even read) removes it, as its pid is gone,
+    in one console line, and leaves a live pid's segment alone. read_env is stopped at once."""
+    import farm
+    import subprocess
+    if not os.path.isdir(farm.SHM_DIR):
+        pytest.skip(f"no {farm.SHM_DIR}")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale, live = f"{farm.SHM_DIR}/rlb-{dead.pid}-1", f"{farm.SHM_DIR}/rlb-{os.getppid()}-999"
+    with open(stale, "wb") as fh:
+        fh.write(b"\0" * 2_000_000)
+    with open(live, "wb") as fh:
+        fh.write(b"\0" * 64)
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **kw):
+        raise Stop
+
+    monkeypatch.setattr(P, "read_env", stop)
+    try:
+        with P.process_settings_kept(), pytest.raises(Stop):
+            P.set_up(P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path)]), quiet=False)
+        assert not os.path.exists(stale) and os.path.exists(live)
+        out = capsys.readouterr().out
+        assert f"removed shared memory left by dead process {dead.pid}: {stale} (2.0 MB)\n" in out
+    finally:
+        for x in (stale, live):
+            if os.path.exists(x):
+                os.unlink(x)
+
+
 def test_a_resume_reports_no_config_difference_for_a_tuple_read_back_as_a_list():
     a = P.parse_args(["--profile", "smoke", "--timestep-limit", "99"])
     saved = json.loads(P.canonical_json(P.msgspec.to_builtins(P.profile_args("smoke"))))   # a manifest's config
@@ -3781,6 +3816,56 @@ def test_a_failed_worker_with_restarts_off_stops_the_run_in_one_line(tmp_path, m
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "rollout worker 1 (generation 0) failed (exception) and it cannot be restarted: worker 1 " \
         "has been restarted 0 times; max_restarts_per_worker=0 (--rollout.max-restarts-per-worker)" in err[0], err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["kill", "raise"])
+def test_an_evaluation_worker_failing_in_a_gate_is_reported_as_the_gates_iteration_with_its_reason(
+        tmp_path, monkeypatch, capsys, how):
+    """Issue 39 item 7: the first gate (after iteration 1, --ladder.candidate-every-env-steps 172)
+    on a process farm of 2 evaluation workers, one of which is killed (SIGKILL before the gate's
+    cycle 4) or raises (debug_fault at its third step). The line names iteration 1, the gate's
+    own (not 2, the one after it), and the worker's whole reason, on that one line: the exit code,
+    or the exception and its message (before, it stopped at "at cycle 0:"); the traceback file is
+    crash-iteration-1.txt and holds the worker's own text too."""
+    import farm
+    import signal
+    if how == "kill":
+        real = farm.ProcessFarm.submit
+
+        def killing(self, *a, **kw):      # before the command of cycle 4 reaches worker 0
+            if self.cfg.eval_plan is not None and (self._cycle, self._shard) == (3, 0) and self._procs[0] is not None:
+                os.kill(self._procs[0].pid, signal.SIGKILL)   # a worker this test's run started
+                self._procs[0].join(5)
+            return real(self, *a, **kw)
+
+        monkeypatch.setattr(farm.ProcessFarm, "submit", killing)
+        reason, cycle = "worker 0 died with exit code -9", 4
+    else:
+        real_init = farm.ProcessFarm.__init__
+
+        def faulty(self, cfg, *a, **kw):
+            if cfg.eval_plan is not None:
+                cfg = msgspec.structs.replace(cfg, debug_fault="raise:0:3:0")
+            real_init(self, cfg, *a, **kw)
+
+        monkeypatch.setattr(farm.ProcessFarm, "__init__", faulty)
+        reason, cycle = "RuntimeError: planted fault in worker 0 at step 3", 3
+    flags = ["--profile", "smoke", "--rollout.eval-workers", "2", "--ladder.candidate-every-env-steps", "172",
+             "--runs-dir", str(tmp_path)]
+    assert P.main(flags) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    (run,) = tmp_path.iterdir()
+    tb = run / "crash-iteration-1.txt"
+    assert len(err) == 1, err
+    assert re.match(r"error: crashed in iteration 1 \(\w+\): RuntimeError: comparison gate/snap:\w+/\S+: "
+                    rf"evaluation worker 0 failed \({'crash' if how == 'kill' else 'exception'}\) at cycle {cycle}: "
+                    rf"{re.escape(reason)}; full traceback in {re.escape(str(tb))}; ", err[0]), err[0]
+    assert not (run / "crash-iteration-2.txt").exists()
+    text = tb.read_text()
+    assert "--- " in text and "iteration 1, phase " in text and reason in text
+    if how == "raise":
+        assert "in _planted_fault" in text        # the worker's traceback, after the first line
 
 
 @pytest.mark.slow
