@@ -2577,8 +2577,8 @@ def test_a_full_or_read_only_disk_is_one_line_and_the_last_checkpoint_resumes_th
         straight_smoke, tmp_path, monkeypatch, capsys, where, err):
     """Issue 39 item 5: in iteration 3 the disk stops taking writes, at the checkpoint's third file
     (its .partial folder left) or at the metrics row, and from then on every write under the runs
-    folder fails, the crash handler's own included (the crash is iteration 4's: the learner has
-    finished iteration 3, design 10.3). main returns 1 with one line naming the
+    folder fails, the crash handler's own included (the crash is iteration 3's: a crash is
+    numbered as the row of the iteration in flight). main returns 1 with one line naming the
     error, the path, the remedy, the last sound checkpoint (iteration 2's: no emergency save is
     tried) and the resume command; no traceback. Once the disk takes writes again that resume
     ends with the straight run's logs."""
@@ -2611,10 +2611,10 @@ def test_a_full_or_read_only_disk_is_one_line_and_the_last_checkpoint_resumes_th
     err_line = capsys.readouterr().err
     fault = "is full" if code == errno.ENOSPC else "is read-only"
     assert err_line.count("\n") == 1 and "Traceback" not in err_line, err_line
-    assert f"crashed in iteration 4 (boundary): OSError: [Errno {code}] {os.strerror(code)}" in err_line
+    assert f"crashed in iteration 3 (boundary): OSError: [Errno {code}] {os.strerror(code)}" in err_line
     assert f"{fault}: free space on it (or remount it writable), or move the run to a disk with room" in err_line
     assert f"the disk holding {run if where == 'log' else tmp_path}" in err_line
-    assert f"no traceback written ({run / 'crash-iteration-4.txt'}: {os.strerror(code)})" in err_line
+    assert f"no traceback written ({run / 'crash-iteration-3.txt'}: {os.strerror(code)})" in err_line
     assert err_line.endswith(f"the last checkpoint is {run / 'checkpoints' / f'{344:012d}'}; resume: python "
                              f"ppo_clash.py --resume {run}\n")
     assert (run / "checkpoints" / f"{516:012d}.partial").is_dir() == (where == "checkpoint")
