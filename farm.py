@@ -2733,12 +2733,11 @@ def die_with_parent(parent_pid: int, deathsig: bool) -> None:
 
 def _worker_entry(cfg_json: bytes, table_json: bytes, w: int, gen: int, ordinals: list[list[int]],
                   seg_a: str, seg_b: str, obs_sems: list[Any], act_sems: list[Any],
-                  parent_pid: int | None = None, deathsig: bool = False) -> None:
+                  parent_pid: int, deathsig: bool) -> None:
     """The child. Its environment already carries the thread variables (set at exec by
     _SpawnEnv, before numpy loaded); Ctrl-C is the parent's business; it dies with the parent
     (die_with_parent)."""
-    if parent_pid is not None:
-        die_with_parent(parent_pid, deathsig)
+    die_with_parent(parent_pid, deathsig)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from multiprocessing import shared_memory
     cfg = msgspec.json.decode(cfg_json, type=FarmConfig)
