@@ -213,6 +213,11 @@ class NetArgs:
     """pointer: one softmax over the no-op and every (card, tile). factored: the same flat
     log-probabilities in three stages, wait or act, then which card or button, then which tile
     (design 5.1)"""
+    placement_cell: tuple[int, int] = (1, 1)
+    """a card is placed by cell, not by tile: the board falls into cells of this many tile rows x
+    columns, and the policy chooses among one legal tile a cell, the one nearest its centre
+    (placement_mask, design 5.5). (1, 1): every legal tile. The env's action is unchanged, so replay,
+    the ladder and the stored log-probs read it as they read any other"""
     factored_act_init: float = 0.1
     """the factored head's P(act) at initialisation, its gate's bias; a starting value, not a shape"""
     autocast_dtype: Literal["float32", "bfloat16"] = "bfloat16"
@@ -818,6 +823,8 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("net.noop_bias", n.policy_head == "pointer" or n.noop_bias == 0,
          "be 0 under --net.policy-head factored, which has no no-op logit (--net.factored-act-init sets its P(act))"),
         ("net.factored_act_init", 0 < n.factored_act_init < 1, "be in (0, 1): a probability"),
+        ("net.placement_cell", len(n.placement_cell) == 2 and min(n.placement_cell) >= 1,
+         "be two counts >= 1: tile rows and columns a cell (1 1: every tile)"),
         ("net.device", n.device.split(":")[0] in ("cpu", "cuda", "mps"), "be cpu, cuda, cuda:N or mps"),
         ("ppo.n_epochs", p.n_epochs >= 1, "be >= 1"),
         ("ppo.timesteps_per_iteration", p.timesteps_per_iteration >= seats,
@@ -992,6 +999,7 @@ def ratio_atol(args: Args) -> float:
 # field fails at start-up, naming itself.
 HAND_CARDS, HAND_COST, HAND_AFFORDABLE = "own_hand_cards", "own_hand_cost", "own_hand_affordable"
 OWN_ELIXIR = "own_elixir"   # read for env/mean_elixir_at_decision only; a builder without it omits the key
+CLOCK = "clock"            # read by Bot alone: its first entry, the regular time left, is 1.0 at an episode's first observation
 
 # Width of the per-tile card-identity embedding (design 5.1): a module constant, not a config
 # field, so runs without card identity keep their arch_digest.
@@ -1505,6 +1513,46 @@ class FactoredHead(CardQueries):
         return factored_log_probs(gate, torch.cat(choices, -1), tiles.flatten(2).float(), mask)
 
 
+@functools.lru_cache(maxsize=8)
+def _placement_rank(H: int, W: int, kh: int, kw: int) -> np.ndarray:
+    """(Hc, Wc, kh*kw) float32: each tile's order of preference within its cell, by squared
+    distance from the centre of the cell's tiles (a last cell cut by the board edge is centred on
+    what it holds), ties to the lower index; padding beyond the board is never chosen (inf)."""
+    Hc, Wc = -(-H // kh), -(-W // kw)
+    rank = np.full((Hc, Wc, kh * kw), np.inf, np.float32)
+    for cy in range(Hc):
+        for cx in range(Wc):
+            ys, xs = range(cy * kh, min((cy + 1) * kh, H)), range(cx * kw, min((cx + 1) * kw, W))
+            my, mx = (ys[0] + ys[-1]) / 2, (xs[0] + xs[-1]) / 2
+            for i, y in enumerate(range(cy * kh, (cy + 1) * kh)):
+                for j, x in enumerate(range(cx * kw, (cx + 1) * kw)):
+                    if y < H and x < W:
+                        rank[cy, cx, i * kw + j] = (y - my) ** 2 + (x - mx) ** 2
+    order = np.argsort(rank, axis=-1, kind="stable")            # equal distances: the lower index first
+    out = np.empty_like(rank)
+    np.put_along_axis(out, order, np.arange(kh * kw, dtype=np.float32)[None, None], axis=-1)
+    return np.where(np.isinf(rank), np.inf, out)
+
+
+def placement_mask(mask: torch.Tensor, geo: NetGeometry, cell: tuple[int, int]) -> torch.Tensor:
+    """net.placement_cell (design 5.5): the (B, A) mask with each (card, cell)'s legal tiles
+    thinned to one, its most preferred (_placement_rank); the no-op and the buttons as they were.
+    A function of the mask alone, so acting, the update, the ladder and Bot all read one
+    distribution, and the action is still the env's tile."""
+    kh, kw = cell
+    if (kh, kw) == (1, 1):
+        return mask
+    B, P, (H, W) = mask.shape[0], geo.hand_size, geo.tiles
+    Hc, Wc, G = -(-H // kh), -(-W // kw), 1 + P * H * W
+    grid = F.pad(mask[:, 1:G].reshape(B, P, H, W), (0, Wc * kw - W, 0, Hc * kh - H))
+    cells = grid.reshape(B, P, Hc, kh, Wc, kw).transpose(3, 4).reshape(B, P, Hc, Wc, kh * kw)
+    rank = torch.as_tensor(_placement_rank(H, W, kh, kw), device=mask.device)
+    pick = torch.where(cells, rank, torch.inf).argmin(-1, keepdim=True)
+    keep = torch.zeros_like(cells).scatter_(-1, pick, cells.any(-1, keepdim=True))
+    tiles = keep.reshape(B, P, Hc, Wc, kh, kw).transpose(3, 4).reshape(B, P, Hc * kh, Wc * kw)[:, :, :H, :W]
+    return torch.cat([mask[:, :1], tiles.reshape(B, -1), mask[:, G:]], -1)
+
+
 HEADS = {"pointer": PointerHead, "factored": FactoredHead}
 """--net.policy-head: both write (B, A) float32 in the env's encoding, which MaskedCategorical reads."""
 
@@ -1559,9 +1607,14 @@ class ActorCritic(nn.Module):
         on = self.autocast == "bfloat16"
         return torch.autocast(device_type, dtype=torch.bfloat16, enabled=on)
 
+    def policy_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """The actions the policy chooses among: the env's mask, thinned to a tile a cell under
+        net.placement_cell. The trunk still reads the full mask as input."""
+        return placement_mask(mask, self.geo, tuple(self.net.placement_cell))
+
     def logits(self, obs: Any, rows: Rows | None = None) -> torch.Tensor:
         with self._ctx(obs.vector.device.type):
-            return self.policy(self.actor_trunk(obs, rows), obs.vector, obs.mask, rows).float()
+            return self.policy(self.actor_trunk(obs, rows), obs.vector, self.policy_mask(obs.mask), rows).float()
 
     def value(self, obs: Any) -> torch.Tensor:
         with self._ctx(obs.vector.device.type):
@@ -1570,7 +1623,7 @@ class ActorCritic(nn.Module):
 
     def dist(self, obs: Any, check_noop: bool = True, rows: Rows | None = None) -> MaskedCategorical:
         """rows: the distribution of those rows of obs alone (a subset forward, at_batch_shape)."""
-        mask = obs.mask if rows is None else obs.mask[rows.idx]
+        mask = self.policy_mask(obs.mask if rows is None else obs.mask[rows.idx])
         return MaskedCategorical(self.logits(obs, rows), mask, check_noop=check_noop)
 
     @torch.no_grad()
@@ -1642,6 +1695,8 @@ def arch_description(geo: NetGeometry, net: "NetArgs") -> dict[str, Any]:
         d["global_pool"] = "mean_max_linear_relu"
     if geo.card_id_channels:
         d["card_id_embed"] = CARD_ID_EMBED
+    if tuple(net.placement_cell) != (1, 1):   # only when on: every earlier run id holds
+        d["placement_cell"] = list(net.placement_cell)
     return d
 
 
@@ -2066,7 +2121,7 @@ def accumulate_batch(ac: ActorCritic, data: Any, bidx: np.ndarray, ppo: "PPOArgs
                 acc.add("clip", clip)
                 acc.add("dual", ((adv < 0) & (ppo.dual_clip_c * adv > surr) & ch).to(torch.float32).sum())
                 acc.add("entropy", (ent * chf).sum())
-                acc.add("entropy_norm", (ent / torch.log(nla.clamp_min(2).to(torch.float32)) * chf).sum())
+                acc.add("entropy_norm", (ent / torch.log(dist.n_legal().clamp_min(2).to(torch.float32)) * chf).sum())
                 acc.add("noop_entropy", (ent2 * chf).sum())
                 if ppo.entropy_coef_stages is not None:
                     for key, h in zip(("entropy_gate", "entropy_candidate", "entropy_tile"), stages):
@@ -4659,7 +4714,7 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "ppo/policy_loss_choice": ("", "surrogate over choice rows: what choice_mean optimises", None, False),
     "ppo/value_loss": ("", "mean squared error against the returns", None, False),
     "ppo/entropy": ("nats", "masked-categorical entropy, choice rows", None, False),
-    "ppo/entropy_normalised": ("", "entropy / log(n_legal), choice rows", None, False),
+    "ppo/entropy_normalised": ("", "entropy / log(legal actions the policy chooses among), choice rows", None, False),
     "ppo/noop_entropy": ("nats", "play/wait entropy, choice rows", (0.02, 0.7), False),
     "ppo/entropy_gate": ("nats", "the entropy's wait-or-act term, choice rows (ppo.entropy_coef_stages)", None, True),
     "ppo/entropy_candidate": ("nats", "P(act) x H(card | act), choice rows (ppo.entropy_coef_stages)", None, True),
@@ -5581,6 +5636,100 @@ def checkpoint_policy_act(ckpt_dir: str | Path, device: str = "cpu", table: Any 
     if release_mode is None:
         release_mode = str((man.config.get("ladder") or {}).get("release_mode", "stochastic"))
     return raw_obs_act(model.to(device).eval(), tab, device, release_mode)
+
+
+class Bot:
+    """A trained snapshot as a royalegym Opponent: `act(obs, mask, rng) -> int` for one seat, so
+    `royalegym.evaluate.evaluate`, `play_battle` and any tournament written against royalegym play
+    it as they play a scripted bot, and measure it with their own evaluator (README, "Your bot in
+    royalegym").
+
+        bot = Bot("models/cpu-pointer")            # or runs/<id>/ladder/snapshots/<sha16>
+        action = bot.act(obs["blue"], obs["blue"]["action_mask"], np.random.default_rng(0))
+
+    folder: a shipped model (the snapshot's spec.json and actor.safetensors beside its run's
+    eval_env.json, README "ship a model") or a run's ladder/snapshots/<id>/ (the run's
+    ladder/eval_env.json two levels up). Before it acts, a run's snapshot is checked against its
+    folder's name, the weights against spec.json (SnapshotStore.load), and the codec table the
+    evaluation env decides against the one the snapshot was trained on. Each observation's spaces
+    are checked against the snapshot's geometry, naming the field.
+
+    It acts as the ladder's players do (raw_obs_act): the observation packed with the codec table
+    and unpacked again, which is what it saw as a learner; the mask given is the mask obeyed; a
+    decision with only the no-op legal is the no-op without a forward; any other draws one
+    uniform from `rng` and decodes it by release_mode ("stochastic", as the ladder plays, unless
+    asked otherwise), so a seeded call reproduces. A frame-stacked snapshot keeps its own stack
+    and starts a fresh one at each episode's first observation (its clock reads the full regular
+    time), so one Bot plays one seat at a time; a single-frame one holds no state between calls."""
+
+    def __init__(self, folder: str | Path, device: str = "cpu", release_mode: str = "stochastic") -> None:
+        folder = Path(folder)
+        store = ladder.SnapshotStore(None)
+        sid = store.add_folder(folder)                      # FileNotFoundError: not a snapshot folder
+        if folder.parent.name == "snapshots" and folder.name != sid:
+            raise ladder.SnapshotMismatch(f"{folder / 'spec.json'} does not hash to its folder name ({sid}); the spec "
+                                          f"was edited after it was saved")
+        env_json = next((p for p in (folder / "eval_env.json", folder.parent.parent / "eval_env.json")
+                         if p.is_file()), None)
+        if env_json is None:
+            raise FileNotFoundError(f"{folder}: no eval_env.json beside it (a shipped model) or two levels "
+                                    f"up (a run's ladder/snapshots/<id>/): copy the run's ladder/eval_env.json "
+                                    f"in, as the README's 'ship a model' does")
+        _, self.table, _ = ladder._eval_preflight(env_json.read_bytes(), 0)
+        spec, tensors = store.load(sid, {"codec_table_digest": self.table.digest()})
+        self.folder, self.spec, self.device = folder, spec, torch.device(device)
+        self.model = actor_from_snapshot(spec, tensors, self.device)
+        self.geo = self.model.geo
+        self.decode = decode_fn(release_mode, "release_mode")
+        self.packer = codec.Packer(self.table)
+        self.statics_index = list(self.table.static_index)
+        self.clock = self.geo.field(CLOCK).start if CLOCK in dict(self.geo.vector_layout) else None   # regular time left
+        if self.geo.frame_stack > 1 and self.clock is None:
+            raise ladder.SnapshotMismatch(f"{folder}: a frame-stacked snapshot needs the observation's clock to "
+                                          f"see an episode start, and its vector_layout has none")
+        self.frames = np.zeros((1, self.geo.frame_stack, self.table.row_bytes), np.uint8)
+        self.live = np.zeros((1, self.geo.frame_stack), bool)
+
+    def reset(self) -> None:
+        """Forget the frame stack: the next observation is an episode's first (act sees that by itself)."""
+        self.frames[:] = 0
+        self.live[:] = False
+
+    def observe(self, obs: dict[str, np.ndarray], mask: np.ndarray) -> Any:
+        """This decision's codec.Obs (a batch of one): the observation checked, packed with `mask` as its
+        action mask, pushed onto the frame stack, and unpacked. Call once a decision: it advances the stack."""
+        self._check(obs, mask)
+        if self.clock is not None and self.geo.frame_stack > 1 and obs["vector"][self.clock] == 1.0:
+            self.reset()                                    # the clock reads the full regular time at tick 0 only
+        self.frames[0, :-1], self.live[0, :-1] = self.frames[0, 1:].copy(), self.live[0, 1:].copy()
+        one = {k: np.asarray(v)[None] for k, v in obs.items()}
+        one["action_mask"] = np.asarray(mask, bool)[None]
+        self.packer.pack(one, self.frames[0], self.geo.frame_stack - 1)
+        self.live[0, -1] = True
+        statics = torch.as_tensor(one["spatial"][:, self.statics_index].astype(np.float32), device=self.device)
+        fv = torch.as_tensor(self.live, device=self.device) if self.geo.frame_stack > 1 else None
+        return codec.unpack(self.table, torch.as_tensor(self.frames, device=self.device), statics,
+                            torch.zeros(1, dtype=torch.int64, device=self.device), fv)
+
+    def act(self, obs: dict[str, np.ndarray], mask: np.ndarray, rng: np.random.Generator) -> int:
+        """royalegym's Opponent.act: one seat's action, legal under `mask`."""
+        o = self.observe(obs, mask)
+        u = torch.tensor([rng.random()], dtype=torch.float32, device=self.device)
+        with torch.inference_mode():
+            acted = self.model.act_and_hold(o, u, forced_rows(np.asarray(mask, bool)[None]), self.decode)
+        return int(acted.action[0])
+
+    def _check(self, obs: dict[str, np.ndarray], mask: np.ndarray) -> None:
+        """The observation's spaces against the snapshot's, one line naming the field that differs."""
+        want = {"spatial": tuple(self.geo.spatial_shape), "vector": (self.geo.vector_size,),
+                "action_mask": (self.geo.n_actions,)}
+        have = {"spatial": np.shape(obs.get("spatial")), "vector": np.shape(obs.get("vector")),
+                "action_mask": np.shape(mask)}
+        for key in want:
+            if have[key] != want[key]:
+                raise ladder.SnapshotMismatch(
+                    f"{self.folder}: the observation's {key} has shape {have[key]}, the snapshot was trained on "
+                    f"{want[key]} (spec.json arch.geometry): play it on the env of its eval_env.json")
 
 
 def match_config(L: LadderArgs) -> Any:

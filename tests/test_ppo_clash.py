@@ -1236,7 +1236,7 @@ BAD_VALUES = [
     ("rollout.eval_games_per_worker", 0, {}),
     ("net.channels", 0, {}), ("net.blocks", -1, {}), ("net.norm_groups", 3, {}), ("net.vector_embed", 0, {}),
     ("net.value_hidden", 0, {}), ("net.noop_bias", float("nan"), {}), ("net.noop_bias", 1.0, {"net.policy_head": "factored"}),
-    ("net.factored_act_init", 1.0, {}), ("net.device", "tpu", {}),
+    ("net.factored_act_init", 1.0, {}), ("net.placement_cell", [0, 2], {}), ("net.device", "tpu", {}),
     ("ppo.n_epochs", 0, {}), ("ppo.timesteps_per_iteration", 5, {}), ("ppo.batch_size", 0, {}),
     ("ppo.minibatch_size", 128, {}), ("ppo.clip_range", 0, {}), ("ppo.dual_clip_c", 1, {}), ("ppo.vf_coef", 0, {}),
     ("ppo.ent_coef.start", -0.1, {}), ("ppo.ent_coef.end", -1, {}),
@@ -3883,3 +3883,245 @@ def test_an_iteration_with_every_learner_cell_lost_skips_the_update(tmp_path, mo
     assert "ppo/kl" not in rows[1] and rows[1]["health/worker_failures"] == 1
     assert [r["health/worker_restarts"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+
+
+# --- Bot: a snapshot as a royalegym Opponent (issue 38) --------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "models" / "cpu-pointer"
+
+
+def _stacked_snapshot(run: Path, k: int) -> Path:
+    """A run's snapshot folder (ladder/snapshots/<id>/, the run's ladder/eval_env.json two levels
+    up) of a tiny actor that reads k frames, on the default env."""
+    import farm
+    spec = farm.default_env_spec()
+    P.ladder.write_eval_env(run, spec)
+    table = P.ladder._eval_preflight((run / "ladder" / "eval_env.json").read_bytes(), 0)[1]
+    geo, _ = env_sample("default")
+    model = P.ActorCritic(msgspec.structs.replace(geo, frame_stack=k), tiny_net(), 11)
+    pid = P.write_snapshot(run, model, obs_digest="o" * 8, action_digest="a" * 8, codec_table_digest=table.digest(),
+                           step=0, context="ctx", run_id_="rid")
+    return run / "ladder" / "snapshots" / pid.removeprefix("snap:")
+
+
+class _Uniforms:
+    """An rng for Bot.act that remembers each uniform it handed out."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng, self.drawn = np.random.default_rng(seed), []
+
+    def random(self) -> float:
+        self.drawn.append(float(self.rng.random()))
+        return self.drawn[-1]
+
+
+def _play_bots(folder: Path, battles: Sequence[int], max_steps: int):
+    """Bots on both seats of `battles` short battles (a truncation at max_steps), played in turn on
+    one env as royalegym.evaluate plays them. Per decision: (seat, episode start, the raw
+    observation, the Obs Bot's network saw, the uniform it drew, its action)."""
+    import farm
+    env = farm.env_factory(farm.default_env_spec(max_steps=max_steps))()
+    bots = {a: P.Bot(folder) for a in ("blue", "red")}
+    seen: dict[str, list] = {a: [] for a in bots}
+    for a, bot in bots.items():
+        observe = bot.observe
+        bot.observe = lambda o, m, observe=observe, a=a: seen[a].append(observe(o, m)) or seen[a][-1]
+    rngs = {a: _Uniforms(i) for i, a in enumerate(bots)}
+    cycles = []
+    for seed in battles:
+        obs, _ = env.reset(seed=seed)
+        first = True
+        while env.agents:
+            acts = {a: bots[a].act(obs[a], obs[a]["action_mask"], rngs[a]) for a in env.agents}
+            cycles.append([(first, obs[a], seen[a][-1], rngs[a].drawn[-1], acts[a]) for a in ("blue", "red")])
+            obs, *_ = env.step(acts)
+            first = False
+    env.close()
+    return bots, cycles
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_bot_sees_and_chooses_what_the_harness_acting_path_does_on_both_seats(tmp_path, k):
+    """Bot against the learner's own acting path (RectView.obs over a rectangle the farm's way,
+    then ActorCritic.act_and_hold): on every decision of two battles, both seats, the network's
+    input is equal tensor for tensor, the log-probs agree, and the action drawn from the same
+    uniform is the same. k=1 is the shipped model; k=2 a stacked actor, whose second battle must
+    start from an empty stack (a Bot that kept the first battle's frames fails here)."""
+    import codec
+    folder = SHIPPED if k == 1 else _stacked_snapshot(tmp_path, k)
+    bots, cycles = _play_bots(folder, battles=(21, 22), max_steps=40 if k == 1 else 12)
+    table, model = bots["blue"].table, bots["blue"].model
+    store = P.ladder.SnapshotStore(None)
+    spec, tensors = store.load(store.add_folder(folder))
+    reference = P.actor_from_snapshot(spec, tensors, "cpu")          # loaded by the harness, not by Bot
+    T = len(cycles)
+    rect = np.zeros((T + k, 2, table.row_bytes), np.uint8)
+    first_obs = {key: np.stack([c[1][key] for c in cycles[0]]) for key in cycles[0][0][1]}
+    env = type("Env", (), dict(table=table, statics=torch.as_tensor(codec.static_planes(table, first_obs)),
+                               device=torch.device("cpu"), T=T, R=2, n_battles=1))
+    view = P.RectView(rect, env, k)
+    slots, choices, starts = np.arange(2), 0, 0
+    for t, cyc in enumerate(cycles):
+        batch = {key: np.stack([c[1][key] for c in cyc]) for key in cyc[0][1]}
+        codec.Packer(table).pack(batch, rect[t + k - 1], 0)
+        view.mark_round(t, slots, np.array([c[0] for c in cyc]))
+        ref = view.obs(np.array([t, t]), slots)
+        u = torch.tensor([c[3] for c in cyc], dtype=torch.float32)
+        acted = reference.act_and_hold(ref, u, P.forced_rows(batch["action_mask"]))
+        for s, (start, _, mine, _, action) in enumerate(cyc):
+            for name in ("spatial", "mask_planes", "vector", "mask"):
+                assert torch.equal(getattr(mine, name)[0], getattr(ref, name)[s]), (t, s, name)
+            want, have = reference.dist(P.obs_rows(ref, torch.tensor([s]))), model.dist(mine)
+            legal = want.mask[0]
+            assert torch.allclose(have.logp[0][legal], want.logp[0][legal], atol=1e-6), (t, s)
+            assert action == int(acted.action[s]), (t, s)
+            choices += int(legal.sum() > 1)
+            starts += int(start and t > 0)
+    assert choices >= 4 and starts == 2          # both kinds of decision, and the second battle's start
+
+
+def test_royalegym_evaluate_plays_bot_on_both_sides_legally_and_a_seeded_call_reproduces():
+    import farm
+    from royalegym.evaluate import evaluate
+    env_fn = farm.env_factory(farm.default_env_spec(max_steps=30))
+
+    def played(seed: int):
+        log: list = []
+        bots = [P.Bot(SHIPPED), P.Bot(SHIPPED, release_mode="argmax")]
+        for b in bots:
+            b.act = lambda o, m, r, act=b.act: log.append((m.copy(), act(o, m, r))) or log[-1][1]
+        return evaluate(bots[0], bots[1], env_fn, games=2, seed=seed, names=("stochastic", "argmax")), log
+
+    (first, log1), (again, log2), (_, log3) = played(5), played(5), played(6)
+    assert first.games == 2 and [s.seat for s in first.by_seat] == ["blue", "red"]
+    assert all(m[a] for m, a in log1) and sum(bool(m[1:].any()) for m, _ in log1) >= 4
+    assert first == again and [a for _, a in log1] == [a for _, a in log2]   # evaluate's seeded rngs drive every draw
+    assert [a for _, a in log1] != [a for _, a in log3]
+
+
+def test_bot_refuses_what_is_not_its_snapshot_or_its_env_in_one_line(tmp_path):
+    import shutil
+    with pytest.raises(FileNotFoundError, match="not a snapshot folder"):
+        P.Bot(tmp_path)
+    lone = tmp_path / "lone"
+    shutil.copytree(SHIPPED, lone)
+    (lone / "eval_env.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no eval_env.json beside it"):
+        P.Bot(lone)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(SHIPPED, damaged)
+    blob = bytearray((damaged / "actor.safetensors").read_bytes())
+    blob[-1] ^= 1
+    (damaged / "actor.safetensors").write_bytes(bytes(blob))
+    with pytest.raises(P.ladder.SnapshotMismatch, match="actor_sha256 .* does not match spec.json"):
+        P.Bot(damaged)
+    edited = _stacked_snapshot(tmp_path / "run", 1)        # a run's snapshot folder is named by its spec's hash
+    (edited / "spec.json").write_bytes((edited / "spec.json").read_bytes().replace(b'"step": 0', b'"step": 1'))
+    with pytest.raises(P.ladder.SnapshotMismatch, match="does not hash to its folder name"):
+        P.Bot(edited)
+    reveal = tmp_path / "reveal"
+    shutil.copytree(SHIPPED, reveal)
+    import farm
+    P.ladder.write_atomic(reveal / "eval_env.json", msgspec.json.encode(farm.default_env_spec(reveal_spell_aim=True)))
+    with pytest.raises(P.ladder.SnapshotMismatch, match="codec_table_digest"):
+        P.Bot(reveal)
+    bot = P.Bot(SHIPPED)
+    with pytest.raises(P.ConfigError, match="--release-mode 'greedy': must be stochastic, argmax or plugin"):
+        P.Bot(SHIPPED, release_mode="greedy")
+    _, batches = env_sample("default")
+    obs = next({key: v[i] for key, v in b.items()} for b in batches for i in range(len(b["vector"]))
+               if b["action_mask"][i, 1:].any())                      # a choice: more than the no-op legal
+    V = obs["vector"].shape[0]
+    with pytest.raises(P.ladder.SnapshotMismatch, match=rf"the observation's vector has shape \({V - 1},\), .*\({V},\)"):
+        bot.act({**obs, "vector": obs["vector"][1:]}, obs["action_mask"], np.random.default_rng(0))
+    with pytest.raises(P.ladder.SnapshotMismatch, match="the observation's action_mask has shape"):
+        bot.act(obs, obs["action_mask"][:-1], np.random.default_rng(0))
+    rng = np.random.default_rng(0)
+    free = {bot.act(obs, obs["action_mask"], rng) for _ in range(200)}
+    assert all(obs["action_mask"][a] for a in free) and len(free - {0}) > 1
+    narrow = np.zeros_like(obs["action_mask"])
+    narrow[[0, max(free)]] = True
+    assert {bot.act(obs, narrow, rng) for _ in range(200)} == {0, max(free)}   # the mask given is the one obeyed
+
+
+# --- net.placement_cell: a card placed by cell (issue 36, design 5.5) -------------------------------
+
+
+def _placement_by_hand(mask: np.ndarray, P_: int, H: int, W: int, kh: int, kw: int) -> np.ndarray:
+    """The rule read slowly: per row, card and cell, the legal tile nearest the centre of the cell's
+    on-board tiles, the lower index on a tie; the no-op and the buttons untouched."""
+    out = mask.copy()
+    G = 1 + P_ * H * W
+    out[:, 1:G] = False
+    for b in range(mask.shape[0]):
+        for p in range(P_):
+            for y0 in range(0, H, kh):
+                for x0 in range(0, W, kw):
+                    ys, xs = range(y0, min(y0 + kh, H)), range(x0, min(x0 + kw, W))
+                    my, mx = (ys[0] + ys[-1]) / 2, (xs[0] + xs[-1]) / 2
+                    legal = [(((y - my) ** 2 + (x - mx) ** 2), (y - y0) * kw + (x - x0), 1 + p * H * W + y * W + x)
+                             for y in ys for x in xs if mask[b, 1 + p * H * W + y * W + x]]
+                    if legal:
+                        out[b, min(legal)[2]] = True
+    return out
+
+
+@pytest.mark.parametrize("cell", [(4, 6), (3, 5), (1, 18), (32, 1)])
+def test_placement_mask_keeps_one_legal_tile_a_card_and_cell_as_the_rule_reads_on_two_geometries(cell):
+    geo, batches = env_sample("default")
+    mask = to_obs(batches).mask
+    assert P.placement_mask(mask, geo, (1, 1)) is mask             # every tile: the mask itself
+    got = P.placement_mask(mask, geo, cell).numpy()
+    H, W = geo.tiles
+    assert np.array_equal(got, _placement_by_hand(mask.numpy(), geo.hand_size, H, W, *cell))
+    assert not (got & ~mask.numpy()).any() and ((got.sum(-1) > 1) == (mask.numpy().sum(-1) > 1)).all()
+    # a board and hand of other sizes (5 x 7 tiles, two slots, three buttons), cells cut by both edges
+    small = msgspec.structs.replace(geo, tiles=(5, 7), hand_size=2, n_actions=1 + 2 * 35 + 3)
+    m = torch.as_tensor(np.random.default_rng(1).random((16, small.n_actions)) < 0.3)
+    m[:, 0] = True
+    got = P.placement_mask(m, small, (2, 3)).numpy()
+    assert np.array_equal(got, _placement_by_hand(m.numpy(), 2, 5, 7, 2, 3))
+    assert np.array_equal(got[:, -3:], m.numpy()[:, -3:])
+
+
+def test_placement_cell_moves_the_architecture_hash_only_when_on_and_the_policy_reads_the_thinned_mask():
+    geo, batches = env_sample("default")
+    assert "placement_cell" not in P.arch_description(geo, tiny_net())
+    assert P.arch_digest(geo, tiny_net(placement_cell=(4, 6))) != P.arch_digest(geo, tiny_net())
+    obs = to_obs(batches)
+    ac = P.ActorCritic(geo, tiny_net(placement_cell=(4, 6)), 3)
+    d = ac.dist(obs)
+    thin = P.placement_mask(obs.mask, geo, (4, 6))
+    assert torch.equal(d.mask, thin) and (d.logp.exp()[~thin] == 0).all()
+    a = d.sample(torch.linspace(0.01, 0.99, len(obs.mask)))
+    assert thin[torch.arange(len(a)), a].all()
+    with pytest.raises(P.ConfigError, match="net.placement-cell"):
+        P.parse_args(["--profile", "smoke", "--net.placement-cell", "0", "2"])
+
+
+@pytest.mark.slow
+def test_a_smoke_run_placing_by_cell_keeps_the_ratio_invariant_and_acts_only_on_kept_tiles(tmp_path):
+    """--net.placement-cell end to end: every action the learner's network chose is a kept tile
+    of its row (a wrapper on act_and_hold), the update's log-probs are the rollout's (the debug
+    window's ratio check), and the snapshot rebuilds the cell, so Bot and the ladder choose as it did."""
+    chosen, act = [], P.ActorCritic.act_and_hold
+
+    def checking(self, obs, u, forced, decode=P.sample_decode):
+        out = act(self, obs, u, forced, decode)
+        thin = self.policy_mask(obs.mask)
+        chosen.append(bool(thin[torch.arange(len(out.action)), out.action].all()))
+        return out
+
+    P.ActorCritic.act_and_hold = checking
+    try:
+        args = P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path), "--net.placement-cell", "4", "6"])
+        run = P.train(args, quiet=True, max_iterations=2)
+    finally:
+        P.ActorCritic.act_and_hold = act
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert chosen and all(chosen)
+    assert all(r["ppo/ratio_max_abs_dev"] <= args.ppo.ratio_atol_fp32 and r["health/illegal_action_rate"] == 0 for r in rows)
+    (sid,) = [p.name for p in (run / "ladder" / "snapshots").iterdir()]
+    spec, tensors = P.ladder.SnapshotStore(run).load(sid)
+    assert P.actor_from_snapshot(spec, tensors, "cpu").net.placement_cell == (4, 6)
