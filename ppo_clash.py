@@ -153,6 +153,17 @@ class WarmArgs:
     """PPO's first iterations step the critic only, so the clone plays on unchanged until a critic
     fitted to its own play judges it (an untrained critic's advantages are noise at full weight:
     explained variance -0.1 at the first iteration, 0.6 by the seventh [M: docs/learning.md S3])"""
+    teacher_kl: Schedule = field(default_factory=Schedule)
+    """the clone kept as a teacher: the actor's loss adds this weight times KL(clone || actor) on
+    the choice rows, the clone being v0's snapshot (design 5.4). PPO from a clone without it pulled
+    the clone apart and ended below it (docs/learning.md 3.3); annealed, PPO starts where the clone
+    is and is let go by the end. 0 (the default): no teacher"""
+
+
+def teacher_on(w: WarmArgs) -> bool:
+    """Whether the run keeps its clone as a teacher: the teacher_kl schedule is ever above 0."""
+    t = w.teacher_kl
+    return t.start > 0 or (t.kind != "constant" and t.end > 0)
 
 
 @dataclass
@@ -770,6 +781,9 @@ def game_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("warm.lr", w.lr > 0, "be > 0"),
         ("warm.critic_iterations", w.critic_iterations >= 0, "be >= 0"),
         ("warm.critic_iterations", not w.critic_iterations or bool(w.rung), "be 0 without --warm.rung"),
+        ("warm.teacher_kl.start", w.teacher_kl.start >= 0 and w.teacher_kl.end >= 0, "be >= 0 (start and end)"),
+        ("warm.teacher_kl.start", not teacher_on(w) or bool(w.rung), "be 0 without --warm.rung: the teacher is the clone"),
+        ("warm.teacher_kl.over_env_steps", w.teacher_kl.over_env_steps > 0, "be > 0"),
     ]
 
 
@@ -2063,13 +2077,15 @@ def ratio_invariant(ac: ActorCritic, data: Any, perm0: np.ndarray, minibatch_siz
 
 
 def accumulate_batch(ac: ActorCritic, data: Any, bidx: np.ndarray, ppo: "PPOArgs", ent_coef: float,
-                     ent_coef_noop: float, acc: _Acc, epoch: int = 0, debug: bool = True, comm: Comm = SOLO) -> None:
+                     ent_coef_noop: float, acc: _Acc, epoch: int = 0, debug: bool = True, comm: Comm = SOLO,
+                     teacher: tuple[ActorCritic, float] | None = None) -> None:
     """Forward and backward one batch, minibatch by minibatch; leaves the summed gradient in
     .grad. Under every value but all the batch's cells are stably partitioned choice rows first,
     so the actor runs on whole minibatches of choice rows; the critic always runs on every row at
     weight 1/N. The actor's three terms are sums over its rows divided by N (all, critic_only)
     or by the batch's choice count (critic_only_choice_mean, smdp) -- design 6.5's table. Under torchrun
-    both counts are the global batch's, every rank's rows together (Comm)."""
+    both counts are the global batch's, every rank's rows together (Comm). teacher: (the clone, its
+    weight): the actor's loss adds weight x KL(clone || actor) on its rows (WarmArgs.teacher_kl)."""
     mode = ppo.forced_rows
     n_here = int(len(bidx))
     nl = data.n_legal[bidx]
@@ -2108,6 +2124,9 @@ def accumulate_batch(ac: ActorCritic, data: Any, bidx: np.ndarray, ppo: "PPOArgs
                 stages = dist.entropy_split(ac.geo.hand_size, ac.geo.tiles[0] * ac.geo.tiles[1])
                 bonus = sum(c * h for c, h in zip(ppo.entropy_coef_stages, stages, strict=True))
             loss = loss + (-obj.sum() - bonus.sum() - ent_coef_noop * ent2.sum()) / d_pol
+            if teacher is not None:
+                kl_t = teacher_kl(teacher[0], obs_a, dist)
+                loss = loss + teacher[1] * kl_t.sum() / d_pol
             acc.actor_rows += n_actor
             acc.actor_forwards += 1
             with torch.no_grad():
@@ -2123,6 +2142,8 @@ def accumulate_batch(ac: ActorCritic, data: Any, bidx: np.ndarray, ppo: "PPOArgs
                 acc.add("entropy", (ent * chf).sum())
                 acc.add("entropy_norm", (ent / torch.log(dist.n_legal().clamp_min(2).to(torch.float32)) * chf).sum())
                 acc.add("noop_entropy", (ent2 * chf).sum())
+                if teacher is not None:
+                    acc.add("kl_teacher", (kl_t * chf).sum())
                 if ppo.entropy_coef_stages is not None:
                     for key, h in zip(("entropy_gate", "entropy_candidate", "entropy_tile"), stages):
                         acc.add(key, (h * chf).sum())
@@ -2136,6 +2157,15 @@ def accumulate_batch(ac: ActorCritic, data: Any, bidx: np.ndarray, ppo: "PPOArgs
                 acc.add("policy_obj_all", (m.adv * (~sel).to(m.adv.dtype)).sum())
         acc.epoch_n[epoch] += int((data.n_legal[idx] > 1).sum())
         loss.backward()
+
+
+def teacher_kl(teacher: ActorCritic, obs: Any, dist: MaskedCategorical) -> torch.Tensor:
+    """(n,) KL(teacher || actor) over each row's legal actions: the clone's log-probs carry no
+    gradient, the actor's do, so the term pulls the actor toward the clone where the clone is sure
+    and leaves it free where the clone spreads (forward KL, as kickstarting distils a teacher)."""
+    with torch.no_grad():
+        t = teacher.dist(obs, check_noop=False).logp
+    return (t.exp() * torch.where(dist.mask, t - dist.logp, torch.zeros_like(t))).sum(-1)
 
 
 def _debug_checks(m: Minibatch, data: Any, idx: np.ndarray) -> None:
@@ -2189,7 +2219,8 @@ def unfilled_empty_tensors() -> Iterator[None]:
 
 def _epochs(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer, data: Any,
             ppo: "PPOArgs", acc: _Acc, perm0: np.ndarray, *, ent_coef: float, ent_coef_noop: float,
-            master_seed: int, iteration: int, debug: bool, comm: Comm, actor_steps: bool) -> int:
+            master_seed: int, iteration: int, debug: bool, comm: Comm, actor_steps: bool,
+            teacher: tuple[ActorCritic, float] | None) -> int:
     """ppo_update's passes: each batch's summed gradient (summed over the ranks too), clipped per
     optimizer, then one step of each (of the critic's alone when not actor_steps). Returns the
     steps taken."""
@@ -2205,7 +2236,7 @@ def _epochs(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch
             opt_actor.zero_grad(set_to_none=True)
             opt_critic.zero_grad(set_to_none=True)
             accumulate_batch(ac, data, perm[start:start + ppo.batch_size], ppo, ent_coef, ent_coef_noop, acc,
-                             epoch=e, debug=debug, comm=comm)
+                             epoch=e, debug=debug, comm=comm, teacher=teacher)
             _ensure_grads(pa)
             _ensure_grads(pc)
             comm.grads(pa + pc)
@@ -2227,10 +2258,11 @@ def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: to
                ppo: "PPOArgs", *, ent_coef: float, ent_coef_noop: float, master_seed: int, iteration: int,
                debug: bool, check_ratio: bool, ratio_atol: float,
                ratio_outliers: list[dict[str, Any]] | None = None, comm: Comm = SOLO,
-               actor_steps: bool = True) -> dict[str, float]:
+               actor_steps: bool = True, teacher: tuple[ActorCritic, float] | None = None) -> dict[str, float]:
     """n_epochs passes over data in batches of ppo.batch_size (the last one smaller, never
     dropped), one optimizer step per batch, each optimizer's gradient clipped on its own; the
-    actor's optimizer steps only when actor_steps (WarmArgs.critic_iterations).
+    actor's optimizer steps only when actor_steps (WarmArgs.critic_iterations); teacher: see
+    accumulate_batch.
     The permutation comes from ppo/minibatch/iteration/{i}/epoch/{e} (design 2.2). ratio_outliers:
     see ratio_invariant (filled only when given; nothing of it enters the returned row)."""
     acc = _Acc(ppo.n_epochs)
@@ -2242,7 +2274,7 @@ def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: to
                                                   ratio_outliers))   # the worst rank's: its alarm halts
         steps = _epochs(ac, opt_actor, opt_critic, data, ppo, acc, perm0, ent_coef=ent_coef, ent_coef_noop=ent_coef_noop,
                         master_seed=master_seed, iteration=iteration, debug=debug, comm=comm,
-                        actor_steps=actor_steps)
+                        actor_steps=actor_steps, teacher=teacher)
     acc.reduce(comm)
     s = {k: float(v) for k, v in acc.s.items()}
     nc = max(acc.choice_rows, 1)
@@ -2268,6 +2300,8 @@ def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: to
         "ppo/update_magnitude_actor": float((_flat(pa) - before_a).norm()),
         "ppo/update_magnitude_critic": float((_flat(pc) - before_c).norm()),
     }
+    if teacher is not None:
+        out["ppo/kl_teacher"] = s.get("kl_teacher", 0.0) / nc
     if ppo.entropy_coef_stages is not None:   # what the stages' coefficients act on, choice rows
         out.update({f"ppo/{k}": s.get(k, 0.0) / nc for k in ("entropy_gate", "entropy_candidate", "entropy_tile", "p_act")})
     for e in range(ppo.n_epochs):
@@ -2598,6 +2632,9 @@ def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: boo
             opening = lad.load(run.ladder_saved) if run.ladder_saved is not None else None
             lad.follow(shared)
         lad.join(comm)
+        if teacher_on(args.warm):   # v0's snapshot, the clone in fp16: a fresh run, a resume and every rank alike
+            learner.teacher = actor_from_snapshot(*lad.store.load(lad.pool.snapshot_id(lad.pool.v0)), env.device)
+            learner.teacher.requires_grad_(False)
         source = open_farm(args, env, run.start_ordinals, lad.assign, lad.mm.roles, run.start_generations,
                            run.start_in_flight)
     except BaseException:
@@ -2795,11 +2832,13 @@ class Learner:
         self.backoff = LrBackoff(args.ppo.lr_backoff, args.ppo.lr_actor, args.ppo.lr_critic)
         self.iteration = self.env_steps = self.timesteps = self.updates = 0
         self.sched: dict[str, float] | None = None
+        self.teacher: ActorCritic | None = None   # WarmArgs.teacher_kl's clone, set_up loads it from v0
 
     def schedule_values(self, args: Args) -> dict[str, float]:
         """The schedules read at this env step (design 1.3: schedules are written in game-steps)."""
+        teacher = {"teacher_kl": args.warm.teacher_kl.value(self.env_steps)} if teacher_on(args.warm) else {}
         return {"gamma": args.advantage.gamma.value(self.env_steps), "ent_coef": args.ppo.ent_coef.value(self.env_steps),
-                "ent_coef_noop": args.ppo.ent_coef_noop.value(self.env_steps)}
+                "ent_coef_noop": args.ppo.ent_coef_noop.value(self.env_steps), **teacher}
 
     def advance(self, sched: dict[str, float], env: Env, roll: Rollout, upd: dict[str, Any]) -> None:
         """The positions after an iteration's update."""
@@ -3302,7 +3341,8 @@ def update(learner: Learner, view: RectView, roll: Rollout, crit: Critic, adv: A
                                      ent_coef_noop=sched["ent_coef_noop"], master_seed=args.master_seed, iteration=it,
                                      debug=debug, check_ratio=debug or it % p.check_ratio_invariant_every == 0,
                                      ratio_atol=ratio_atol(args), ratio_outliers=outliers, comm=learner.comm,
-                                     actor_steps=it >= args.warm.critic_iterations)
+                                     actor_steps=it >= args.warm.critic_iterations,
+                                     teacher=(learner.teacher, sched["teacher_kl"]) if learner.teacher is not None else None)
     upd["run/lr_backoff"] = learner.backoff.observe(upd["ppo/kl"])
     if upd["run/lr_backoff"]:
         learner.backoff.apply(learner.opt_a, learner.opt_c)
@@ -3695,7 +3735,9 @@ def algo_digest(args: Args) -> str:
     """PPO, GAE and schedule config, the precision (autocast changes every number), and the
     starting points arch_digest leaves out: the warm start, the factored head's P(act)."""
     # each only when on: every earlier run id holds
-    warm = {"warm": args.warm} if args.warm.rung else {}
+    warm = {"warm": msgspec.Raw(canonical_json_ordered({f.name: getattr(args.warm, f.name) for f in dataclasses.fields(args.warm)
+                                                        if f.name != "teacher_kl" or teacher_on(args.warm)}))} \
+        if args.warm.rung else {}
     act = {"factored_act_init": args.net.factored_act_init} if args.net.policy_head == "factored" else {}
     ppo: Any = args.ppo
     if ppo.entropy_coef_stages is None:   # the section's fields in their own order, less that one
@@ -4697,6 +4739,7 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "run/gae_lambda": ("", "GAE lambda", None, False),
     "run/credit_horizon_seconds": ("s", "decision_ms / (1 - gamma * lambda)", (40.0, 50.0), False),
     "run/ent_coef": ("", "entropy coefficient this iteration (schedule; unread under ppo.entropy_coef_stages)", None, False),
+    "run/teacher_kl": ("", "the teacher's KL weight this iteration (warm.teacher_kl's schedule)", None, True),
     "run/ent_coef_noop": ("", "play/wait entropy coefficient this iteration (schedule)", None, False),
     "run/lr_actor": ("", "actor learning rate after any backoff", None, False),
     "run/lr_critic": ("", "critic learning rate after any backoff", None, False),
@@ -4716,6 +4759,7 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "ppo/entropy": ("nats", "masked-categorical entropy, choice rows", None, False),
     "ppo/entropy_normalised": ("", "entropy / log(legal actions the policy chooses among), choice rows", None, False),
     "ppo/noop_entropy": ("nats", "play/wait entropy, choice rows", (0.02, 0.7), False),
+    "ppo/kl_teacher": ("nats", "KL(clone || actor), choice rows (warm.teacher_kl)", None, True),
     "ppo/entropy_gate": ("nats", "the entropy's wait-or-act term, choice rows (ppo.entropy_coef_stages)", None, True),
     "ppo/entropy_candidate": ("nats", "P(act) x H(card | act), choice rows (ppo.entropy_coef_stages)", None, True),
     "ppo/entropy_tile": ("nats", "P(act) x H(tile | card, act), choice rows (ppo.entropy_coef_stages)", None, True),
@@ -5396,6 +5440,7 @@ def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: LadderLoop
         "run/wall_seconds": time.perf_counter() - run.t_start, "run/gamma": gamma, "run/gae_lambda": lam,
         "run/credit_horizon_seconds": credit_horizon_seconds(args.obs.decision_ms, gamma, lam),
         "run/ent_coef": learner.sched["ent_coef"], "run/ent_coef_noop": learner.sched["ent_coef_noop"],
+        **({"run/teacher_kl": learner.sched["teacher_kl"]} if "teacher_kl" in learner.sched else {}),
         "run/lr_actor": learner.backoff.lr_actor, "run/lr_critic": learner.backoff.lr_critic,
         "run/lr_backoff": upd["run/lr_backoff"], "run/determinism_tier": args.determinism.tier,
         "run/resumed_with_drift": run.drifted, "run/state_digest": learner.digest(),

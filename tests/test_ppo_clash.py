@@ -4125,3 +4125,70 @@ def test_a_smoke_run_placing_by_cell_keeps_the_ratio_invariant_and_acts_only_on_
     (sid,) = [p.name for p in (run / "ladder" / "snapshots").iterdir()]
     spec, tensors = P.ladder.SnapshotStore(run).load(sid)
     assert P.actor_from_snapshot(spec, tensors, "cpu").net.placement_cell == (4, 6)
+
+
+# --- warm.teacher_kl: the clone kept as a teacher (issue 36 item 2) --------------------------------
+
+
+@pytest.mark.parametrize("mode", P.FORCED_ROWS)
+def test_the_teacher_term_is_kl_from_the_clone_over_legal_actions_and_moves_the_actor_alone(mode):
+    """accumulate_batch with a teacher at weight 0.5: its gradient less the gradient without one is
+    the gradient of 0.5 x sum_rows KL(teacher || actor), written out here over each row's legal
+    actions and divided as the actor's other terms are (every row under all, the choice rows
+    otherwise; design 6.5); the teacher takes no gradient; a teacher equal to the actor adds 0."""
+    geo, net, data = make_data()
+    ppo = P.PPOArgs(forced_rows=mode, batch_size=data.n, minibatch_size=data.n)
+    teacher = P.ActorCritic(geo, net, master_seed=7).requires_grad_(False)
+    with torch.no_grad():   # a sure teacher (its head scaled up from the near-uniform start): a KL that matters
+        for q in teacher.policy.parameters():
+            q.mul_(300.0)
+    _, plain = _grads(geo, net, data, ppo)
+    ac = P.ActorCritic(geo, net, master_seed=0)
+    acc = P._Acc(1)
+    P.accumulate_batch(ac, data, np.arange(data.n), ppo, 0.01, 0.02, acc, debug=True, teacher=(teacher, 0.5))
+    taught = {k: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for k, p in ac.named_parameters()}
+    ref_ac = P.ActorCritic(geo, net, master_seed=0)
+    m = data.gather(np.arange(data.n))
+    rows = torch.ones(data.n, dtype=torch.bool) if mode == "all" else m.n_legal > 1
+    mine = torch.log_softmax(ref_ac.logits(m.obs).masked_fill(~m.obs.mask, -1e30), -1)[rows]
+    with torch.no_grad():
+        theirs = torch.log_softmax(teacher.logits(m.obs).masked_fill(~m.obs.mask, -1e30), -1)[rows]
+    legal = m.obs.mask[rows]
+    kl = (theirs.exp() * (theirs - mine)).masked_fill(~legal, 0.0).sum(-1)
+    divisor = data.n if mode in ("all", "critic_only") else int(rows.sum())
+    (0.5 * kl.sum() / divisor).backward()
+    ref = {k: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for k, p in ref_ac.named_parameters()}
+    delta = {k: taught[k] - plain[k] for k in taught}
+    scale = max(float(v.abs().max()) for v in ref.values())
+    assert scale > 1e-2 and max(float((delta[k] - ref[k]).abs().max()) for k in ref) < 1e-4 * scale
+    assert all(p.grad is None for p in teacher.parameters())
+    assert float(kl.mean()) > 0
+    same = P.ActorCritic(geo, net, master_seed=0).requires_grad_(False)
+    with torch.no_grad():
+        d = ac.dist(m.obs)
+        assert float(P.teacher_kl(same, m.obs, P.ActorCritic(geo, net, master_seed=0).dist(m.obs)).abs().max()) < 1e-6
+        assert torch.allclose(P.teacher_kl(teacher, m.obs, d)[rows], kl.detach(), atol=1e-5)
+
+
+TEACHER_FLAGS = ["--profile", "smoke", "--obs.max-steps", "60", "--warm.rung", "scripted:defend", "--warm.battles", "1",
+                 "--warm.teacher-kl.kind", "linear", "--warm.teacher-kl.start", "2.0", "--warm.teacher-kl.end", "0.0",
+                 "--warm.teacher-kl.over-env-steps", "1000", "--checkpoint.every-env-steps", "172",
+                 "--timestep-limit", "774"]
+
+
+@pytest.mark.slow
+def test_a_run_taught_by_its_clone_anneals_the_weight_keeps_v0_as_teacher_and_resumes_exactly(tmp_path):
+    """--warm.teacher-kl end to end: the teacher is v0's snapshot (the clone in fp16), the row
+    carries the schedule's weight and the KL on the choice rows, and a resume from the second
+    checkpoint, which must load the teacher again, writes the unbroken run's rows."""
+    run = P.train(P.parse_args(TEACHER_FLAGS + ["--runs-dir", str(tmp_path / "a")]), quiet=True)
+    rows = (run / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    got = [json.loads(x) for x in rows]
+    before = [0] + [r["run/cumulative_env_steps"] for r in got[:-1]]   # the schedule is read at an iteration's start
+    assert [r["run/teacher_kl"] for r in got] == [pytest.approx(2.0 * max(0.0, 1 - s / 1000)) for s in before]
+    assert all(r["ppo/kl_teacher"] >= 0 for r in got) and got[-1]["ppo/kl_teacher"] > 0
+    copy = _copy_run(run, tmp_path / "b")
+    second = sorted((copy / "checkpoints").iterdir())[1]
+    assert P.main(["--resume", str(copy), "--checkpoint", str(second)]) == 0
+    again = (copy / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    assert _unclocked("metrics.jsonl", again) == _unclocked("metrics.jsonl", rows)
