@@ -782,7 +782,8 @@ def game_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("warm.critic_iterations", w.critic_iterations >= 0, "be >= 0"),
         ("warm.critic_iterations", not w.critic_iterations or bool(w.rung), "be 0 without --warm.rung"),
         ("warm.teacher_kl.start", w.teacher_kl.start >= 0 and w.teacher_kl.end >= 0, "be >= 0 (start and end)"),
-        ("warm.teacher_kl.start", not teacher_on(w) or bool(w.rung), "be 0 without --warm.rung: the teacher is the clone"),
+        ("warm.teacher_kl.start", not teacher_on(w) or bool(w.rung),
+         "be 0 without --warm.rung: the teacher is the clone"),
         ("warm.teacher_kl.over_env_steps", w.teacher_kl.over_env_steps > 0, "be > 0"),
     ]
 
@@ -1013,7 +1014,7 @@ def ratio_atol(args: Args) -> float:
 # field fails at start-up, naming itself.
 HAND_CARDS, HAND_COST, HAND_AFFORDABLE = "own_hand_cards", "own_hand_cost", "own_hand_affordable"
 OWN_ELIXIR = "own_elixir"   # read for env/mean_elixir_at_decision only; a builder without it omits the key
-CLOCK = "clock"            # read by Bot alone: its first entry, the regular time left, is 1.0 at an episode's first observation
+CLOCK = "clock"   # read by Bot alone: its first entry, regular time left, is 1.0 at an episode's first observation
 
 # Width of the per-tile card-identity embedding (design 5.1): a module constant, not a config
 # field, so runs without card identity keep their arch_digest.
@@ -2632,8 +2633,9 @@ def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: boo
             opening = lad.load(run.ladder_saved) if run.ladder_saved is not None else None
             lad.follow(shared)
         lad.join(comm)
-        if teacher_on(args.warm):   # v0's snapshot, the clone in fp16: a fresh run, a resume and every rank alike
-            learner.teacher = actor_from_snapshot(*lad.store.load(lad.pool.snapshot_id(lad.pool.v0)), env.device)
+        if teacher_on(args.warm):   # v0's snapshot, the clone in fp16: a fresh run, a resume, every rank alike
+            v0 = lad.store.load(lad.pool.snapshot_id(lad.pool.v0))
+            learner.teacher = actor_from_snapshot(*v0, env.device)
             learner.teacher.requires_grad_(False)
         source = open_farm(args, env, run.start_ordinals, lad.assign, lad.mm.roles, run.start_generations,
                            run.start_in_flight)
@@ -3342,7 +3344,7 @@ def update(learner: Learner, view: RectView, roll: Rollout, crit: Critic, adv: A
                                      debug=debug, check_ratio=debug or it % p.check_ratio_invariant_every == 0,
                                      ratio_atol=ratio_atol(args), ratio_outliers=outliers, comm=learner.comm,
                                      actor_steps=it >= args.warm.critic_iterations,
-                                     teacher=(learner.teacher, sched["teacher_kl"]) if learner.teacher is not None else None)
+                                     teacher=None if learner.teacher is None else (learner.teacher, sched["teacher_kl"]))
     upd["run/lr_backoff"] = learner.backoff.observe(upd["ppo/kl"])
     if upd["run/lr_backoff"]:
         learner.backoff.apply(learner.opt_a, learner.opt_c)
@@ -3735,9 +3737,9 @@ def algo_digest(args: Args) -> str:
     """PPO, GAE and schedule config, the precision (autocast changes every number), and the
     starting points arch_digest leaves out: the warm start, the factored head's P(act)."""
     # each only when on: every earlier run id holds
-    warm = {"warm": msgspec.Raw(canonical_json_ordered({f.name: getattr(args.warm, f.name) for f in dataclasses.fields(args.warm)
-                                                        if f.name != "teacher_kl" or teacher_on(args.warm)}))} \
-        if args.warm.rung else {}
+    w = args.warm
+    warm = {"warm": msgspec.Raw(canonical_json_ordered({f.name: getattr(w, f.name) for f in dataclasses.fields(w)
+                                                        if f.name != "teacher_kl" or teacher_on(w)}))} if w.rung else {}
     act = {"factored_act_init": args.net.factored_act_init} if args.net.policy_head == "factored" else {}
     ppo: Any = args.ppo
     if ppo.entropy_coef_stages is None:   # the section's fields in their own order, less that one
@@ -5728,7 +5730,7 @@ class Bot:
         self.decode = decode_fn(release_mode, "release_mode")
         self.packer = codec.Packer(self.table)
         self.statics_index = list(self.table.static_index)
-        self.clock = self.geo.field(CLOCK).start if CLOCK in dict(self.geo.vector_layout) else None   # regular time left
+        self.clock = self.geo.field(CLOCK).start if CLOCK in dict(self.geo.vector_layout) else None
         if self.geo.frame_stack > 1 and self.clock is None:
             raise ladder.SnapshotMismatch(f"{folder}: a frame-stacked snapshot needs the observation's clock to "
                                           f"see an episode start, and its vector_layout has none")
