@@ -1228,6 +1228,8 @@ BAD_VALUES = [
     ("warm.rung", "scripted:nope", {}), ("warm.rung", "scripted:noop", {"obs.frame_stack": 2}),
     ("warm.battles", 0, {"warm.rung": "scripted:noop"}), ("warm.epochs", 0, {}), ("warm.lr", 0, {}),
     ("warm.critic_iterations", -1, {"warm.rung": "scripted:noop"}), ("warm.critic_iterations", 2, {}),
+    ("warm.teacher_kl.start", -1.0, {}), ("warm.teacher_kl.start", 1.0, {}),
+    ("warm.teacher_kl.over_env_steps", 0.0, {"warm.rung": "scripted:noop"}),
     ("rollout.workers", 0, {}), ("rollout.games_per_worker", 0, {}), ("rollout.shards_per_worker", 0, {}),
     ("rollout.games_per_worker", 15, {"rollout.shards_per_worker": 2}), ("rollout.spin_us", -1, {}),
     ("rollout.round_timeout_s", 0, {}), ("rollout.round_timeout_s", float("inf"), {}),
