@@ -1307,6 +1307,18 @@ def learn_args(cmd: "Learn") -> P.Args:
     return args
 
 
+def learn_iterations(cmd: "Learn", args: P.Args, env: P.Env) -> tuple[int, int]:
+    """(iterations, the cloning's game-steps): the budget counts a warm start's battles, so a clone
+    and PPO from it spend cmd.game_steps together. The cloning is replayed here to count them (it
+    is a function of the master seed: ppo_clash.clone_rows), a few seconds of scripted play."""
+    cloned = P.clone_rows(args, env).game_steps if args.warm.rung else 0
+    left = cmd.game_steps - cloned
+    if left < 1:
+        raise CheckError(f"--game-steps {cmd.game_steps}: the warm start's cloning alone plays {cloned:,} "
+                         f"game-steps (--warm.battles {args.warm.battles}); give the budget more, or clone less")
+    return -(-left // (env.T * env.n_battles)), cloned     # the rest in whole iterations
+
+
 def learn_command(cmd: "Learn", run: Path) -> str:
     """The command that continues `run` where its last checkpoint left it: this one, with --resume."""
     flags = [f"--profile {cmd.profile}", f"--game-steps {cmd.game_steps}", f"--seeds {cmd.seeds}"]
@@ -1346,11 +1358,12 @@ def cmd_learn(cmd: "Learn") -> int:
                          f"game-step, and the seeds 1 to the profile's frozen set, "
                          f"ladder.eval_seed_count = {args.ladder.eval_seed_count} (checked before hours of training)")
     env = P.read_env(args)
-    n_iter = -(-cmd.game_steps // (env.T * env.n_battles))     # the budget, in whole iterations
+    n_iter, cloned = learn_iterations(cmd, args, env)
     args.timestep_limit = n_iter * env.T * env.learner_rows
     run, ckpt = learn_start(cmd, args, env)
-    print(f"learn: --profile {cmd.profile}, {n_iter} iterations of {env.T * env.n_battles} game-steps "
-          f"({n_iter * env.T * env.n_battles:,} >= {cmd.game_steps:,}), then the yardstick"
+    clone = f" after a clone of {args.warm.rung} from {cloned:,} game-steps" if args.warm.rung else ""
+    print(f"learn: --profile {cmd.profile}, {n_iter} iterations of {env.T * env.n_battles} game-steps{clone} "
+          f"({cloned + n_iter * env.T * env.n_battles:,} >= {cmd.game_steps:,}), then the yardstick"
           + (f"; continuing {run} from {ckpt.name}" if ckpt else ""), flush=True)
     try:
         P.train(args, max_iterations=n_iter, quiet=cmd.quiet, resume=ckpt)

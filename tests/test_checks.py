@@ -715,3 +715,19 @@ def test_learn_stops_resumes_then_measures_and_a_shipped_folder_is_measured_and_
     code, out, err = run_main("play", "--blue", str(model), "--red", "scripted:noop", "--every", "1000")
     assert code == 0, err[-3000:]
     assert f"play: blue {v0} vs red scripted:noop" in out and "result: " in out
+
+
+def test_learn_counts_the_warm_start_s_cloning_in_its_budget():
+    """A clone and PPO from it spend --game-steps together (issue 36): the cloning's game-steps,
+    replayed from the master seed, come off the budget before it is cut into iterations."""
+    cmd = checks.Learn(profile="smoke", game_steps=2000)
+    plain = checks.learn_args(cmd)
+    env = P.read_env(plain)
+    per = env.T * env.n_battles
+    assert checks.learn_iterations(cmd, plain, env) == (-(-2000 // per), 0)
+    warm = checks.learn_args(cmd)
+    warm.warm.rung, warm.warm.battles = "scripted:defend", 1
+    n, cloned = checks.learn_iterations(cmd, warm, env)
+    assert cloned == P.clone_rows(warm, env).game_steps > 0 and n == -(-(2000 - cloned) // per)
+    with pytest.raises(checks.CheckError, match="the warm start's cloning alone plays"):
+        checks.learn_iterations(checks.Learn(profile="smoke", game_steps=cloned), warm, env)
