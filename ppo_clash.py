@@ -5694,7 +5694,7 @@ class Bot:
         action = bot.act(obs["blue"], obs["blue"]["action_mask"], np.random.default_rng(0))
 
     folder: a shipped model (the snapshot's spec.json and actor.safetensors beside its run's
-    eval_env.json, README "ship a model") or a run's ladder/snapshots/<id>/ (the run's
+    eval_env.json, as the README ships one) or a run's ladder/snapshots/<id>/ (the run's
     ladder/eval_env.json two levels up). Before it acts, a run's snapshot is checked against its
     folder's name, the weights against spec.json (SnapshotStore.load), and the codec table the
     evaluation env decides against the one the snapshot was trained on. Each observation's spaces
@@ -5720,7 +5720,7 @@ class Bot:
         if env_json is None:
             raise FileNotFoundError(f"{folder}: no eval_env.json beside it (a shipped model) or two levels "
                                     f"up (a run's ladder/snapshots/<id>/): copy the run's ladder/eval_env.json "
-                                    f"in, as the README's 'ship a model' does")
+                                    f"in, as the README ships a model")
         _, self.table, _ = ladder._eval_preflight(env_json.read_bytes(), 0)
         spec, tensors = store.load(sid, {"codec_table_digest": self.table.digest()})
         self.folder, self.spec, self.device = folder, spec, torch.device(device)
