@@ -541,12 +541,15 @@ def profile_args(name: str) -> Args:
             _set(a, k, v)
         return a
     if name in ("cpu", "smoke"):
-        # The cpu numbers are the ones that made the actor move on a 2-core machine: 24 optimizer
-        # steps an iteration [A: 3 epochs x 4,096 / 512], adam_eps 1e-8, lr_actor 1.5e-3, a C=16 N=2
-        # network on two torch threads (collection and update run in series, so the worker's core
-        # is free while the parent updates). gae_lambda 0.98 puts the credit horizon at 21.8 s
-        # [A: 0.5 s / (1 - 0.997 x 0.98)], under the SCHEMA's band, on purpose. The measurements
-        # and what was tried: docs/running.md section 6.
+        # The cpu numbers are the ones that made the actor move on a 2-core machine: about 24
+        # optimizer steps an iteration, adam_eps 1e-8, lr_actor 1.5e-3, a C=16 N=2 network on two
+        # torch threads (collection and update run in series, so the worker's core is free while
+        # the parent updates). gae_lambda 0.98 puts the credit horizon at 21.8 s [A: 0.5 s / (1 -
+        # 0.997 x 0.98)], under the SCHEMA's band, on purpose. cpu learns at the choice points
+        # (smdp, design 6.6): its update is about 0.24x critic_only's, and batches of 96 of its
+        # rows give the actor critic_only's steps at the start [A: 3 epochs x ~770 rows / 96]; at
+        # 1M it beat critic_only's weights head to head (docs/learning.md 3.3). smoke keeps
+        # critic_only, whose every row the fast tests count. What was tried: docs/running.md 6.
         smoke = name == "smoke"
         for k, v in {"net.device": "cpu", "net.autocast_dtype": "float32",
                      "net.channels": 8 if smoke else 16, "net.blocks": 1 if smoke else 2,
@@ -558,7 +561,8 @@ def profile_args(name: str) -> Args:
                      "rollout.shards_per_worker": 1 if smoke else 2,
                      "rollout.eval_workers": 1, "rollout.eval_games_per_worker": 4,
                      "ppo.timesteps_per_iteration": 256 if smoke else 4096,
-                     "ppo.batch_size": 64 if smoke else 512, "ppo.minibatch_size": 64 if smoke else 256,
+                     "ppo.forced_rows": "critic_only" if smoke else "smdp",
+                     "ppo.batch_size": 64 if smoke else 96, "ppo.minibatch_size": 64 if smoke else 96,
                      "ppo.lr_actor": 5e-4 if smoke else 1.5e-3,
                      "advantage.gae_lambda": 0.99 if smoke else 0.98, "ppo.lr_critic": 5e-4, "ppo.adam_eps": 1e-8,
                      "ppo.ent_coef": Schedule("constant", 0.003, 0.003, 1.0),
