@@ -213,7 +213,8 @@ def resume_flags(profile: str, config: str | None, runs_dir: Path) -> list[str]:
     straight run did."""
     chosen = ["--profile", profile] + (["--config", config] if config else [])
     env = P.read_env(P.parse_args(chosen))
-    return chosen + ["--runs-dir", str(runs_dir), "--checkpoint.every-env-steps", str(SPLIT * env.T * env.n_battles),
+    return chosen + ["--runs-dir", str(runs_dir),
+                     "--checkpoint.every-env-steps", str(SPLIT * env.T * env.n_battles),
                      "--timestep-limit", str(TOTAL * env.T * env.learner_rows)]
 
 
@@ -227,7 +228,7 @@ def _same(a: Any, b: Any) -> bool:
 def compare_rows(name: str, rows_a: Sequence[dict[str, Any]], rows_b: Sequence[dict[str, Any]],
                  skip: Callable[[str], bool] = lambda k: False) -> str | None:
     """The first difference between two lists of rows, as 'file row N field F: a, b'; None if none."""
-    for n, (ra, rb) in enumerate(zip(rows_a, rows_b), 1):
+    for n, (ra, rb) in enumerate(zip(rows_a, rows_b, strict=False), 1):
         for k in list(ra) + [k for k in rb if k not in ra]:
             va, vb = ra.get(k, _ABSENT), rb.get(k, _ABSENT)
             if not skip(k) and not _same(va, vb):
@@ -285,15 +286,16 @@ def make_resumed_pair(profile: str, config: str | None, work: Path,
     shutil.rmtree(ck_b)
     shutil.copytree(ck_a, ck_b)   # resume from the straight run's own checkpoint
     say(f"resume: python ppo_clash.py --resume {b} --checkpoint {ck_b}   (a fresh process)")
-    proc = subprocess.run([sys.executable, str(ROOT / "ppo_clash.py"), "--resume", str(b), "--checkpoint", str(ck_b)],
-                          cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "ppo_clash.py"), "--resume", str(b),
+                           "--checkpoint", str(ck_b)], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise ResumeFailed(f"the resumed process exited with {proc.returncode}: {tail}")
     return a, b
 
 
-def verify_resume(profile: str, config: str | None, work: Path, say: Callable[[str], None] = print) -> str | None:
+def verify_resume(profile: str, config: str | None, work: Path,
+                  say: Callable[[str], None] = print) -> str | None:
     """The whole check: the first difference (file, row, field, both values), or None for PASS."""
     try:
         a, b = make_resumed_pair(profile, config, work, say)
@@ -306,7 +308,8 @@ def cmd_verify_resume(cmd: "VerifyResume") -> int:
     work = Path(cmd.work_dir) if cmd.work_dir else Path(tempfile.mkdtemp(prefix="verify-resume-"))
     work.mkdir(parents=True, exist_ok=True)
     if any(work.iterdir()):
-        raise CheckError(f"{work}: not empty; verify-resume trains two runs there (pass an empty or new --work-dir)")
+        raise CheckError(f"{work}: not empty; verify-resume trains two runs there (pass an empty or new "
+                         "--work-dir)")
     try:
         found = verify_resume(cmd.profile, cmd.config, work)
     finally:
@@ -400,15 +403,17 @@ class ReplayEnv:
         if self.deals is None:
             return
         if rec.battle >= len(self.deals):
-            raise CheckError(f"episode of battle {rec.battle}: this run deals {len(self.deals)} battles a rank; a "
-                             "torchrun run's other ranks deal by their own roles, which replay does not rebuild")
+            raise CheckError(f"episode of battle {rec.battle}: this run deals {len(self.deals)} battles a "
+                             "rank; a torchrun run's other ranks deal by their own roles, which replay does "
+                             "not rebuild")
         from royalegym.state_mutator import DeckCurriculumStateMutator
         self.env.state_mutator = DeckCurriculumStateMutator(**self.deals[rec.battle])
 
     def pair_seats(self, records: Sequence[farm.EpisodeRecord]) -> None:
         """Index the records by battle, so each can be held against its other seat's."""
         self.lengths: dict[tuple[int, int], int] = {}   # (battle, ordinal) -> episode_steps
-        self.seats: dict[tuple[int, int, int], list[farm.EpisodeRecord]] = {}   # both seats' records of a battle
+        # both seats' records of a battle
+        self.seats: dict[tuple[int, int, int], list[farm.EpisodeRecord]] = {}
         for r in records:
             self.lengths.setdefault((r.battle, r.ordinal), r.episode_steps)
             self.seats.setdefault((r.battle, r.ordinal, r.episode_seed), []).append(r)
@@ -421,7 +426,7 @@ class ReplayEnv:
             if twin.seat == rec.seat or twin.played == rec.played:
                 continue
             mine, theirs = list(rec.played), list(twin.played)
-            i = next((j for j, (x, y) in enumerate(zip(mine, theirs)) if list(x) != list(y)),
+            i = next((j for j, (x, y) in enumerate(zip(mine, theirs, strict=False)) if list(x) != list(y)),
                      min(len(mine), len(theirs)))   # else one list is the other's prefix
             steps = [int(e[0]) for e in (mine[i:i + 1] + theirs[i:i + 1])]
             return Divergence(min(steps), f"played[{i}]", list(mine[i]) if i < len(mine) else _ABSENT,
@@ -543,7 +548,8 @@ def _replay_steps(renv: ReplayEnv, rec: farm.EpisodeRecord, digest: farm.Traject
         deploy = int(info[me]["deploy_status"])
         cards, illegal = cards + (deploy == 0), illegal + (1 <= deploy <= 11)
         ended = bool(term[me] or trunc[me])
-        early = (Divergence(step, "cards_played", rec.cards_played, f"{cards} by this step") if cards > rec.cards_played
+        early = (Divergence(step, "cards_played", rec.cards_played, f"{cards} by this step")
+                 if cards > rec.cards_played
                  else Divergence(step, "illegal_commands", rec.illegal_commands, f"{illegal} by this step")
                  if illegal > rec.illegal_commands
                  else Divergence(step, "episode_steps", rec.episode_steps, f"ended after {step + 1}")
@@ -553,7 +559,8 @@ def _replay_steps(renv: ReplayEnv, rec: farm.EpisodeRecord, digest: farm.Traject
     last = rec.episode_steps - 1
     if not ended:
         return Replayed([], Divergence(last, "episode_steps", rec.episode_steps, "still running"))
-    fields = _final_fields(rec, info[me], cards, illegal, ret, farm.episode_step_abs(env, rec.seat), digest.digest)
+    fields = _final_fields(rec, info[me], cards, illegal, ret, farm.episode_step_abs(env, rec.seat),
+                           digest.digest)
     first = next((Divergence(last, f, a, b) for f, a, b in fields if not _same(a, b)), None)
     return Replayed(fields, first)
 
@@ -567,13 +574,15 @@ def _final_fields(rec: farm.EpisodeRecord, fin: dict[str, Any], cards: int, ille
     out: list[tuple[str, Any, Any]] = [(f, getattr(rec, f), type(getattr(rec, f))(fin[f])) for f in (
         "episode_steps", "episode_ticks", "own_crowns", "enemy_crowns", "own_tower_hp_frac",
         "enemy_tower_hp_frac", "elixir_leak_steps")]
-    out += [("winner", rec.winner, int(fin.get("winner", -1))), ("outcome", rec.outcome, int(fin.get("outcome", 0))),
+    out += [("winner", rec.winner, int(fin.get("winner", -1))),
+            ("outcome", rec.outcome, int(fin.get("outcome", 0))),
             ("cards_played", rec.cards_played, cards), ("illegal_commands", rec.illegal_commands, illegal),
             ("undiscounted_return", rec.undiscounted_return, ret)]
     out += [(f"reward_terms.{k}", rec.reward_terms.get(k, _ABSENT), terms.get(k, _ABSENT))
             for k in sorted(set(rec.reward_terms) | set(terms))]
     if rec.reward_terms_step_abs:
-        out += [(f"reward_terms_step_abs.{k}", rec.reward_terms_step_abs.get(k, _ABSENT), step_abs.get(k, _ABSENT))
+        out += [(f"reward_terms_step_abs.{k}", rec.reward_terms_step_abs.get(k, _ABSENT),
+                 step_abs.get(k, _ABSENT))
                 for k in sorted(set(rec.reward_terms_step_abs) | set(step_abs))]
     if rec.trajectory_digest:
         out.append(("trajectory_digest", rec.trajectory_digest, digest))
@@ -610,8 +619,9 @@ def replay_to_trace(renv: ReplayEnv, i: int, rec: farm.EpisodeRecord, path: Path
     res = replay_record(renv, rec, recorder)
     trace = recorder.trace
     if not table:
-        print(f"replayed from {SEATS[rec.seat]}'s record: " + (f"DIVERGES at {res.divergence}" if res.divergence
-                                                               else "every field and the trajectory digest match"))
+        print(f"replayed from {SEATS[rec.seat]}'s record: "
+              + (f"DIVERGES at {res.divergence}" if res.divergence
+                 else "every field and the trajectory digest match"))
     if (print_replayed(i, rec, res) if table else res.divergence is not None):
         print(f"no trace written: the replay diverged from the record, so {path} would show a battle "
               "that did not happen")
@@ -628,7 +638,8 @@ def replay_to_trace(renv: ReplayEnv, i: int, rec: farm.EpisodeRecord, path: Path
     if problems:
         print(f"verify_trace FAILS on a fresh engine ({len(problems)} divergences), the first: {problems[0]}")
         return 1
-    print(f"verify_trace: identical on a fresh engine; draw it with `python -m royalegym.render {path} -o battle.html`")
+    print("verify_trace: identical on a fresh engine; draw it with "
+          f"`python -m royalegym.render {path} -o battle.html`")
     return 0
 
 
@@ -767,10 +778,11 @@ def parse_player(p: str) -> str:
         return p
     kind = next((k for k in PLAYER_KINDS if p.startswith(k)), None)
     if kind is None or not p[len(kind):]:
-        raise CheckError(f"player {p!r}: not snap:<id>, seed:<name>, scripted:<name>, checkpoint:<dir> (a run's "
-                         "runs/<id>/checkpoints/<step>) or a snapshot folder (models/<name>)")
+        raise CheckError(f"player {p!r}: not snap:<id>, seed:<name>, scripted:<name>, checkpoint:<dir> "
+                         "(a run's runs/<id>/checkpoints/<step>) or a snapshot folder (models/<name>)")
     if kind == "scripted:" and p[len(kind):] not in farm.SCRIPTED_NAMES:
-        raise CheckError(f"{p}: unknown scripted player; farm.SCRIPTED_NAMES = {', '.join(farm.SCRIPTED_NAMES)}")
+        raise CheckError(f"{p}: unknown scripted player; farm.SCRIPTED_NAMES = "
+                         f"{', '.join(farm.SCRIPTED_NAMES)}")
     return p
 
 
@@ -781,17 +793,20 @@ def play_run(players: Sequence[str], run: str | None) -> Path | None:
         if p.startswith("checkpoint:"):
             ck = Path(p.removeprefix("checkpoint:"))
             if not ck.is_dir():
-                raise CheckError(f"{p}: no such checkpoint directory (a run's are runs/<id>/checkpoints/<step>)")
+                raise CheckError(f"{p}: no such checkpoint directory (a run's are "
+                                 "runs/<id>/checkpoints/<step>)")
             if not (ck / "manifest.json").is_file():
-                raise CheckError(f"{p}: {ck / 'manifest.json'} is missing: not a checkpoint, or one whose write "
-                                 "never finished; pick a checkpoint directory that has it")
+                raise CheckError(f"{p}: {ck / 'manifest.json'} is missing: not a checkpoint, or one whose "
+                                 "write never finished; pick a checkpoint directory that has it")
             found[p] = run_dir(ck.resolve().parent.parent)
     where = {r.resolve() for r in found.values()}
     if len(where) > 1:
-        raise CheckError(f"players from more than one run ({', '.join(f'{k}: {v}' for k, v in found.items())}): "
-                         "play takes one run, whose evaluation env and codec table both players saw")
+        raise CheckError("players from more than one run "
+                         f"({', '.join(f'{k}: {v}' for k, v in found.items())}): play takes one run, "
+                         "whose evaluation env and codec table both players saw")
     if not where and any(p.startswith(ladder.SNAPSHOT_PLAYERS) for p in players):
-        raise CheckError("a snap:<id> or seed:<name> player needs --run RUN_DIR, the run whose ladder holds it")
+        raise CheckError("a snap:<id> or seed:<name> player needs --run RUN_DIR, the run whose ladder "
+                         "holds it")
     return next(iter(found.values()), None)
 
 
@@ -829,7 +844,8 @@ def open_play(cmd: "Play") -> PlaySetup:
 
     def build(sid: str) -> Any:   # the snapshot builder, on the table the runner decided
         return P.snapshot_policy_builder(run, device=cmd.device, table=runner.table, store=store)(sid)
-    runner = ladder.EvalRunner(spec, ladder.EvalSeedSet(master_seed=table_seed, path=PLAY_BATTLE, seeds=[], sha256=""),
+    runner = ladder.EvalRunner(spec, ladder.EvalSeedSet(master_seed=table_seed, path=PLAY_BATTLE,
+                                                        seeds=[], sha256=""),
                                run_dir=run, policy_builder=build, store=store)
     try:
         for p in players:
@@ -866,8 +882,8 @@ class BattleView:
                 continue
             cmd = parser.parse(a, before, self.team[s])
             hand = before.players[self.team[s]].hand
-            what = (self.names.get(hand[cmd.hand_slot], f"card #{hand[cmd.hand_slot]}") if cmd.hand_slot < len(hand)
-                    else f"ability button {cmd.hand_slot - len(hand)}")
+            what = (self.names.get(hand[cmd.hand_slot], f"card #{hand[cmd.hand_slot]}")
+                    if cmd.hand_slot < len(hand) else f"ability button {cmd.hand_slot - len(hand)}")
             if cmd.hand_slot < len(hand) and hasattr(parser, "decode"):
                 _, x, y = parser.decode(a)
                 what += f" at tile ({x}, {y})"
@@ -888,8 +904,8 @@ class BattleView:
         for s, color in enumerate(SEATS):
             p = st.players[self.team[s]]
             towers = " ".join(f"{slot.name.lower()} {p.tower_hp[slot]}" for slot in TowerSlot)
-            lines.append(f"  {color:<4} elixir {p.elixir_milli / 1000:4.1f}  crowns {p.crowns}  towers {towers}"
-                         f"   {self.players[s]}")
+            lines.append(f"  {color:<4} elixir {p.elixir_milli / 1000:4.1f}  crowns {p.crowns}  "
+                         f"towers {towers}   {self.players[s]}")
         self.say("\n".join(lines + self.played_lines()))
 
 
@@ -905,7 +921,8 @@ def _neural_actions(runner: Any, obs: dict[str, np.ndarray], players: Sequence[s
     rows = np.zeros((len(players), runner.table.row_bytes), np.uint8)
     codec.Packer(runner.table).pack(obs, rows, 0)
     for s in neural:
-        seen = farm.unpack_numpy(runner.table, rows[[s]], runner.statics, np.array([s]), runner.env_spec.obs_space)
+        seen = farm.unpack_numpy(runner.table, rows[[s]], runner.statics, np.array([s]),
+                                 runner.env_spec.obs_space)
         a = int(np.asarray(acts[players[s]](seen, np.array([rngs[s].random()]))).reshape(-1)[0])
         if not obs["action_mask"][s, a]:
             raise RuntimeError(f"{players[s]}: illegal action {a} at decision {step} ({SEATS[s]}); a policy "
@@ -975,9 +992,9 @@ def result_line(rec: farm.EpisodeRecord, tick_ms: int) -> str:
     from royalegym.protocol import Winner
     who = {Winner.BLUE: "blue wins", Winner.RED: "red wins", Winner.DRAW: "draw"}.get(rec.winner, "no result")
     return (f"result: {who} ({rec.policy_id} blue, {rec.opponent_id} red); crowns blue {rec.own_crowns} "
-            f"red {rec.enemy_crowns}; tower HP blue {rec.own_tower_hp_frac:.3f} red {rec.enemy_tower_hp_frac:.3f} "
-            f"(the mean of each side's three towers' HP fractions); {rec.episode_steps} decisions, "
-            f"{rec.episode_ticks * tick_ms / 1000:.1f} s of battle")
+            f"red {rec.enemy_crowns}; tower HP blue {rec.own_tower_hp_frac:.3f} "
+            f"red {rec.enemy_tower_hp_frac:.3f} (the mean of each side's three towers' HP fractions); "
+            f"{rec.episode_steps} decisions, {rec.episode_ticks * tick_ms / 1000:.1f} s of battle")
 
 
 def play_viewer(say: Callable[[str], None]) -> Any:
@@ -994,9 +1011,10 @@ def play_viewer(say: Callable[[str], None]) -> Any:
     except (OSError, ValueError) as e:
         raise CheckError(f"--viewer: {e}") from None
     host, port = pub.address
-    app = "" if importlib.util.find_spec("royaleviser") else " (install it with pip install 'royalegym[viser]')"
-    say(f"--viewer: streaming to {host}:{port}; watch with python -m royaleviser --stream {host}:{port}{app}. "
-        "An attached viewer gets the battle at game speed")
+    app = ("" if importlib.util.find_spec("royaleviser")
+           else " (install it with pip install 'royalegym[viser]')")
+    say(f"--viewer: streaming to {host}:{port}; watch with python -m royaleviser --stream "
+        f"{host}:{port}{app}. An attached viewer gets the battle at game speed")
     return pub
 
 
@@ -1020,10 +1038,11 @@ def cmd_play(cmd: "Play") -> int:
                         env=runner.env_factory_spec, records=tuple(records))
     if cmd.save is not None:
         ladder.write_atomic(Path(cmd.save), msgspec.json.format(msgspec.json.encode(saved), indent=1) + b"\n")
-        print(f"saved both seats' records and the env to {cmd.save}; check it: python checks.py replay {cmd.save}")
+        print(f"saved both seats' records and the env to {cmd.save}; check it: "
+              f"python checks.py replay {cmd.save}")
     if cmd.trace is not None:   # the battle re-simulated from blue's record, as `replay F --trace` does
-        return replay_to_trace(SavedBattleEnv(Path(cmd.save or "<this battle>"), saved), 0, records[0], cmd.trace,
-                               table=False)
+        return replay_to_trace(SavedBattleEnv(Path(cmd.save or "<this battle>"), saved), 0, records[0],
+                               cmd.trace, table=False)
     return 0
 
 
@@ -1075,19 +1094,21 @@ def engine_figures(args: P.Args, env: P.Env) -> list[BenchFigure]:
     r = args.rollout
     before = loadavg()
     out = farm.bench_farm(env.spec, battles=env.n_battles, cycles=env.T, iterations=1,
-                          arms=((r.workers, r.shards_per_worker),), repeats=REPEATS, master_seed=args.master_seed)
+                          arms=((r.workers, r.shards_per_worker),), repeats=REPEATS,
+                          master_seed=args.master_seed)
     load = (before, loadavg())
     arm = f"farm_w{r.workers}_s{r.shards_per_worker}"
     raw, farmed = out["direct"]["runs"], out[arm]["runs"]
     return [BenchFigure("engine, one process, nothing else", "game-steps/s", raw, load,
                         f"{env.n_battles} battles x {env.T} cycles"),
-            BenchFigure(f"process farm ({r.workers} worker(s) x {r.shards_per_worker} shard(s))", "game-steps/s", farmed, load,
-                        "codec.pack included, no inference"),
-            BenchFigure("farm / raw loop", "x", [f / d for f, d in zip(farmed, raw)], load)]
+            BenchFigure(f"process farm ({r.workers} worker(s) x {r.shards_per_worker} shard(s))",
+                        "game-steps/s", farmed, load, "codec.pack included, no inference"),
+            BenchFigure("farm / raw loop", "x", [f / d for f, d in zip(farmed, raw, strict=True)], load)]
 
 
 def codec_figure() -> BenchFigure:
-    return timed_figure("codec.pack", "us/row", lambda: float(codec.measure(battles=8, decisions=60)["pack_us_per_row"]),
+    return timed_figure("codec.pack", "us/row",
+                        lambda: float(codec.measure(battles=8, decisions=60)["pack_us_per_row"]),
                         "8 battles x 60 decisions of random legal play")
 
 
@@ -1115,12 +1136,14 @@ def _rig_figures(s: P.Setup, args: P.Args, env: P.Env) -> tuple[list[BenchFigure
     crit = P.critic_pass(learner.model, view, source, roll, env, args.ppo, 0)
     adv = P.advantages(learner.scaler, roll, crit, sched["gamma"], args)
     rows, cells = int(roll.trainable.sum()), crit.rows
-    return [timed_figure("inference", "ms/round", lambda: 1e3 * replay_inference(roll, view, learner, lad, env),
+    return [timed_figure("inference", "ms/round",
+                         lambda: 1e3 * replay_inference(roll, view, learner, lad, env),
                          f"{rows / max(roll.rounds, 1):.1f} learner rows a shard-round, pool seats included"),
             timed_figure("critic pass", "ms/row", lambda: 1e3 * P.critic_pass(
                 learner.model, view, source, roll, env, args.ppo, 0).seconds / cells,
                 f"{cells} rows a pass, chunks of {args.ppo.critic_chunk}"),
-            timed_figure("PPO update", "ms/learner-row", lambda: 1e3 * timed_update(s, roll, crit, adv, sched, args) / rows,
+            timed_figure("PPO update", "ms/learner-row",
+                         lambda: 1e3 * timed_update(s, roll, crit, adv, sched, args) / rows,
                          f"{rows} learner rows, {args.ppo.n_epochs} epochs")], rows
 
 
@@ -1159,7 +1182,8 @@ def predict(env: Any, figs: dict[str, BenchFigure], learner_rows: int) -> dict[s
     """Seconds an iteration, by part, from the parts' medians: T x battles game-steps at the farm's
     rate, T x shards rounds of inference, (T + 1) x R critic rows, the learner rows' update."""
     farm_rate = next(f for f in figs.values() if f.part.startswith("process farm (")).median
-    return {"env": env.T * env.n_battles / farm_rate, "inference": env.T * env.n_shards * figs["inference"].median / 1e3,
+    return {"env": env.T * env.n_battles / farm_rate,
+            "inference": env.T * env.n_shards * figs["inference"].median / 1e3,
             "critic": (env.T + 1) * env.R * figs["critic pass"].median / 1e3,
             "update": learner_rows * figs["PPO update"].median / 1e3}
 
@@ -1174,7 +1198,8 @@ def real_iterations(args: P.Args, env: P.Env, figs: dict[str, BenchFigure], lear
     med = lambda k: float(np.median([r[k] for r in rows]))   # noqa: E731
     measured = {k: med(f"time/{k}") for k in ("iteration", "collection", "inference", "critic_pass", "update",
                                                 "residual")}
-    return Whole(predict(env, figs, learner_rows), measured, [r["time/iteration"] for r in rows], (before, loadavg()))
+    return Whole(predict(env, figs, learner_rows), measured, [r["time/iteration"] for r in rows],
+                 (before, loadavg()))
 
 
 RATIO_READING = {True: "under 1: collection overlapped the workers' stepping with the parent's inference",
@@ -1191,13 +1216,15 @@ def bench_lines(profile: str, env: P.Env, figs: list[BenchFigure], whole: Whole)
            "", "| part | median | unit | repeats | load before/after | note |", "|---|---|---|---|---|---|"]
     for f in figs:
         runs = " ".join(f"{x:.4g}" for x in f.runs)
-        out.append(f"| {f.part} | {f.median:.4g} | {f.unit} | {runs} | {f.load[0]:.2f} / {f.load[1]:.2f} | {f.note} |")
+        out.append(f"| {f.part} | {f.median:.4g} | {f.unit} | {runs} | {f.load[0]:.2f} / {f.load[1]:.2f} "
+                   f"| {f.note} |")
     parts = " + ".join(f"{k} {v:.2f}" for k, v in p.items())
     its = " ".join(f"{x:.2f}" for x in whole.iterations)
     out += [f"| iteration, predicted by the parts | {sum(p.values()):.2f} | s | | | {parts} |",
-            f"| iteration, measured | {m['iteration']:.2f} | s | {its} | {whole.load[0]:.2f} / {whole.load[1]:.2f} | "
-            f"collection {m['collection']:.2f} (inference {m['inference']:.2f}) + critic {m['critic_pass']:.2f} + "
-            f"update {m['update']:.2f} + residual {m['residual']:.2f} |",
+            f"| iteration, measured | {m['iteration']:.2f} | s | {its} "
+            f"| {whole.load[0]:.2f} / {whole.load[1]:.2f} | collection {m['collection']:.2f} "
+            f"(inference {m['inference']:.2f}) + critic {m['critic_pass']:.2f} + update {m['update']:.2f} + "
+            f"residual {m['residual']:.2f} |",
             f"| measured / predicted | {ratio:.2f} | x | | | {RATIO_READING[ratio < 1]} |"]
     return out
 
@@ -1216,7 +1243,8 @@ def cmd_bench(cmd: "Bench") -> int:
         rig, learner_rows = rig_figures(args, env, work / "parts")
         figs += rig
         print(f"bench: {cmd.iterations} real iterations ...", flush=True)
-        whole = real_iterations(args, env, {f.part: f for f in figs}, learner_rows, cmd.iterations, work / "whole")
+        whole = real_iterations(args, env, {f.part: f for f in figs}, learner_rows, cmd.iterations,
+                                work / "whole")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     lines = bench_lines(cmd.profile, env, figs, whole)
@@ -1255,8 +1283,9 @@ def bar_verdict(rows: Sequence[dict[str, Any]]) -> list[str]:
     for r in rows:
         need = BAR.get(r["rung"], 0.5)
         ok = r["score"] >= need and r["lower"] > 0.5 and r["seeds"] >= BAR_SEEDS
-        out.append(f"{r['rung']}: {'met' if ok else 'NOT met'} (score {r['score']:.3f} against >= {need:.2f}, "
-                   f"lower bound {r['lower']:.3f} against > 0.5, {r['seeds']} seeds against >= {BAR_SEEDS})")
+        out.append(f"{r['rung']}: {'met' if ok else 'NOT met'} (score {r['score']:.3f} against >= "
+                   f"{need:.2f}, lower bound {r['lower']:.3f} against > 0.5, {r['seeds']} seeds against "
+                   f">= {BAR_SEEDS})")
     return out
 
 
@@ -1265,16 +1294,18 @@ def learn_lines(cmd: "Learn", run: Path, n_iter: int, wall_s: float, players: di
     """The benchmark's table: one row a rung, one column a player (score [lower, upper]); the bar
     is judged on the champion's column."""
     names = list(players)
-    change = (f"; the change, --config {cmd.config}: {json.dumps(P.read_config_file(cmd.config), separators=(',', ':'))}"
-              if cmd.config else "")
-    out = [f"--profile {cmd.profile}, master seed {cmd.master_seed if cmd.master_seed is not None else 'the profile default'}, "
+    change = (f"; the change, --config {cmd.config}: "
+              f"{json.dumps(P.read_config_file(cmd.config), separators=(',', ':'))}" if cmd.config else "")
+    out = [f"--profile {cmd.profile}, master seed "
+           f"{cmd.master_seed if cmd.master_seed is not None else 'the profile default'}, "
            f"{cmd.game_steps:,} game-steps ({n_iter} iterations, {wall_s / 60:.0f} min of training), "
            f"{rows[names[0]][0]['seeds']} seeds a rung from both sides; run {run.name}{change}", "",
            "| rung | " + " | ".join(f"{n} ({players[n]})" for n in names) + " |",
            "|---|" + "---|" * len(names)]
     for i, r in enumerate(rows[names[0]]):
         out.append(f"| {r['rung']} | " + " | ".join(
-            f"{rows[n][i]['score']:.3f} [{rows[n][i]['lower']:.3f}, {rows[n][i]['upper']:.3f}]" for n in names) + " |")
+            f"{rows[n][i]['score']:.3f} [{rows[n][i]['lower']:.3f}, {rows[n][i]['upper']:.3f}]"
+            for n in names) + " |")
     return out + ["", "The bar (the champion):"] + [f"- {x}" for x in bar_verdict(rows["champion"])]
 
 
@@ -1315,14 +1346,16 @@ def learn_iterations(cmd: "Learn", args: P.Args, env: P.Env) -> tuple[int, int]:
     left = cmd.game_steps - cloned
     if left < 1:
         raise CheckError(f"--game-steps {cmd.game_steps}: the warm start's cloning alone plays {cloned:,} "
-                         f"game-steps (--warm.battles {args.warm.battles}); give the budget more, or clone less")
+                         f"game-steps (--warm.battles {args.warm.battles}); give the budget more, or "
+                         "clone less")
     return -(-left // (env.T * env.n_battles)), cloned     # the rest in whole iterations
 
 
 def learn_command(cmd: "Learn", run: Path) -> str:
     """The command that continues `run` where its last checkpoint left it: this one, with --resume."""
     flags = [f"--profile {cmd.profile}", f"--game-steps {cmd.game_steps}", f"--seeds {cmd.seeds}"]
-    flags += [f"--master-seed {cmd.master_seed}"] * (cmd.master_seed is not None) + [f"--config {cmd.config}"] * bool(cmd.config)
+    flags += ([f"--master-seed {cmd.master_seed}"] * (cmd.master_seed is not None)
+              + [f"--config {cmd.config}"] * bool(cmd.config))
     flags += ["--quiet"] * cmd.quiet + ["--write"] * cmd.write
     return f"python checks.py learn {' '.join(flags)} --resume {run}"
 
@@ -1354,9 +1387,10 @@ def learn_start(cmd: "Learn", args: P.Args, env: P.Env) -> tuple[Path, Path | No
 def cmd_learn(cmd: "Learn") -> int:
     args = learn_args(cmd)
     if cmd.game_steps < 1 or not 1 <= cmd.seeds <= args.ladder.eval_seed_count:
-        raise CheckError(f"--game-steps {cmd.game_steps} --seeds {cmd.seeds}: the budget must be at least one "
-                         f"game-step, and the seeds 1 to the profile's frozen set, "
-                         f"ladder.eval_seed_count = {args.ladder.eval_seed_count} (checked before hours of training)")
+        raise CheckError(f"--game-steps {cmd.game_steps} --seeds {cmd.seeds}: the budget must be at least "
+                         f"one game-step, and the seeds 1 to the profile's frozen set, "
+                         f"ladder.eval_seed_count = {args.ladder.eval_seed_count} (checked before hours "
+                         "of training)")
     env = P.read_env(args)
     n_iter, cloned = learn_iterations(cmd, args, env)
     args.timestep_limit = n_iter * env.T * env.learner_rows
@@ -1381,14 +1415,17 @@ def cmd_learn(cmd: "Learn") -> int:
     if pool is None or pool.champion is None:
         raise CheckError(f"{run}: no ladder/pool.json champion after training; nothing to measure")
     v0_is = f"the warm start's clone of {args.warm.rung}" if args.warm.rung else "untrained"
-    players = {"v0": f"{pool.v0}, {v0_is}", "champion": champion_label(run, pool, n_iter * env.T * env.n_battles)}
+    players = {"v0": f"{pool.v0}, {v0_is}",
+               "champion": champion_label(run, pool, n_iter * env.T * env.n_battles)}
     rows_of = {"v0": ladder.yardstick_run(run, pool.v0, cmd.seeds)}
     discarded = last_discarded(run, pool)
     if discarded is not None:   # shown before the champion; the bar is the champion's alone
-        players = {"v0": players["v0"], "last candidate": f"{discarded[0]}, discarded by its gate at {discarded[1]:,} game-steps",
+        players = {"v0": players["v0"],
+                   "last candidate": f"{discarded[0]}, discarded by its gate at {discarded[1]:,} game-steps",
                    "champion": players["champion"]}
         rows_of["last candidate"] = ladder.yardstick_run(run, discarded[0], cmd.seeds)
-    rows_of["champion"] = rows_of["v0"] if pool.champion == pool.v0 else ladder.yardstick_run(run, pool.champion, cmd.seeds)
+    rows_of["champion"] = (rows_of["v0"] if pool.champion == pool.v0
+                           else ladder.yardstick_run(run, pool.champion, cmd.seeds))
     lines = learn_lines(cmd, run, n_iter, wall_s, players, rows_of)
     print("\n".join(lines))
     if cmd.write:
@@ -1534,8 +1571,8 @@ COMMANDS: dict[type, Callable[[Any], int]] = {Doctor: cmd_doctor, Identity: cmd_
 
 def main(argv: Sequence[str] | None = None) -> int:
     cmd = tyro.cli(Union[Doctor, Identity, VerifyResume, Replay, Play, Bench, Learn], args=argv,   # type: ignore[arg-type]
-                   prog="checks.py", description="Checks of a clash-ppo run: doctor, identity, verify-resume, "
-                   "replay, play, bench, learn.")
+                   prog="checks.py", description="Checks of a clash-ppo run: doctor, identity, "
+                   "verify-resume, replay, play, bench, learn.")
     try:
         return COMMANDS[type(cmd)](cmd)
     except (CheckError, P.ConfigError, P.CheckpointFormatError, P.ArchMismatch, P.IdentityMismatch) as exc:

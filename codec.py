@@ -170,14 +170,16 @@ def decide_table(obs_space: Any, spatial_layout: Sequence[tuple[str, bool]], sam
         )
     for key in ("spatial", "vector", "action_mask"):
         if key not in spaces:
-            raise ValueError(f"observation space has no {key!r} key; codec.py needs spatial, vector and action_mask")
+            raise ValueError(f"observation space has no {key!r} key; codec.py needs spatial, vector and "
+                             "action_mask")
     batches = _as_batches(sample)
     if not batches or batches[0]["spatial"].shape[0] == 0:
         raise ValueError("decide_table needs a non-empty sample of real observations")
     for b in batches:
         extra = sorted(set(b) - set(spaces))
         if extra:
-            raise ValueError(f"sample observation carries key(s) {extra} that the observation space does not declare")
+            raise ValueError(f"sample observation carries key(s) {extra} that the observation space does "
+                             "not declare")
 
     sp = spaces["spatial"]
     S, H, W = (int(x) for x in sp.shape)
@@ -211,7 +213,8 @@ def decide_table(obs_space: Any, spatial_layout: Sequence[tuple[str, bool]], sam
                 raise ValueError(
                     f"spatial plane {i} {plane[i][0]!r} is declared static by spatial_layout() but changes "
                     f"across the sample for seat {seat}; a static plane is stored once per seat, so the "
-                    "builder's declaration is wrong and storing it as static would feed the network a stale plane"
+                    "builder's declaration is wrong and storing it as static would feed the network a stale "
+                    "plane"
                 )
 
     A = int(spaces["action_mask"].shape[0])
@@ -230,7 +233,8 @@ def decide_table(obs_space: Any, spatial_layout: Sequence[tuple[str, bool]], sam
         cs = spaces["card_ids"]
         vocab = int(np.asarray(cs.high).max()) + 1
         if vocab > UINT8_MAX + 1:
-            raise ValueError(f"card_ids vocabulary {vocab} does not fit a byte; codec.py stores card_ids as uint8")
+            raise ValueError(f"card_ids vocabulary {vocab} does not fit a byte; codec.py stores card_ids "
+                             "as uint8")
         ids_shape, ids = tuple(int(x) for x in cs.shape), "uint8"
     return CodecTable(
         plane=tuple(plane),
@@ -250,7 +254,8 @@ def format_table(table: CodecTable, obs_space: Any | None = None) -> str:
         stored = {"uint8": table.cells, "float16": 2 * table.cells, "static": 0}[storage]
         lines.append(f"  plane {i:2d} {name:<22s} {storage:<8s} /{div:g}  {stored:6d} B")
     off = table.offsets
-    lines.append(f"  vector V={table.vector_size:<5d}            float16        {off['vector'][1] - off['vector'][0]:6d} B")
+    lines.append(f"  vector V={table.vector_size:<5d}            float16        "
+                 f"{off['vector'][1] - off['vector'][0]:6d} B")
     lines.append(f"  action_mask A={table.n_actions:<5d}       bitpack        {table.mask_bytes:6d} B")
     if table.mask_planes_shape is not None:
         lines.append(f"  mask_planes {table.mask_planes_shape}   derived from the mask     0 B")
@@ -395,7 +400,8 @@ def unpack(table: CodecTable, raw: Any, statics: Any, seat: Any, frame_valid: An
     if u8:
         a, b = off["uint8"]
         div = torch.tensor([table.plane[i][2] for i in u8], dtype=torch.float32, device=dev)
-        spatial[:, :, list(u8)] = raw[:, :, a:b].reshape(B, k, len(u8), H, W).float() / div.view(1, 1, -1, 1, 1)
+        spatial[:, :, list(u8)] = (raw[:, :, a:b].reshape(B, k, len(u8), H, W).float()
+                                   / div.view(1, 1, -1, 1, 1))
     if f16:
         a, b = off["float16"]
         half = _bytes_as_half(raw[:, :, a:b])
@@ -452,7 +458,8 @@ def measure(battles: int = 8, decisions: int = 150, seed: int = 1) -> dict[str, 
     from royalegym import ClashSelfPlayVecEnv, RustEngine, SpatialObsBuilder
     from royalegym.env import EnvFactory
 
-    vec = ClashSelfPlayVecEnv(battles, EnvFactory(engine=RustEngine, obs_builder=(SpatialObsBuilder, {})), viser=None)
+    vec = ClashSelfPlayVecEnv(battles, EnvFactory(engine=RustEngine, obs_builder=(SpatialObsBuilder, {})),
+                              viser=None)
     obs, _ = vec.reset(seed=seed)
     rng = np.random.Generator(np.random.PCG64(seed))
     sample = [obs]

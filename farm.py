@@ -271,8 +271,8 @@ def _factory_entry(c: ComponentSpec, extra) -> tuple[Any, dict[str, Any]]:
 
 def env_factory(spec: EnvFactorySpec) -> Any:
     """The spec as royalegym's picklable EnvFactory recipe (one place assembles an env)."""
-    from royalegym.env import EnvFactory
     from royalegym.done_condition import AnyCondition
+    from royalegym.env import EnvFactory
     x = spec.extra_component_modules
     parts: dict[str, Any] = {
         "engine": _factory_entry(spec.engine, x),
@@ -499,7 +499,8 @@ def preflight(spec: EnvFactorySpec, *, frame_stack: int = 1, master_seed: int = 
     handed to every worker, so all of them pack with the same table. With `out`, also
     out["statics"] = codec.static_planes(table, first observation) (what unpack_numpy needs)."""
     from royalegym.selfplay import RandomLegalOpponent
-    vec = build_vec(spec, 2, autoreset_seed_fn=lambda g, k: derive_int(master_seed, f"preflight/battle/{g}/ordinal/{k}"))
+    vec = build_vec(spec, 2, autoreset_seed_fn=lambda g, k: derive_int(master_seed,
+                                                                        f"preflight/battle/{g}/ordinal/{k}"))
     obs, _ = vec.reset()
     env_spec = read_env_spec(spec, vec.envs[0], frame_stack)
     rng = derive_generator(master_seed, "preflight/sample")
@@ -745,7 +746,8 @@ def set_env_gamma(env: Any, gamma: float) -> None:
 REWARD_WEIGHTS = {"crown": 0.2, "tower_hp": 0.1, "elixir": 0.05}
 
 
-def default_potential_reward(*, crown: float = REWARD_WEIGHTS["crown"], tower_hp: float = REWARD_WEIGHTS["tower_hp"],
+def default_potential_reward(*, crown: float = REWARD_WEIGHTS["crown"],
+                             tower_hp: float = REWARD_WEIGHTS["tower_hp"],
                              elixir: float = REWARD_WEIGHTS["elixir"]) -> PotentialCombinedReward:
     for name, w in (("crown", crown), ("tower_hp", tower_hp), ("elixir", elixir)):
         if not (np.isfinite(w) and w >= 0):
@@ -1138,7 +1140,8 @@ class EpisodeRecord(msgspec.Struct, frozen=True):
     played: tuple[tuple[int, int, int], ...]
     eval_index: int = -1                    # the evaluation mode: the EvalEpisode played; else -1
     reward_terms_step_abs: dict[str, float] = {}   # each term's sum |F_t| ({}: a reward keeping none)
-    trajectory_digest: str = ""             # TrajectoryDigest: the engine's states, chained ("": older record)
+    trajectory_digest: str = ""             # TrajectoryDigest: the engine's states, chained
+                                            # ("": older record)
 
 
 class WorkerFailure(msgspec.Struct, frozen=True):
@@ -1463,7 +1466,7 @@ class Seats:
             env.set_mask_only(("blue", "red"))
             return
         skip = []
-        for seat, (player, stream) in enumerate(zip(ep.players, ep.streams)):
+        for seat, (player, stream) in enumerate(zip(ep.players, ep.streams, strict=True)):
             r = 2 * g + seat
             self.idle[r] = False
             if player.startswith("scripted:"):
@@ -1619,7 +1622,7 @@ class ShardRunner:
         for g, f in sorted(self.in_flight.items()):
             env, two = self.vec.envs[g], slice(2 * g, 2 * g + 2)
             seen = [{key: v[two].copy() for key, v in self.obs.items()}]   # self.obs is rewritten below
-            for d, (pair, gamma) in enumerate(zip(f.actions, f.gammas)):
+            for d, (pair, gamma) in enumerate(zip(f.actions, f.gammas, strict=True)):
                 set_env_gamma(env, gamma)
                 acts = self.seats.actions(np.asarray(pair), seen[-1], NOOP, first=2 * g)
                 self.running.note_actions(acts, NOOP, g0=g)
@@ -2496,7 +2499,7 @@ class InlineFarm(_FarmCore):
         self._seg_b: list[bytearray] = []
         self._ios: list[ShardIO] = []
         self._runners: list[ShardRunner | None] = [None] * self.J
-        for w in range(cfg.workers):
+        for _ in range(cfg.workers):
             buf = bytearray(segment_b_bytes(self.n_shard, cfg.shards_per_worker, self.row_bytes))
             self._seg_b.append(buf)
             for s in range(cfg.shards_per_worker):
@@ -2623,7 +2626,7 @@ def where_it_stood(pid: int, ios: list[ShardIO]) -> str:
     os.kill(pid, STACK_SIGNAL)
     deadline = time.monotonic() + STACK_WAIT_S
     while time.monotonic() < deadline:
-        for io, n0 in zip(ios, before):
+        for io, n0 in zip(ios, before, strict=True):
             if int(io.control["err_len"][0]) != n0:
                 return "; where it stood (its main thread's stack, innermost last):\n" + io.read_text()
         time.sleep(0.01)
@@ -2755,7 +2758,9 @@ def _worker_entry(cfg_json: bytes, table_json: bytes, w: int, gen: int, ordinals
     def where_it_stands(signum: int, frame: Any) -> None:
         """A parent whose wait ran out asks (STACK_SIGNAL) before it kills: this process's stack,
         where a traceback goes, so the failure's file says where it hung (design 3.7)."""
-        ios[cur].write_text("".join(traceback.format_stack(frame)))   # its last 512 B: the innermost frames
+        # its last 512 B: the innermost frames. `ios` is bound from before this handler is installed
+        # until the `del` in the finally below, which is all ruff's F821 sees (astral-sh/ruff#9858)
+        ios[cur].write_text("".join(traceback.format_stack(frame)))  # noqa: F821 (a false positive: above)
 
     if STACK_SIGNAL is not None:
         signal.signal(STACK_SIGNAL, where_it_stands)
@@ -2773,7 +2778,8 @@ def _worker_entry(cfg_json: bytes, table_json: bytes, w: int, gen: int, ordinals
             # sleep only on the shard whose command is due next; glance at the others
             for s in [due] + [x for x in range(S) if x != due]:
                 io = ios[s]
-                new = (lambda io=io, s=s: int(io.control["cmd_seq"][0]) != seen[s])
+                def new(io=io, s=s):
+                    return int(io.control["cmd_seq"][0]) != seen[s]
                 if s == due:
                     if not _wait_word(new, act_sems[s], spin_s, SLEEP_S):
                         continue
@@ -2816,7 +2822,7 @@ def _worker_entry(cfg_json: bytes, table_json: bytes, w: int, gen: int, ordinals
         for s in range(S):
             ios[s].control["state"] = ST_FAILED
             obs_sems[s].release()
-        raise SystemExit(1)
+        raise SystemExit(1) from None       # the traceback is already in the shard's error area
     finally:
         del rect, ios, hand
         for shm in (a, b):
@@ -3008,7 +3014,8 @@ class ProcessFarm(_FarmCore):
         ctl = self._ios[j].control
         deadline = time.monotonic() + timeout_s
         spin_s = self.cfg.spin_us * 1e-6
-        new = lambda: int(ctl["pub_seq"][0]) == self._seq[j] or int(ctl["state"][0]) == ST_FAILED
+        def new():
+            return int(ctl["pub_seq"][0]) == self._seq[j] or int(ctl["state"][0]) == ST_FAILED
         while not _wait_word(new, self._obs_sems[j], spin_s, SLEEP_S):
             p = self._procs[w]
             if not p.is_alive():
@@ -3138,7 +3145,8 @@ def _bench_round_actions(f: "_FarmCore", table: Any, rnd: RolloutRound, step: in
 
 
 def _bench_farm_arm(env: EnvFactorySpec, table: Any, K: int, S: int, battles: int, cycles: int,
-                    iterations: int, master_seed: int, assign_fn: Callable[[int, int], Assignment] = mirror_assignment,
+                    iterations: int, master_seed: int,
+                    assign_fn: Callable[[int, int], Assignment] = mirror_assignment,
                     scripted_mask_only: bool = False) -> tuple[float, float, str]:
     cfg = FarmConfig(env=env, master_seed=master_seed, workers=K, shards_per_worker=S,
                      games_per_worker=battles // K, cycles=cycles, viewer=False,
@@ -3263,7 +3271,8 @@ def bench_replay(env: EnvFactorySpec | None = None, *, battles: int = 16, shards
     finally:
         f.close()
     out: dict[str, Any] = {"battles": battles, "shards": shards, "cycles": cycles, "iterations": iterations,
-                           "in_flight_battles": len(held), "in_flight_decisions": sum(len(x.actions) for x in held)}
+                           "in_flight_battles": len(held),
+                           "in_flight_decisions": sum(len(x.actions) for x in held)}
     for name, c in (("fresh", cfg), ("resumed", msgspec.structs.replace(
             cfg, start_ordinals=ordinals, start_in_flight=held))):
         g = ProcessFarm(c, table, mirror_assignment)

@@ -2153,7 +2153,7 @@ def cmd_plot(args: Any) -> int:
 
 # --- 12. CLI --------------------------------------------------------------------------------------
 
-def _format_table(run_dir: str, t: RatingTable, torn: bool) -> str:
+def _format_table(run_dir: str, t: RatingTable, torn: bool, pool: Pool | None = None) -> str:
     lines = [f"run {run_dir}  context {t.context}  eval games {t.n_total}  "
              f"anchor {t.anchor} (pinned at 0)"]
     if torn:
@@ -2171,6 +2171,13 @@ def _format_table(run_dir: str, t: RatingTable, torn: bool) -> str:
     res = "n/a" if t.transitivity_residual is None else f"{t.transitivity_residual:.3f}"
     lines.append(f"transitivity residual: {res} over {t.residual_pairs} pairs with >= "
                  f"{RESIDUAL_MIN_GAMES} games   (converged={t.converged} in {t.iterations} Newton steps)")
+    champ, v0 = (pool.champion, pool.v0) if pool is not None else (None, None)
+    if champ in t.rating and v0 in t.rating and champ != v0:
+        # the difference's own error, from the 2x2 covariance block: the two ratings are correlated
+        # through the games they share, so their marginal errors summed would overstate it
+        d, se = t.rating[champ] - t.rating[v0], t.se_diff(champ, v0)
+        lines.append(f"champion {champ} above v0 {v0}: {d:.1f} +- {se:.1f} "
+                     f"(95% [{d - Z95 * se:.1f}, {d + Z95 * se:.1f}])")
     return "\n".join(lines)
 
 
@@ -2200,7 +2207,7 @@ def cmd_rate(args: Any) -> int:
     out = []
     for ctx in ctxs:
         _, view = eval_view(evals, ctx)
-        out.append(_format_table(args.run, fit_ratings(view), read.torn_tail is not None))
+        out.append(_format_table(args.run, fit_ratings(view), read.torn_tail is not None, read_pool(args.run)))
     print("\n\n".join(out))
     return 0
 

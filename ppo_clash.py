@@ -36,6 +36,21 @@ stops after the loop has read the whole method. Sections 9-12 are the run's book
  10. Checkpoints                   atomic, hashed, resumable byte for byte
  11. Metrics, alarms and sinks     the row's schema, the alarm table, the console
  12. Snapshots and the ladder      the ladder's side of the loop
+
+To fork for an ablation: copy this file to a new name (cp ppo_clash.py ppo_myidea.py) and edit the
+copy; codec.py, farm.py and ladder.py stay shared. The usual places:
+  advantages    gae / smdp_gae (section 5), called by advantages() (section 8, step 4)
+  head          PointerHead / FactoredHead and HEADS (section 4); the mask meets the logits in
+                MaskedCategorical (section 3)
+  trunk         Trunk and ResBlock (section 4)
+  loss          clipped_surrogate and accumulate_batch (section 6)
+  a new metric  put the key in the row (metric_row, section 11, or the update's dict) and give it
+                a SCHEMA entry (section 11): the run refuses a key without one at its first row
+  a new setting a field in the Args tree (section 1); every ppo, advantage and net field is in
+                the run's identity already
+What keeps the fork honest needs no edit: its run_id hashes its own code by file name, its
+architecture digest is read off the network it builds (arch_description), and the commands it
+prints (a resume, a halt's bundle) name the fork's file.
 """
 from __future__ import annotations
 
@@ -73,6 +88,10 @@ import farm
 import ladder
 from farm import derive_generator, derive_int  # design 2.2: one definition of the seeding rule
 from royalegym.protocol import DECK_SIZE, ShuffleMode
+
+# The script that is running, by its file name: a fork copied to another name prints its own name
+# in every command it tells the user to run (a resume, a halt's bundle).
+SCRIPT = Path(__file__).name
 
 
 # --- 1. Arguments and profiles (design 1.2, 1.3) ---------------------------------------------------
@@ -190,8 +209,6 @@ class RolloutArgs:
     degrading throughput"""
     launch_delay_s: float = 0.5
     """stagger worker start: each RustEngine construction decodes its data files"""
-    overlap: bool = False
-    """lag-1 collection under the update. Not built: start-up refuses true (design 10.1)"""
     eval_workers: int = 2
     """processes of the gate's own farm, built at gate time and closed after (design 7.1)"""
     eval_games_per_worker: int = 24
@@ -568,9 +585,10 @@ def profile_args(name: str) -> Args:
                      "ppo.ent_coef": Schedule("constant", 0.003, 0.003, 1.0),
                      "ppo.ent_coef_noop": Schedule("linear", 0.02, 0.0, 2e6),
                      "ppo.critic_chunk": 512,
-                     # a gate every ~20 minutes of cpu training [A: 2,736 game-steps an iteration,
-                     # 74 iterations at 15-16 s]; at n=200 Wilson's bound clears 0.52 from an observed
-                     # 0.59 [A, design 7.7] (docs/running.md section 6). smoke gates only when asked.
+                     # a gate every ~15-19 minutes of cpu training [A: 2,736 game-steps an iteration,
+                     # 74 iterations at 6.6-8.2 s, then the gate's 6.5-8.5 min]; at n=600 Wilson's bound
+                     # clears 0.52 from an observed 0.56 [A, design 7.7] (docs/running.md section 6).
+                     # smoke gates only when asked.
                      "ladder.candidate_every_env_steps": 200_000,
                      "ladder.floor_admit_every_env_steps": 100_000_000 if smoke else 2_000_000,
                      "ladder.probe_every_iterations": 0 if smoke else 40,
@@ -641,10 +659,6 @@ def apply_dict(obj: Any, d: dict[str, Any], where: str = "") -> None:
                 setattr(obj, key, msgspec.convert(value, type=t, strict=False))
             except msgspec.ValidationError as e:
                 raise ConfigError(f"config field {path!r}: {e}") from None
-
-
-def args_to_dict(args: Args) -> dict[str, Any]:
-    return msgspec.to_builtins(args)
 
 
 def config_json(args: Args) -> bytes:
@@ -829,7 +843,6 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("rollout.round_timeout_s", 0 < r.round_timeout_s < math.inf, "be > 0 and finite (inf: no hang detection)"),
         ("rollout.max_restarts_per_worker", r.max_restarts_per_worker >= 0, nonneg),
         ("rollout.launch_delay_s", 0 <= r.launch_delay_s < math.inf, "be >= 0 and finite"),
-        ("rollout.overlap", not r.overlap, "be false: lag-1 collection is not built (design 10.1)"),
         ("rollout.eval_workers", r.eval_workers >= 1, "be >= 1"),
         ("rollout.eval_games_per_worker", r.eval_games_per_worker >= 1, "be >= 1"),
         ("net.channels", n.channels >= 1, "be >= 1"),
@@ -1703,24 +1716,35 @@ def init_weights(model: ActorCritic, gen: torch.Generator) -> None:
         nn.init.constant_(head.gate.bias, math.log(p / (1 - p)))
 
 
+# NetArgs fields that do not shape the network: the precision belongs to the algorithm (algo_digest),
+# the device to the machine, and the factored gate's initial bias is a starting value.
+NOT_ARCHITECTURE = ("autocast_dtype", "device", "factored_act_init")
+
+
 def arch_description(geo: NetGeometry, net: "NetArgs") -> dict[str, Any]:
-    """What arch_digest covers: every shape-determining number and the forward's constants."""
-    d = {"geometry": msgspec.to_builtins(geo), "head": net.policy_head, "trunk": "Trunk/ResBlock/GroupNorm",
-         "channels": net.channels, "blocks": net.blocks, "norm_groups": net.norm_groups,
-         "vector_embed": net.vector_embed, "value_hidden": net.value_hidden, "coord_conv": net.coord_conv,
-         "separate_trunks": net.separate_trunks, "logit_scale": "rsqrt_c", "noop_bias": float(net.noop_bias)}
-    if net.global_pool:   # only when on: every earlier run id holds
-        d["global_pool"] = "mean_max_linear_relu"
-    if geo.card_id_channels:
-        d["card_id_embed"] = CARD_ID_EMBED
-    if tuple(net.placement_cell) != (1, 1):   # only when on: every earlier run id holds
-        d["placement_cell"] = list(net.placement_cell)
-    return d
+    """What arch_digest covers, read off the network these settings build: the geometry, every
+    NetArgs field that shapes the forward, and every module and tensor by name, class and shape.
+    Nothing is listed by hand, so a fork that adds a block, widens a layer or swaps a module moves
+    the digest (and the snapshot and checkpoint checks that trust it) without an edit here."""
+    return json.loads(_arch_json(canonical_json(geo), canonical_json(dataclasses.asdict(net))))
+
+
+@functools.lru_cache(maxsize=64)
+def _arch_json(geo_json: bytes, net_json: bytes) -> bytes:
+    """arch_description for one (geometry, settings), built once on the meta device: shapes and
+    names only, no memory and no initialisation cost."""
+    geo, net = msgspec.json.decode(geo_json, type=NetGeometry), msgspec.json.decode(net_json, type=NetArgs)
+    with torch.device("meta"):
+        model = ActorCritic(geo, net, 0)
+    return canonical_json({
+        "geometry": msgspec.to_builtins(geo),
+        "net": {k: v for k, v in dataclasses.asdict(net).items() if k not in NOT_ARCHITECTURE},
+        "modules": [f"{name} {type(m).__name__}" for name, m in model.named_modules() if name],
+        "tensors": [f"{name} {list(t.shape)}" for name, t in model.state_dict().items()]})
 
 
 def arch_digest(geo: NetGeometry, net: "NetArgs") -> str:
     return sha256_hex(canonical_json(arch_description(geo, net)))
-
 
 
 # --- 5. GAE and reward scaling (design 6.1, 6.2) -------------------------------------------------
@@ -4186,7 +4210,7 @@ def set_aside_unsaved(path: Path) -> None:
     still training is refused by hold_run, whose lock a live run holds."""
     if latest_checkpoint(path) is not None:
         raise ConfigError(f"{path} exists: a run with this identity was started before. Continue it with "
-                          f"python ppo_clash.py --resume {path}, or start another with a new --run-name "
+                          f"python {SCRIPT} --resume {path}, or start another with a new --run-name "
                           "or --master-seed")
     lock = hold_run(path)
     side = free_side(path, ".no-checkpoint")
@@ -4236,7 +4260,7 @@ def hold_run(path: Path) -> Any:
 def resume_command(run: Path, world: int) -> str:
     """The command that continues a run: under torchrun with its own world size (design 3.10)."""
     launch = f"torchrun --nproc-per-node {world}" if world > 1 else "python"
-    return f"{launch} ppo_clash.py --resume {run}"
+    return f"{launch} {SCRIPT} --resume {run}"
 
 
 def rank_file(name: str, rank: int) -> str:
@@ -4343,6 +4367,7 @@ class Run:
     def record(self, row: dict[str, Any], episodes: Sequence[Any]) -> list[tuple[Alarm, float]]:
         """The row and the episodes to disk and the sinks, then the alarms: after the row is on
         disk, so a halt checkpoints the learner the row describes."""
+        check_row_schema(row)
         self.files["metrics"].write(msgspec.json.encode(row) + b"\n")
         self.files["metrics"].flush()
         self.files["episodes"].write(b"".join(msgspec.json.encode(e) + b"\n" for e in episodes))
@@ -4453,9 +4478,6 @@ class Manifest(msgspec.Struct):
     state_digest: str
     component_versions: dict[str, int]
     files: dict[str, str]
-    last_checkpoint_step: int | None = None
-    last_candidate_step: int | None = None
-    last_floor_step: int | None = None
     rows: dict[str, int] | None = None   # lines of each RUN_LOGS file it covers; None: not recorded
 
 
@@ -4574,20 +4596,16 @@ class RngState(msgspec.Struct):
     torch_cpu: str
     torch_cuda: list[str]
     iteration: int
-    shard_streams: list[dict[str, Any]] = []
-    eval_seed_set_sha: str = ""
 
 
-def capture_rng(master_seed: int, iteration: int, shard_streams: list[dict[str, Any]] | None = None,
-                eval_seed_set_sha: str = "") -> RngState:
+def capture_rng(master_seed: int, iteration: int) -> RngState:
     """The global torch generators are still captured although nothing here draws from them
     (every draw is name-addressed): a library call that does draw would otherwise break resume
     silently. Python's `random` and numpy's global state are never used (a test scans for it),
     and the minibatch generator is re-derived by name each epoch, so neither needs storing."""
     cuda = [s.numpy().tobytes().hex() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
     return RngState(master_seed=master_seed, torch_cpu=torch.get_rng_state().numpy().tobytes().hex(),
-                    torch_cuda=cuda, iteration=iteration, shard_streams=shard_streams or [],
-                    eval_seed_set_sha=eval_seed_set_sha)
+                    torch_cuda=cuda, iteration=iteration)
 
 
 def restore_rng(st: RngState) -> None:
@@ -4727,10 +4745,11 @@ def prune_checkpoints(run: Path, keep: int) -> list[Path]:
 
 # --- 11. Metrics, alarms and sinks (design 9) ----------------------------------------------
 # One flat row per iteration. The schema is the single source of truth: key -> (unit, description,
-# healthy range or None, conditional). A test holds every emitted key to it and every
-# unconditional key to being emitted, so the documentation and the code cannot drift. A
-# conditional key whose population is empty (no episode ended, say) is never 0: the first env/ and
-# policy/ keys are written as null, every key added since is absent (design 7.9's rule).
+# healthy range or None, conditional). The run refuses a row key it does not list
+# (check_row_schema), and a test holds every unconditional key to being emitted, so the
+# documentation and the code cannot drift. A conditional key whose population is empty (no episode
+# ended, say) is never 0: the first env/ and policy/ keys are written as null, every key added
+# since is absent (design 7.9's rule).
 
 SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "run/iteration": ("count", "iterations completed", None, False),
@@ -4904,6 +4923,21 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "health/vram_alloc_retries": ("count", "allocations that had to free the cache and retry, run total", None, True),
     "health/vram_needed_mb": ("MB", "one minibatch's peak measured at start-up plus doctor.vram_headroom_mb", None, True),
 }
+
+
+class SchemaError(ValueError):
+    """A metric row key with no SCHEMA entry: the row would carry a number nobody documented."""
+
+
+def check_row_schema(row: dict[str, Any]) -> None:
+    """Refuse a row key that SCHEMA does not cover (its own entry or a "prefix/*" pattern's). The
+    run itself checks, not only a test, so a fork that adds a metric and forgets its entry stops at
+    its first row, naming the key and where the entry goes."""
+    patterns = tuple(k[:-1] for k in SCHEMA if k.endswith("*"))
+    unknown = sorted(k for k in row if k not in SCHEMA and not k.startswith(patterns))
+    if unknown:
+        raise SchemaError(f"metric row key(s) {', '.join(unknown)} have no SCHEMA entry: add (unit, description, "
+                          f"healthy range or None, conditional) for each to SCHEMA in {SCRIPT}, section 11")
 
 # Keys whose value depends on the machine or the clock rather than the run: the resume test
 # compares every other key byte for byte (design 2.4, 8.3).
@@ -5135,8 +5169,8 @@ def _shaping_dominates(row: dict[str, Any]) -> bool | None:
 def alarm_table(args: Args) -> list[Alarm]:
     """design 9.3's table, the keys this row carries. Thresholds are config (excluded from the
     identity: an alarm can stop a run, never change a number); patience and severity are not.
-    Not here: capacity_ratio (no honest rollout_capacity_ratio without overlap: see the module
-    docstring). artefact_exploit warns and names five winning
+    Not here: capacity_ratio (no honest rollout_capacity_ratio without lag-1 collection, which is
+    not built: design 10.1). artefact_exploit warns and names five winning
     episodes (alarm_rows) rather than writing their traces, which checks.py writes."""
     al = args.alarms
     return [
@@ -5258,7 +5292,7 @@ def write_bundle(run: Path, iteration: int, alarm: Alarm, value: float, rows: li
             "last_values": recent[alarm.key] if alarm.key in recent else recent[reads[0]], "recent": recent,
             "meaning": alarm.meaning, "iteration": iteration, "checkpoint": str(checkpoint),
             "state_digest": rows[-1].get("run/state_digest") if rows else None,
-            "resume": f"python ppo_clash.py --resume {run} --checkpoint {checkpoint}",
+            "resume": f"python {SCRIPT} --resume {run} --checkpoint {checkpoint}",
             "trace": (f"python checks.py replay {run} --episode {episode_lines - 1} --trace "
                       f"{b / f'episode-{episode_lines - 1}.msgpack'}" if episode_lines else None)}
     (b / "halt.json").write_bytes(msgspec.json.format(canonical_json(halt)))

@@ -18,7 +18,8 @@ import torch
 TEMPERATURE = 0.5   # 1 is the policy's own sample among the plays; toward 0, its argmax
 
 
-def wait_then_sharpen(logp: torch.Tensor, mask: torch.Tensor, vector: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def wait_then_sharpen(logp: torch.Tensor, mask: torch.Tensor, vector: torch.Tensor,
+                      u: torch.Tensor) -> torch.Tensor:
     p_wait = logp[:, 0].exp()
     u = u.to(logp.dtype).clamp(0.0, 1.0 - 1e-7)
     plays = mask[:, 1:]
@@ -27,6 +28,7 @@ def wait_then_sharpen(logp: torch.Tensor, mask: torch.Tensor, vector: torch.Tens
     cdf = sharp.exp().cumsum(-1)
     cdf = cdf / cdf[:, -1:].clamp_min(1e-30)
     rest = ((u - p_wait) / (1.0 - p_wait).clamp_min(1e-30)).clamp(0.0, 1.0 - 1e-7)
-    play = torch.searchsorted(cdf, rest.unsqueeze(-1), right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1) + 1
+    play = (torch.searchsorted(cdf, rest.unsqueeze(-1), right=True).squeeze(-1)
+            .clamp(max=cdf.shape[-1] - 1) + 1)
     wait = (u < p_wait) | ~plays.any(-1)
     return torch.where(wait, torch.zeros_like(play), play)
