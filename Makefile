@@ -1,5 +1,5 @@
 # clash-ppo: two commands from a fresh clone.
-#   make test    create .venv (first use), install, run the fast and the slow tests
+#   make test    create .venv (first use), install, lint (ruff), run the fast and the slow tests
 #   make train   create .venv (first use), install, train with the profile that fits this machine
 #   make .venv   build the environment alone
 #
@@ -14,7 +14,7 @@ find_python = $(firstword $(PYTHON) \
 	$(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python $(HOME)/.pyenv/versions/3.13*/bin/python \
 	           $(PYENV_ROOT)/versions/3.12*/bin/python /root/.pyenv/versions/3.12*/bin/python))
 
-.PHONY: test test-fast test-slow fast-then-slow-rest slow-learner slow-rest train clean $(VENV)
+.PHONY: test lint test-fast test-slow fast-then-slow-rest slow-learner slow-rest train clean $(VENV)
 
 $(VENV)/.installed: pyproject.toml
 	@py="$(strip $(find_python))"; \
@@ -46,8 +46,13 @@ PYTEST_FAST         = $(VPY) -m pytest -q
 PYTEST_SLOW_LEARNER = $(VPY) -m pytest -q -m slow -o cache_dir=.pytest_cache/slow-learner tests/test_ppo_clash.py || [ $$? -eq 5 ]
 PYTEST_SLOW_REST    = $(VPY) -m pytest -q -m slow --ignore tests/test_ppo_clash.py || [ $$? -eq 5 ]
 
-test: $(VENV)/.installed
+# The linter first: a second, and a lint error fails before ten minutes of tests
+# (pyproject.toml's [tool.ruff] says which rules and why).
+test: lint
 	@$(MAKE) --no-print-directory -j2 --output-sync=target slow-learner fast-then-slow-rest
+
+lint: $(VENV)/.installed
+	$(VPY) -m ruff check .
 
 test-fast: $(VENV)/.installed
 	$(PYTEST_FAST)

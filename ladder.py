@@ -68,7 +68,8 @@ import time
 from pathlib import Path
 from typing import Annotated, Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
-if __name__ == "__main__":   # so ppo_clash's `import ladder` finds this module instead of running the file twice
+# so ppo_clash's `import ladder` finds this module instead of running the file twice
+if __name__ == "__main__":
     sys.modules["ladder"] = sys.modules[__name__]
 
 import msgspec
@@ -83,8 +84,8 @@ from farm import (
     ROLE_POOL,
     ROLE_SCRIPTED,
     Assignment,
-    SlotPlan,
     EnvFactorySpec,
+    SlotPlan,
     derive_generator,
 )
 
@@ -228,9 +229,9 @@ def read_log(path: Path, decode: Callable[[bytes], Any], what: str) -> tuple[lis
         try:
             out.append(decode(line))
         except msgspec.DecodeError as e:
-            raise ValueError(f"{path}: line {lineno} is not {what} ({e}); only the last line may be torn (a "
-                             "crash's, or a live run's being written), so this is corruption: restore the file "
-                             "from a copy") from None
+            raise ValueError(f"{path}: line {lineno} is not {what} ({e}); only the last line may be torn "
+                             "(a crash's, or a live run's being written), so this is corruption: restore the "
+                             "file from a copy") from None
     return out, tail
 
 
@@ -439,9 +440,9 @@ def _nll_terms(x: np.ndarray, free: np.ndarray, n_ids: int, pc: dict[str, np.nda
     F = len(free)
     r = np.zeros(n_ids)
     r[free] = x[:F]
-    I, J, W, T, L = pc["i"], pc["j"], pc["w"], pc["t"], pc["l"]
+    Is, J, W, T, L = pc["i"], pc["j"], pc["w"], pc["t"], pc["l"]
     N = W + T + L
-    d = (r[I] - r[J]) * C
+    d = (r[Is] - r[J]) * C
     if davidson:
         eta = x[F]
         log_d = np.logaddexp(np.logaddexp(d / 2.0, -d / 2.0), eta)
@@ -461,13 +462,13 @@ def _nll_terms(x: np.ndarray, free: np.ndarray, n_ids: int, pc: dict[str, np.nda
         h_dd = N * p * (1.0 - p)
     # Chain rule to the full rating vector: dd/dr_i = C, dd/dr_j = -C.
     g = np.zeros(n_ids)
-    np.add.at(g, I, C * g_d)
+    np.add.at(g, Is, C * g_d)
     np.add.at(g, J, -C * g_d)
     H = np.zeros((n_ids, n_ids))
-    np.add.at(H, (I, I), C * C * h_dd)
+    np.add.at(H, (Is, Is), C * C * h_dd)
     np.add.at(H, (J, J), C * C * h_dd)
-    np.add.at(H, (I, J), -C * C * h_dd)
-    np.add.at(H, (J, I), -C * C * h_dd)
+    np.add.at(H, (Is, J), -C * C * h_dd)
+    np.add.at(H, (J, Is), -C * C * h_dd)
     rf = x[:F]
     nll += np.sum(rf * rf) / (2.0 * prior_sd ** 2)
     n_par = F + (1 if davidson else 0)
@@ -477,7 +478,7 @@ def _nll_terms(x: np.ndarray, free: np.ndarray, n_ids: int, pc: dict[str, np.nda
     Hf[:F, :F] = H[np.ix_(free, free)] + np.eye(F) / prior_sd ** 2
     if davidson:
         he = np.zeros(n_ids)
-        np.add.at(he, I, C * h_de)
+        np.add.at(he, Is, C * h_de)
         np.add.at(he, J, -C * h_de)
         G[F] = g_e
         Hf[:F, F] = Hf[F, :F] = he[free]
@@ -508,7 +509,7 @@ def fit_pair_counts(pc: PairCounts, anchor: str = ANCHOR, prior_sd: float = PRIO
         x[F] = math.log(2.0 * draw_rate / (1.0 - draw_rate))   # nu at equal strengths [A]
     converged, it = False, 0
     nll, G, H = _nll_terms(x, free, n_ids, arr, davidson, prior_sd)
-    for it in range(1, max_iter + 1):
+    for it in range(1, max_iter + 1):   # noqa: B007 (it is read after the loop: iterations=it)
         step = np.linalg.solve(H, G)
         t = 1.0
         while True:   # backtracking: Newton from zero can overshoot on lopsided records
@@ -529,7 +530,7 @@ def fit_pair_counts(pc: PairCounts, anchor: str = ANCHOR, prior_sd: float = PRIO
         rating[ids[idx]] = float(x[k])
     se = {p: float(math.sqrt(max(cov[k, k], 0.0))) for k, p in enumerate(ids)}
     n_games = {p: 0 for p in ids}
-    for i, j, w, t_, l_ in zip(pc.i, pc.j, pc.wins_i, pc.draws, pc.wins_j):
+    for i, j, w, t_, l_ in zip(pc.i, pc.j, pc.wins_i, pc.draws, pc.wins_j, strict=True):
         n_games[ids[i]] += w + t_ + l_
         n_games[ids[j]] += w + t_ + l_
     table = RatingTable(
@@ -566,17 +567,17 @@ def transitivity_residual(table: RatingTable, pc: PairCounts) -> tuple[float | N
     order = np.array([k[p] for p in pc.ids], dtype=np.int64)       # pc's ids in the table's order
     r = np.array([table.rating[p] for p in pc.ids])
     cov = np.asarray(table.cov)[np.ix_(order, order)]
-    I, J = np.asarray(pc.i, dtype=np.int64), np.asarray(pc.j, dtype=np.int64)
+    Is, J = np.asarray(pc.i, dtype=np.int64), np.asarray(pc.j, dtype=np.int64)
     W, T, Lo = (np.asarray(v, dtype=np.float64) for v in (pc.wins_i, pc.draws, pc.wins_j))
     N = W + T + Lo
     sel = N >= RESIDUAL_MIN_GAMES
     if not sel.any():
         return None, 0
-    I, J, W, T, N = I[sel], J[sel], W[sel], T[sel], N[sel]
-    pw, pd, pl, p = _outcome_probs((r[I] - r[J]) * C, table.draw_nu)
+    Is, J, W, T, N = Is[sel], J[sel], W[sel], T[sel], N[sel]
+    pw, pd, pl, p = _outcome_probs((r[Is] - r[J]) * C, table.draw_nu)
     var_game = pw + pd / 4.0 - p * p
     slope = p * (1.0 - p) if table.draw_nu is None else pw / 2.0 - (pw - pl) / 2.0 * p
-    var_diff = np.maximum(cov[I, I] + cov[J, J] - 2.0 * cov[I, J], 0.0)
+    var_diff = np.maximum(cov[Is, Is] + cov[J, J] - 2.0 * cov[Is, J], 0.0)
     se = np.sqrt(var_game / N + (slope * C) ** 2 * var_diff)
     bad = int(np.sum(np.abs((W + T / 2.0) / N - p) > 2.0 * se))
     return float(bad / len(N)), int(len(N))
@@ -655,7 +656,7 @@ def paired_scores(games: Sequence[GameResult], a: str, b: str) -> PairedScores:
         else:
             unpaired += 1
     return PairedScores(a=a, b=b, seed_index=seeds, blue=blue, red=red,
-                        x=[(u + v) / 2.0 for u, v in zip(blue, red)], unpaired=unpaired)
+                        x=[(u + v) / 2.0 for u, v in zip(blue, red, strict=True)], unpaired=unpaired)
 
 
 def bootstrap_interval(x: Sequence[float], master_seed: int, comparison_id: str,
@@ -1008,7 +1009,8 @@ class SnapshotStore:
         """The snapshot id of a snapshot folder, now readable from this store."""
         folder = Path(folder)
         if not (folder / "spec.json").is_file() or not (folder / "actor.safetensors").is_file():
-            raise FileNotFoundError(f"{folder}: not a snapshot folder (it needs spec.json and actor.safetensors)")
+            raise FileNotFoundError(f"{folder}: not a snapshot folder (it needs spec.json and "
+                                    "actor.safetensors)")
         sid = hashlib.sha256((folder / "spec.json").read_bytes()).hexdigest()[:16]
         self.folders[sid] = folder
         return sid
@@ -1108,9 +1110,10 @@ def check_seed(label: str, folder: str | Path, sha256: str, expect: Mapping[str,
     except (OSError, SnapshotMismatch, msgspec.DecodeError) as e:   # DecodeError: a spec.json that is not one
         raise SnapshotMismatch(f"{label}: {e}") from None
     if spec.actor_sha256 != sha256:
-        raise SnapshotMismatch(f"{label}: {Path(folder) / 'actor.safetensors'} has sha256 {spec.actor_sha256}, "
-                               f"the config pins {sha256}; other weights than the ones named (copy the hash "
-                               f"from the folder's spec.json, actor_sha256, if this folder is the one you mean)")
+        raise SnapshotMismatch(f"{label}: {Path(folder) / 'actor.safetensors'} has sha256 "
+                               f"{spec.actor_sha256}, the config pins {sha256}; other weights than the "
+                               f"ones named (copy the hash from the folder's spec.json, actor_sha256, if "
+                               f"this folder is the one you mean)")
     return spec
 
 
@@ -1243,6 +1246,9 @@ class MatchConfig(msgspec.Struct, frozen=True):
     fixed_seats: bool = False   # the learner's seat per battle, even blue, odd red (ladder.seat_decks)
 
 
+DEFAULT_MATCH_CONFIG = MatchConfig()   # frozen, so one shared default instance is safe
+
+
 def _round_half_up(x: float) -> int:
     # Halves round UP (Python's round(0.5) is 0: a one-battle rectangle would hold no mirror).
     # The 1e-9 absorbs float error such as 0.15 * 10 = 1.5000000000000002 vs 1.4999999999999998.
@@ -1341,7 +1347,7 @@ class Matchmaker:
 
     FORMAT_VERSION = 2   # design 7.3: format 2 carries n_battles (format 1 is not produced here)
 
-    def __init__(self, master_seed: int, n_battles: int, cfg: MatchConfig = MatchConfig()):
+    def __init__(self, master_seed: int, n_battles: int, cfg: MatchConfig = DEFAULT_MATCH_CONFIG):
         self.master_seed, self.n_battles, self.cfg = master_seed, n_battles, cfg
         self.roles = role_layout(master_seed, n_battles, cfg.mix)
         self.residents: tuple[str, ...] = ()
@@ -1564,7 +1570,8 @@ class EvalPlayers:
     def register(self, player_id: str, act: ActFn) -> None:
         """An ad-hoc player (the probe's learner@{step}); never a scripted:, snap: or seed: id."""
         if player_id.startswith(("scripted:", *SNAPSHOT_PLAYERS)):
-            raise ValueError(f"register({player_id!r}): scripted:, snap: and seed: ids are resolved, not registered")
+            raise ValueError(f"register({player_id!r}): scripted:, snap: and seed: ids are resolved, "
+                             "not registered")
         self.policies[player_id] = act
 
     def snapshot_of(self, player: str) -> str | None:
@@ -1614,7 +1621,8 @@ class EvalPlayers:
         if player.startswith("scripted:"):
             name = player.removeprefix("scripted:")
             if name not in farm.SCRIPTED_NAMES:
-                raise ValueError(f"{player}: unknown scripted player; farm.SCRIPTED_NAMES = {farm.SCRIPTED_NAMES}")
+                raise ValueError(f"{player}: unknown scripted player; "
+                                 f"farm.SCRIPTED_NAMES = {farm.SCRIPTED_NAMES}")
             return None
         if player in self.policies:
             return self.policies[player]
@@ -1625,8 +1633,8 @@ class EvalPlayers:
                                  f"the runner was given none")
             self.policies[player] = self.policy_builder(sid)
             return self.policies[player]
-        raise ValueError(f"player {player!r}: not scripted:<name>, snap:<id>, seed:<name>, or a registered id "
-                         f"{sorted(self.policies)}")
+        raise ValueError(f"player {player!r}: not scripted:<name>, snap:<id>, seed:<name>, or a registered "
+                         f"id {sorted(self.policies)}")
 
 
 def comparison_episodes(seeds: EvalSeedSet, order: Sequence[tuple[int, str]], a: str, b: str,
@@ -1799,8 +1807,8 @@ class EvalRunner:
         self.log = ResultLog(run_dir) if run_dir is not None else None
         # store: where snap: players are read (default the run's; a shipped model's folder, unrecorded)
         pool = read_pool(run_dir) if run_dir is not None else None
-        self.players = EvalPlayers(store or (SnapshotStore(run_dir) if run_dir is not None else None), policy_builder,
-                                   pool.seeds() if pool is not None else None)
+        self.players = EvalPlayers(store or (SnapshotStore(run_dir) if run_dir is not None else None),
+                                   policy_builder, pool.seeds() if pool is not None else None)
         self.envs: list[Any] = []          # the farm of the comparison being played; [] between
         self.obs_digest = self.context = ""
         self.closed = False
@@ -1942,7 +1950,8 @@ def run_probe(runner: EvalRunner, learner_act: ActFn, env_steps: int, *,
 # matplotlib is the optional extra [plot], imported here only, so `rate` stays dependency-free.
 
 PLOT_SIGNALS = (("ppo/kl", "kl (nats)"), ("ppo/clip_fraction", "clip fraction"),
-                ("ppo/entropy_normalised", "normalised entropy"), ("ppo/explained_variance", "explained variance"),
+                ("ppo/entropy_normalised", "normalised entropy"),
+                ("ppo/explained_variance", "explained variance"),
                 ("policy/cards_per_match", "cards per match"))
 """The learning signals drawn under the strength panels: metric key, axis label (design 9.2)."""
 GATE_COLOURS = {"admit+promote": "tab:green", "admit-as-cycle": "tab:orange", "discard": "tab:gray"}
@@ -1968,7 +1977,8 @@ def read_strength(run: Path) -> StrengthData:
     steps = {snapshot_player_id(s): store.spec(s).step for s in store.ids()} if store.root.is_dir() else {}
     pool = read_pool(run)
     gates = {d.candidate: d.outcome for d in read_gate_decisions(run)}
-    return StrengthData(context, table, steps, pool.champion_chain if pool else [], gates, read_metric_rows(run))
+    return StrengthData(context, table, steps, pool.champion_chain if pool else [], gates,
+                        read_metric_rows(run))
 
 
 def read_metric_rows(run: Path) -> list[dict[str, Any]]:
@@ -1994,9 +2004,10 @@ def draw_signals(series: Sequence[tuple[str, Sequence[dict[str, Any]]]], title: 
     runs' ratings are not drawn: each run's table is fitted in its own context, not comparable."""
     cols = 3
     nrows = -(-(len(PLOT_SIGNALS) + 1) // cols)   # the signals, and a cell for the legend
-    fig, axes = _pyplot().subplots(nrows, cols, figsize=(14, 3.6 * nrows), constrained_layout=True, squeeze=False)
+    fig, axes = _pyplot().subplots(nrows, cols, figsize=(14, 3.6 * nrows), constrained_layout=True,
+                                   squeeze=False)
     cells = list(axes.flat)
-    for ax, (key, label) in zip(cells, PLOT_SIGNALS):
+    for ax, (key, label) in zip(cells, PLOT_SIGNALS, strict=False):   # cells outnumber the signals
         _draw_signal(ax, key, label, series, fontsize=10)
         ax.set_xlabel("game-steps", fontsize=8)
     handles, names = cells[0].get_legend_handles_labels()
@@ -2026,14 +2037,15 @@ def _draw_signal(ax: Any, key: str, label: str, series: Sequence[tuple[str, Sequ
     a run keeps its colour across panels; a run without the key still takes its colour's slot."""
     for i, (name, rows) in enumerate(series):
         pts = [(r["run/cumulative_env_steps"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-        ax.plot(*(zip(*pts) if pts else ([], [])), lw=0.8, color=f"C{i % 10}", label=name)
+        ax.plot(*(zip(*pts, strict=True) if pts else ([], [])), lw=0.8, color=f"C{i % 10}", label=name)
     ax.set_title(label, fontsize=fontsize)
     ax.tick_params(labelsize=7)
 
 
 def _draw_ratings(ax: Any, data: StrengthData) -> None:
     t = data.table
-    ax.set_title(f"rating (Elo-scale, anchor {ANCHOR} at 0) with 95% intervals; context {data.context}", fontsize=10)
+    ax.set_title(f"rating (Elo-scale, anchor {ANCHOR} at 0) with 95% intervals; context {data.context}",
+                 fontsize=10)
     ax.set_xlabel("game-steps at the snapshot")
     if t is None:
         ax.text(0.5, 0.5, "no evaluation games yet", ha="center", va="center", transform=ax.transAxes)
@@ -2042,13 +2054,16 @@ def _draw_ratings(ax: Any, data: StrengthData) -> None:
     if snaps:
         x = [s for s, _ in snaps]
         y = [t.rating[p] for _, p in snaps]
-        ax.errorbar(x, y, yerr=[Z95 * t.se[p] for _, p in snaps], fmt="o-", ms=4, lw=0.8, capsize=2, color="tab:blue")
+        ax.errorbar(x, y, yerr=[Z95 * t.se[p] for _, p in snaps], fmt="o-", ms=4, lw=0.8, capsize=2,
+                    color="tab:blue")
         for s, p in snaps:
             if p in data.gates:
-                ax.scatter([s], [t.rating[p]], s=90, facecolors="none", edgecolors=GATE_COLOURS.get(data.gates[p], "k"))
+                ax.scatter([s], [t.rating[p]], s=90, facecolors="none",
+                           edgecolors=GATE_COLOURS.get(data.gates[p], "k"))
         champs = [(data.steps[p], t.rating[p]) for p in data.champions if p in data.steps and p in t.rating]
         if champs:
-            ax.scatter(*zip(*champs), marker="*", s=160, color="gold", edgecolors="k", zorder=3, label="champion")
+            ax.scatter(*zip(*champs, strict=True), marker="*", s=160, color="gold", edgecolors="k", zorder=3,
+                       label="champion")
     ax.margins(x=0.12)   # room at the right edge for the rungs' labels beside the newest snapshot
     levels = fixed_levels(t)
     if snaps:   # the axis spans the snapshots' intervals, not a rung far below them (noop's 0)
@@ -2062,8 +2077,8 @@ def _draw_ratings(ax: Any, data: StrengthData) -> None:
         ax.annotate(f"{name} {y:.0f}", (1.0, y_label), xycoords=("axes fraction", "data"),
                     fontsize=7, color="tab:red", ha="right", va="bottom")
     if off:
-        ax.text(0.995, 0.02, "off the scale: " + ", ".join(f"{n} {v:.0f}" for n, v in off), transform=ax.transAxes,
-                fontsize=7, color="tab:red", ha="right", va="bottom")
+        ax.text(0.995, 0.02, "off the scale: " + ", ".join(f"{n} {v:.0f}" for n, v in off),
+                transform=ax.transAxes, fontsize=7, color="tab:red", ha="right", va="bottom")
     for outcome, colour in GATE_COLOURS.items():
         ax.scatter([], [], s=90, facecolors="none", edgecolors=colour, label=f"gate: {outcome}")
     ax.legend(fontsize=7, loc="upper left")
@@ -2092,31 +2107,38 @@ def level_labels(levels: dict[str, float], lo: float, hi: float,
 
 
 def _draw_probe(ax: Any, rows: Sequence[dict[str, Any]]) -> None:
-    ax.set_title("probe: the live policy's score against each scripted rung, 95% bootstrap interval", fontsize=10)
+    ax.set_title("probe: the live policy's score against each scripted rung, 95% bootstrap interval",
+                 fontsize=10)
     ax.set_xlabel("game-steps")
     ax.set_ylim(-0.02, 1.02)
-    rungs = sorted({k.removeprefix("ladder/score_vs/") for r in rows for k in r if k.startswith("ladder/score_vs/")})
+    rungs = sorted({k.removeprefix("ladder/score_vs/") for r in rows for k in r
+                    if k.startswith("ladder/score_vs/")})
     for rung in rungs:
-        pts = [(r["run/cumulative_env_steps"], r[f"ladder/score_vs/{rung}"], r[f"ladder/score_vs_ci95_lo/{rung}"],
-                r[f"ladder/score_vs_ci95_hi/{rung}"]) for r in rows if f"ladder/score_vs/{rung}" in r]
-        x, y, lo, hi = (list(c) for c in zip(*pts))
-        ax.errorbar(x, y, yerr=[[a - b for a, b in zip(y, lo)], [b - a for a, b in zip(y, hi)]], fmt="o-", ms=3,
-                    lw=0.8, capsize=2, label=rung)
+        pts = [(r["run/cumulative_env_steps"], r[f"ladder/score_vs/{rung}"],
+                r[f"ladder/score_vs_ci95_lo/{rung}"], r[f"ladder/score_vs_ci95_hi/{rung}"])
+               for r in rows if f"ladder/score_vs/{rung}" in r]
+        x, y, lo, hi = (list(c) for c in zip(*pts, strict=True))
+        ax.errorbar(x, y, yerr=[[a - b for a, b in zip(y, lo, strict=True)],
+                                [b - a for a, b in zip(y, hi, strict=True)]],
+                    fmt="o-", ms=3, lw=0.8, capsize=2, label=rung)
     if rungs:
         ax.legend(fontsize=7, loc="lower right")
     else:
-        ax.text(0.5, 0.5, "no probe yet (ladder.probe_every_iterations)", ha="center", va="center", transform=ax.transAxes)
+        ax.text(0.5, 0.5, "no probe yet (ladder.probe_every_iterations)", ha="center", va="center",
+                transform=ax.transAxes)
 
 
 def cmd_plot(args: Any) -> int:
     runs = [Path(r) for r in args.runs]
     if not runs:
-        raise CliError("name a run directory, runs/<id> (or several, to draw their learning signals side by side)")
+        raise CliError("name a run directory, runs/<id> (or several, to draw their learning signals "
+                       "side by side)")
     for run in runs:
         if not run.is_dir():
             raise CliError(f"{run}: no such directory (pass a run directory, runs/<id>)")
     if len(runs) > 1 and args.out is None:
-        raise CliError(f"{len(runs)} runs are drawn into one picture, which belongs to none of them: name it with --out FILE.png")
+        raise CliError(f"{len(runs)} runs are drawn into one picture, which belongs to none of them: "
+                       "name it with --out FILE.png")
     labels = list(args.labels) or [r.name for r in runs]
     if len(runs) == 1 and args.labels:
         raise CliError("--labels names the lines of several runs; one run's picture has none")
@@ -2125,12 +2147,13 @@ def cmd_plot(args: Any) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise CliError("plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)") from None
+        raise CliError("plot needs matplotlib: pip install -e '.[plot]' "
+                       "(or pip install matplotlib)") from None
     # a path with nothing in it to draw (a typo, runs/ instead of runs/<id>) gets no picture
     empty = "nothing to draw: no metric rows (metrics.jsonl; a run writes its first when iteration 1 ends)"
     if len(runs) > 1:
-        series = [(label, read_metric_rows(run)) for label, run in zip(labels, runs)]
-        for run, (_, rows) in zip(runs, series):
+        series = [(label, read_metric_rows(run)) for label, run in zip(labels, runs, strict=True)]
+        for run, (_, rows) in zip(runs, series, strict=True):
             if not rows:
                 print(f"{run}: {empty}")
                 return 1
@@ -2144,7 +2167,8 @@ def cmd_plot(args: Any) -> int:
         return 1
     out = Path(args.out) if args.out else run / "strength.png"
     draw_strength(data, f"{run.name}: {len(data.rows)} iterations, "
-                        f"{data.rows[-1]['run/cumulative_env_steps']:,} game-steps" if data.rows else run.name, out)
+                        f"{data.rows[-1]['run/cumulative_env_steps']:,} game-steps"
+                        if data.rows else run.name, out)
     if data.table is None:
         print(f"{run}: no evaluation games yet, so no ratings in the picture; {_first_due(run)}")
     print(f"wrote {out}")
@@ -2207,7 +2231,8 @@ def cmd_rate(args: Any) -> int:
     out = []
     for ctx in ctxs:
         _, view = eval_view(evals, ctx)
-        out.append(_format_table(args.run, fit_ratings(view), read.torn_tail is not None, read_pool(args.run)))
+        out.append(_format_table(args.run, fit_ratings(view), read.torn_tail is not None,
+                                 read_pool(args.run)))
     print("\n\n".join(out))
     return 0
 
@@ -2245,7 +2270,8 @@ def read_run_env(run: Path) -> tuple[EnvFactorySpec, str]:
     reveal = [str(f) for f in obs.get("reveal") or ()]
     if reveal:
         kw = {"reveal": {"cls": "royalegym.obs.Reveal", "kwargs": {f: True for f in reveal}}}
-        spec = msgspec.structs.replace(spec, obs_builder=farm.ComponentSpec("royalegym.obs.SpatialObsBuilder", kw))
+        spec = msgspec.structs.replace(spec,
+                                       obs_builder=farm.ComponentSpec("royalegym.obs.SpatialObsBuilder", kw))
     spec = msgspec.structs.replace(spec, decision_ms=int(obs.get("decision_ms", spec.decision_ms)))
     return spec, f"{run / 'config.json'} (obs.reveal={reveal}, obs.decision_ms={spec.decision_ms})"
 
@@ -2300,7 +2326,8 @@ def _open_runner(args: Any, players: Sequence[str]) -> EvalRunner:
     env, where = read_run_env(run)
     print(f"evaluation env from {where}", file=sys.stderr)
     seeds = read_run_seeds(run)
-    builder = _snapshot_builder(run, args.device) if any(p.startswith(SNAPSHOT_PLAYERS) for p in players) else None
+    builder = (_snapshot_builder(run, args.device) if any(p.startswith(SNAPSHOT_PLAYERS) for p in players)
+               else None)
     return EvalRunner(env, seeds, run_dir=run, run_id=_run_id(run), policy_builder=builder,
                       battles_at_once=args.battles_at_once, workers=_eval_workers(args, run))
 
@@ -2313,8 +2340,9 @@ def _seeds_asked(args: Any, held: int, default: int) -> int:
     if args.seeds < 1:
         raise CliError(f"--seeds {args.seeds}: must be at least 1 (each seed is played from both sides)")
     if args.seeds > held:
-        raise CliError(f"--seeds {args.seeds}: the run's frozen set holds {held} seeds (ladder.eval_seed_count); "
-                       f"pass at most {held}, or --master-seed S, which draws a set of any size")
+        raise CliError(f"--seeds {args.seeds}: the run's frozen set holds {held} seeds "
+                       f"(ladder.eval_seed_count); pass at most {held}, or --master-seed S, which draws a "
+                       f"set of any size")
     return args.seeds
 
 
@@ -2341,7 +2369,8 @@ def cmd_eval(args: Any) -> int:
              and p.removeprefix("snap:") not in store.folders]
     if loose:
         raise CliError(f"{loose[0]}: a run's snapshot needs --run RUN; without one, pass a snapshot folder")
-    envs = {str(f): (f / "eval_env.json").read_bytes() for f in store.folders.values() if (f / "eval_env.json").is_file()}
+    envs = {str(f): (f / "eval_env.json").read_bytes() for f in store.folders.values()
+            if (f / "eval_env.json").is_file()}
     if run is None and len(set(envs.values())) > 1:
         raise CliError(f"{' and '.join(sorted(envs))}: their eval_env.json differ; two players are "
                        "compared in one evaluation env")
@@ -2426,28 +2455,33 @@ def cmd_yardstick(args: Any) -> int:
     store = SnapshotStore(run)
     snap = _yardstick_player(args, run, store)
     if run is None and args.master_seed is None:
-        raise CliError(f"--snapshot {args.snapshot} without --run has no frozen seed set: pass --master-seed S")
-    recorded = run is not None and not store.folders and args.master_seed is None and args.release_mode is None
-    prior = collections.Counter(frozenset((g.a, g.b)) for g in ResultLog(run).read().games) if recorded else {}
+        raise CliError(f"--snapshot {args.snapshot} without --run has no frozen seed set: "
+                       "pass --master-seed S")
+    recorded = (run is not None and not store.folders and args.master_seed is None
+                and args.release_mode is None)
+    prior = (collections.Counter(frozenset((g.a, g.b)) for g in ResultLog(run).read().games) if recorded
+             else {})
     say(f"yardstick: {snap} against every scripted rung, both sides of each seed")
     with _runner_for(args, run, (snap,), store, recorded, say, args.release_mode) as r:
         n_seeds = _seeds_asked(args, len(r.seeds.seeds), YARDSTICK_SEEDS)
         for row in yardstick(r, snap, n_seeds, prior):
             print(msgspec.json.encode(row).decode() if args.json else
-                  f"  vs {row['rung']:<26} score {row['score']:.3f}  95% [{row['lower']:.3f}, {row['upper']:.3f}]  "
+                  f"  vs {row['rung']:<26} score {row['score']:.3f}  "
+                  f"95% [{row['lower']:.3f}, {row['upper']:.3f}]  "
                   f"over {row['seeds']} seeds ({row['battles']} battles)", flush=True)
         secs = r.seconds
     if recorded:
-        say(f"appended {len(farm.SCRIPTED_NAMES) * 2 * n_seeds} kind=eval games to {ResultLog(run).path} in {secs:.0f} s; "
-            f"`python ladder.py rate {run}` now places the scripted rungs on the same scale")
+        say(f"appended {len(farm.SCRIPTED_NAMES) * 2 * n_seeds} kind=eval games to {ResultLog(run).path} "
+            f"in {secs:.0f} s; `python ladder.py rate {run}` now places the scripted rungs on the same scale")
     else:
-        say(f"played {len(farm.SCRIPTED_NAMES) * 2 * n_seeds} battles in {secs:.0f} s on master seed {r.seeds.master_seed}'s "
-            "seed set; recorded nowhere (only a run's own snapshot on its frozen set, in its own release mode, "
-            "goes to its log)")
+        say(f"played {len(farm.SCRIPTED_NAMES) * 2 * n_seeds} battles in {secs:.0f} s on master seed "
+            f"{r.seeds.master_seed}'s seed set; recorded nowhere (only a run's own snapshot on its frozen "
+            "set, in its own release mode, goes to its log)")
     return 0
 
 
-def yardstick(r: EvalRunner, snap: str, n_seeds: int, prior: Mapping[frozenset[str], int]) -> Iterator[dict[str, Any]]:
+def yardstick(r: EvalRunner, snap: str, n_seeds: int,
+              prior: Mapping[frozenset[str], int]) -> Iterator[dict[str, Any]]:
     """`snap` against each of farm.SCRIPTED_NAMES on the runner's first n_seeds seeds, both sides:
     per rung, as it finishes, {snapshot, rung, score, lower, upper (95% bootstrap), seeds, battles,
     master_seed}. Each comparison is addressed by the games the pair already has (`prior`), so a
@@ -2512,7 +2546,8 @@ def _runner_for(args: Any, run: Path | None, players: Sequence[str], store: Snap
     say(f"evaluation env from {where}")
     count = max(args.seeds or YARDSTICK_SEEDS, 1)
     seeds = draw_eval_seeds(args.master_seed, count) if args.master_seed is not None else read_run_seeds(run)
-    r = EvalRunner(env, seeds, store=store, battles_at_once=args.battles_at_once, workers=_eval_workers(args, run))
+    r = EvalRunner(env, seeds, store=store, battles_at_once=args.battles_at_once,
+                   workers=_eval_workers(args, run))
     pool = read_pool(run) if run is not None else None
     r.players.seeds = pool.seeds() if pool is not None else {}
     if any(p.startswith(SNAPSHOT_PLAYERS) for p in players):
@@ -2591,7 +2626,8 @@ class Yardstick(_Runner):
     run: Optional[str] = None
     """the run directory, runs/<id> (optional with --snapshot <folder>)"""
     snapshot: Optional[str] = None
-    """snap:<id> or seed:<name> of the run, or a snapshot folder such as models/<name> (default: the run's champion)"""
+    """snap:<id> or seed:<name> of the run, or a snapshot folder such as models/<name> (default: the
+    run's champion)"""
     seeds: Optional[int] = None
     """seeds a rung, each from both sides (default 20, or the whole frozen set if smaller)"""
     master_seed: Optional[int] = None

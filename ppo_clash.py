@@ -82,12 +82,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from royalegym.protocol import DECK_SIZE, ShuffleMode
 
 import codec
 import farm
 import ladder
 from farm import derive_generator, derive_int  # design 2.2: one definition of the seeding rule
-from royalegym.protocol import DECK_SIZE, ShuffleMode
 
 # The script that is running, by its file name: a fork copied to another name prints its own name
 # in every command it tells the user to run (a resume, a halt's bundle).
@@ -125,7 +125,8 @@ class Schedule:
         if self.kind == "linear":
             return float(self.start + (self.end - self.start) * f)
         if self.start <= 0 or self.end <= 0:
-            raise ConfigError(f"a geometric schedule needs positive start and end, got {self.start}, {self.end}")
+            raise ConfigError(f"a geometric schedule needs positive start and end, "
+                              f"got {self.start}, {self.end}")
         return float(self.start * (self.end / self.start) ** f)
 
 
@@ -133,7 +134,8 @@ class Schedule:
 class ObsArgs:
     frame_stack: int = 1
     """cycles stacked (k). The observation carries positions and no motion; stacking is a gather of
-    buffer rows and adds S + hand_size input channels per extra frame. 1 until a run shows more buys something"""
+    buffer rows and adds S + hand_size input channels per extra frame. 1 until a run shows more buys
+    something"""
     decision_ms: int = 500
     """game time per decision (10 ticks). Part of the env, so of env_spec_digest"""
     reveal: tuple[str, ...] = ()
@@ -222,7 +224,8 @@ class NetArgs:
     blocks: int = 4
     """N residual blocks"""
     norm_groups: int = 8
-    """GroupNorm groups (must divide channels); never BatchNorm, which computes a different function at rollout"""
+    """GroupNorm groups (must divide channels); never BatchNorm, which computes a different function
+    at rollout"""
     vector_embed: int = 32
     """E: the scalar vector broadcast over the board, so elixir can modulate every tile"""
     value_hidden: int = 256
@@ -325,7 +328,8 @@ class AdvantageArgs:
     gamma: Schedule = field(default_factory=lambda: Schedule("geometric", 0.997, 0.999, 20e6))
     """discount, annealed in env steps; 0.99 would discount the win to 0.027 by the end of regulation"""
     gae_lambda: float = 0.99
-    """credit horizon 1/(1-gamma*lambda) = 91 steps, 45.5 s: deploy -> push -> tower. The most leveraged number"""
+    """credit horizon 1/(1-gamma*lambda) = 91 steps, 45.5 s: deploy -> push -> tower. The most
+    leveraged number"""
     standardize_rewards: bool = True
     """divide by the running std of returns: gamma near 1 inflates returns about tenfold"""
     reward_clip: float = 10.0
@@ -378,8 +382,8 @@ SHUFFLES = tuple(m.name.lower() for m in ShuffleMode)
 class SeatDecks:
     """One deck trained where the learner sits (design 7.3): empty, the env deals as it always did."""
     deck: tuple[str, ...] = ()
-    """the learner's deck: a deck's count (8) of distinct card names of the engine's catalogue (engine.cards()).
-    A mirror battle deals it to both seats; a pool or scripted battle to the learner's seat,
+    """the learner's deck: a deck's count (8) of distinct card names of the engine's catalogue
+    (engine.cards()). A mirror battle deals it to both seats; a pool or scripted battle to the learner's seat,
     which is then fixed per battle (even battles blue, odd red)"""
     field: tuple[tuple[str, ...], ...] = ()
     """the decks the opponent of a pool or scripted battle draws from, one a battle, uniformly;
@@ -396,7 +400,8 @@ class LadderArgs:
     max_resident_opponents: int = 2
     """snapshots held in memory: at most four batched forwards per shard-round"""
     pfsp_power: float = 2.0
-    """exponent of PFSP's "hard" weighting: training wants opponents that still beat the learner (design 7.3)"""
+    """exponent of PFSP's "hard" weighting: training wants opponents that still beat the learner
+    (design 7.3)"""
     pfsp_uniform_floor: float = 0.2
     """the anti-forgetting guard"""
     candidate_every_env_steps: int = 4_000_000
@@ -581,7 +586,8 @@ def profile_args(name: str) -> Args:
                      "ppo.forced_rows": "critic_only" if smoke else "smdp",
                      "ppo.batch_size": 64 if smoke else 96, "ppo.minibatch_size": 64 if smoke else 96,
                      "ppo.lr_actor": 5e-4 if smoke else 1.5e-3,
-                     "advantage.gae_lambda": 0.99 if smoke else 0.98, "ppo.lr_critic": 5e-4, "ppo.adam_eps": 1e-8,
+                     "advantage.gae_lambda": 0.99 if smoke else 0.98, "ppo.lr_critic": 5e-4,
+                     "ppo.adam_eps": 1e-8,
                      "ppo.ent_coef": Schedule("constant", 0.003, 0.003, 1.0),
                      "ppo.ent_coef_noop": Schedule("linear", 0.02, 0.0, 2e6),
                      "ppo.critic_chunk": 512,
@@ -603,15 +609,18 @@ def profile_args(name: str) -> Args:
                      # the sd of a paired difference over 20 seeds, 0.39 a seed M], so an equal candidate
                      # fails it 4% of the time (2 pp: 41%) and one 25 pp worse 87% (docs/running.md 6).
                      "ladder.eval_seed_count": 8 if smoke else 300,
-                     "ladder.gate": GateArgs(champion_games=16 if smoke else 600, anchor_games=8 if smoke else 40,
+                     "ladder.gate": GateArgs(champion_games=16 if smoke else 600,
+                                             anchor_games=8 if smoke else 40,
                                              anchor_tolerance_pp=_GATE.anchor_tolerance_pp if smoke else 15.0,
                                              stratified_snapshots=1 if smoke else 2,
-                                             stratified_games=4 if smoke else 20, bootstrap_resamples=200 if smoke else 2000),
+                                             stratified_games=4 if smoke else 20,
+                                             bootstrap_resamples=200 if smoke else 2000),
                      "checkpoint.every_env_steps": 2_000 if smoke else 100_000,
                      "timestep_limit": 3 * 256 if smoke else 100_000_000}.items():
             _set(a, k, v)
         return a
-    raise ConfigError(f"--profile {name!r}: unknown profile; must be one of {', '.join(PROFILES)}" + _nearest(name, PROFILES))
+    raise ConfigError(f"--profile {name!r}: unknown profile; must be one of {', '.join(PROFILES)}"
+                      + _nearest(name, PROFILES))
 
 
 PROFILES = ("laptop", "workstation", "many_core", "cpu", "smoke")
@@ -647,8 +656,10 @@ def apply_dict(obj: Any, d: dict[str, Any], where: str = "") -> None:
     for key, value in d.items():
         path = f"{where}{key}"
         if key not in names:
-            raise ConfigError(f"unknown config field {path!r}" + _nearest(key, names).replace("'", "'" + where, 1)
-                              + f"; valid fields of {where.rstrip('.') or 'the top level'}: {', '.join(names)}")
+            raise ConfigError(f"unknown config field {path!r}"
+                              + _nearest(key, names).replace("'", "'" + where, 1)
+                              + f"; valid fields of {where.rstrip('.') or 'the top level'}: "
+                                f"{', '.join(names)}")
         t = hints[key]
         if dataclasses.is_dataclass(t):
             if not isinstance(value, dict):
@@ -718,7 +729,8 @@ def _cli_flags() -> dict[str, str]:
                 out["--" + (p + "." + f.name).replace("_", "-")] = p + "." + f.name
                 out["--" + p + "." + f.name] = p + "." + f.name
         if t is bool:
-            out["--" + p.replace("_", "-").rsplit(".", 1)[0] + "." + "no-" + p.rsplit(".", 1)[-1].replace("_", "-")
+            out["--" + p.replace("_", "-").rsplit(".", 1)[0] + "." + "no-"
+                + p.rsplit(".", 1)[-1].replace("_", "-")
                 if "." in p else "--no-" + p.replace("_", "-")] = p
     return out
 
@@ -754,8 +766,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Args:
             if name not in flags:
                 for path, shape in CONFIG_FILE_ONLY.items():
                     if name.startswith(flag(path)) or name.startswith("--" + path):
-                        raise ConfigError(f"{name}: {path} is set in a --config file ({shape}), not by a flag")
-                raise ConfigError(f"unknown argument {name!r}" + _nearest(name, list(flags) + ["--profile", "--config"]))
+                        raise ConfigError(f"{name}: {path} is set in a --config file ({shape}), "
+                                          "not by a flag")
+                raise ConfigError(f"unknown argument {name!r}"
+                                  + _nearest(name, list(flags) + ["--profile", "--config"]))
     if profile is None:  # a config file names its own profile; the flag wins over it
         profile = read_config_file(config).get("profile", "laptop") if config else "laptop"
     base = profile_args(profile)
@@ -786,7 +800,8 @@ def game_rules(args: Args) -> list[tuple[str, bool, str]]:
     return [
         ("obs.frame_stack", o.frame_stack >= 1, "be >= 1"),
         ("obs.decision_ms", o.decision_ms >= 1, "be >= 1 (game milliseconds per decision)"),
-        ("obs.reveal", set(o.reveal) <= {"enemy_spell_aim"}, "name only enemy_spell_aim (the flag read_env wires)"),
+        ("obs.reveal", set(o.reveal) <= {"enemy_spell_aim"},
+         "name only enemy_spell_aim (the flag read_env wires)"),
         ("obs.max_steps", o.max_steps >= 0, "be >= 0 (0 plays whole battles)"),
         *[(f"reward.{k}", math.isfinite(x) and x >= 0, "be finite and >= 0 (a shaping weight)")
           for k, x in dataclasses.asdict(args.reward).items()],
@@ -799,7 +814,8 @@ def game_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("warm.lr", w.lr > 0, "be > 0"),
         ("warm.critic_iterations", w.critic_iterations >= 0, "be >= 0"),
         ("warm.critic_iterations", not w.critic_iterations or bool(w.rung), "be 0 without --warm.rung"),
-        ("warm.teacher_kl.start", w.teacher_kl.start >= 0 and w.teacher_kl.end >= 0, "be >= 0 (start and end)"),
+        ("warm.teacher_kl.start", w.teacher_kl.start >= 0 and w.teacher_kl.end >= 0,
+         "be >= 0 (start and end)"),
         ("warm.teacher_kl.start", not teacher_on(w) or bool(w.rung),
          "be 0 without --warm.rung: the teacher is the clone"),
         ("warm.teacher_kl.over_env_steps", w.teacher_kl.over_env_steps > 0, "be > 0"),
@@ -811,7 +827,8 @@ def one_folder_name(name: str) -> bool:
     can neither climb out of --runs-dir nor make a folder the file system refuses (NAME_MAX is 255
     bytes, less "-<run_id>" and a side folder's suffix: 128 [A]). isprintable first, so that encode
     cannot raise (an undecodable argv byte is a surrogate, not printable)."""
-    return name.isprintable() and 0 < len(name.encode()) <= 128 and not any(s in name for s in ("/", "\\", ".."))
+    return (name.isprintable() and 0 < len(name.encode()) <= 128
+            and not any(s in name for s in ("/", "\\", "..")))
 
 
 def config_rules(args: Args) -> list[tuple[str, bool, str]]:
@@ -825,10 +842,12 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
     # one cycle's learner seats: every battle's learner seat plus the second seat of a mirror battle
     seats = battles + ladder.role_counts(L.mix, battles)[0] if mix_ok and battles >= 1 else 1
     twice = 2 * L.eval_seed_count
-    paired = f"be even, at least 2 and at most 2 x --ladder.eval-seed-count = {twice} (a seed plays from both sides)"
+    paired = (f"be even, at least 2 and at most 2 x --ladder.eval-seed-count = {twice} "
+              "(a seed plays from both sides)")
     pos, nonneg, frac = "be > 0", "be >= 0", "be in [0, 1]"
     return [
-        ("run_name", one_folder_name(args.run_name), "be one folder name: 1 to 128 bytes of printable characters, "
+        ("run_name", one_folder_name(args.run_name),
+         "be one folder name: 1 to 128 bytes of printable characters, "
          "without '/', '\\' or '..' (the run folder is <runs_dir>/<run_name>-<run_id>)"),
         ("master_seed", 0 <= args.master_seed < 2 ** 63, "be in [0, 2**63): every stream derives from it"),
         ("timestep_limit", args.timestep_limit >= 1, "be >= 1"),
@@ -838,9 +857,11 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("rollout.games_per_worker", r.games_per_worker >= 1, "be >= 1"),
         ("rollout.shards_per_worker", r.shards_per_worker >= 1, "be >= 1"),
         ("rollout.games_per_worker", r.shards_per_worker < 1 or r.games_per_worker % r.shards_per_worker == 0,
-         f"be a multiple of --rollout.shards-per-worker = {r.shards_per_worker} (each shard holds the same battles)"),
+         f"be a multiple of --rollout.shards-per-worker = {r.shards_per_worker} "
+         "(each shard holds the same battles)"),
         ("rollout.spin_us", r.spin_us >= 0, nonneg),
-        ("rollout.round_timeout_s", 0 < r.round_timeout_s < math.inf, "be > 0 and finite (inf: no hang detection)"),
+        ("rollout.round_timeout_s", 0 < r.round_timeout_s < math.inf,
+         "be > 0 and finite (inf: no hang detection)"),
         ("rollout.max_restarts_per_worker", r.max_restarts_per_worker >= 0, nonneg),
         ("rollout.launch_delay_s", 0 <= r.launch_delay_s < math.inf, "be >= 0 and finite"),
         ("rollout.eval_workers", r.eval_workers >= 1, "be >= 1"),
@@ -853,18 +874,22 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("net.value_hidden", n.value_hidden >= 1, "be >= 1"),
         ("net.noop_bias", math.isfinite(n.noop_bias), "be finite"),
         ("net.noop_bias", n.policy_head == "pointer" or n.noop_bias == 0,
-         "be 0 under --net.policy-head factored, which has no no-op logit (--net.factored-act-init sets its P(act))"),
+         "be 0 under --net.policy-head factored, which has no no-op logit "
+         "(--net.factored-act-init sets its P(act))"),
         ("net.factored_act_init", 0 < n.factored_act_init < 1, "be in (0, 1): a probability"),
-        ("net.placement_cell", min(n.placement_cell) >= 1, "be two counts >= 1: tile rows and columns a cell"),
+        ("net.placement_cell", min(n.placement_cell) >= 1,
+         "be two counts >= 1: tile rows and columns a cell"),
         ("net.device", n.device.split(":")[0] in ("cpu", "cuda", "mps"), "be cpu, cuda, cuda:N or mps"),
         ("ppo.n_epochs", p.n_epochs >= 1, "be >= 1"),
         ("ppo.timesteps_per_iteration", p.timesteps_per_iteration >= seats,
-         f"be at least one cycle's learner seats ({seats} from --rollout.workers x --rollout.games-per-worker "
-         "and --ladder.mix): an iteration collects whole cycles"),
+         f"be at least one cycle's learner seats ({seats} from --rollout.workers x "
+         "--rollout.games-per-worker and --ladder.mix): an iteration collects whole cycles"),
         ("ppo.batch_size", p.batch_size >= 1, "be >= 1"),
-        ("ppo.minibatch_size", 1 <= p.minibatch_size <= p.batch_size, f"be in [1, --ppo.batch-size = {p.batch_size}]"),
+        ("ppo.minibatch_size", 1 <= p.minibatch_size <= p.batch_size,
+         f"be in [1, --ppo.batch-size = {p.batch_size}]"),
         ("ppo.clip_range", 0 < p.clip_range < 1, "be in (0, 1)"),
-        ("ppo.dual_clip_c", p.dual_clip_c > 1, "be > 1: the floor c * A must lie below the clipped objective"),
+        ("ppo.dual_clip_c", p.dual_clip_c > 1,
+         "be > 1: the floor c * A must lie below the clipped objective"),
         ("ppo.vf_coef", p.vf_coef > 0, pos),
         ("ppo.ent_coef.start", p.ent_coef.start >= 0, nonneg),
         ("ppo.ent_coef.end", p.ent_coef.end >= 0 and (p.ent_coef.kind != "geometric"
@@ -872,8 +897,8 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
          "be >= 0, and start and end > 0 under a geometric schedule"),
         ("ppo.ent_coef.over_env_steps", p.ent_coef.over_env_steps > 0, pos),
         ("ppo.ent_coef_noop.start", p.ent_coef_noop.start >= 0, nonneg),
-        ("ppo.ent_coef_noop.end", p.ent_coef_noop.end >= 0 and (p.ent_coef_noop.kind != "geometric"
-                                                                or min(p.ent_coef_noop.start, p.ent_coef_noop.end) > 0),
+        ("ppo.ent_coef_noop.end", p.ent_coef_noop.end >= 0 and (
+            p.ent_coef_noop.kind != "geometric" or min(p.ent_coef_noop.start, p.ent_coef_noop.end) > 0),
          "be >= 0, and start and end > 0 under a geometric schedule"),
         ("ppo.ent_coef_noop.over_env_steps", p.ent_coef_noop.over_env_steps > 0, pos),
         ("ppo.entropy_coef_stages", p.entropy_coef_stages is None or len(p.entropy_coef_stages) == 3 and all(
@@ -898,7 +923,8 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("advantage.gamma.over_env_steps", A.gamma.over_env_steps > 0, pos),
         ("advantage.gae_lambda", 0 <= A.gae_lambda <= 1, frac),
         ("advantage.reward_clip", A.reward_clip > 0, pos),
-        ("ladder.mix", len(L.mix) == 3 and min(L.mix) >= 0, "be three shares (mirror pool scripted), each >= 0"),
+        ("ladder.mix", len(L.mix) == 3 and min(L.mix) >= 0,
+         "be three shares (mirror pool scripted), each >= 0"),
         ("ladder.mix", mix_ok, "sum to 1"),
         ("ladder.max_resident_opponents", 0 <= L.max_resident_opponents <= 63,
          "be in [0, 63]: old and new residents share 127 int8 group ids"),
@@ -922,9 +948,11 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("ladder.gate.champion_games", G.champion_games % 2 == 0 and 2 <= G.champion_games <= twice, paired),
         ("ladder.gate.champion_lower_bound", 0 < G.champion_lower_bound < 1, "be in (0, 1)"),
         ("ladder.gate.anchor_games", G.anchor_games % 2 == 0 and 2 <= G.anchor_games <= twice, paired),
-        ("ladder.gate.anchor_tolerance_pp", 0 <= G.anchor_tolerance_pp <= 100, "be in [0, 100] percentage points"),
+        ("ladder.gate.anchor_tolerance_pp", 0 <= G.anchor_tolerance_pp <= 100,
+         "be in [0, 100] percentage points"),
         ("ladder.gate.stratified_snapshots", G.stratified_snapshots >= 0, nonneg),
-        ("ladder.gate.stratified_games", G.stratified_games % 2 == 0 and 2 <= G.stratified_games <= twice, paired),
+        ("ladder.gate.stratified_games", G.stratified_games % 2 == 0 and 2 <= G.stratified_games <= twice,
+         paired),
         ("ladder.gate.bootstrap_resamples", G.bootstrap_resamples >= 1, "be >= 1"),
         ("checkpoint.every_env_steps", args.checkpoint.every_env_steps >= 1, "be >= 1"),
         ("checkpoint.keep", args.checkpoint.keep >= 1, "be >= 1"),
@@ -954,10 +982,11 @@ def check_seat_decks(sd: SeatDecks) -> None:
     or a shuffle needs a deck to go with."""
     for where, deck in seat_deck_names(sd):
         if len(deck) != DECK_SIZE or len(set(deck)) != DECK_SIZE:
-            raise ConfigError(f"{where} {' '.join(deck) or '(none)'}: must be {DECK_SIZE} distinct card names")
+            raise ConfigError(f"{where} {' '.join(deck) or '(none)'}: "
+                              f"must be {DECK_SIZE} distinct card names")
     if not sd.deck and (sd.field or sd.shuffle != "independent"):
-        raise ConfigError("ladder.seat_decks.field and .shuffle: must come with ladder.seat_decks.deck, the deck "
-                          "they are dealt against")
+        raise ConfigError("ladder.seat_decks.field and .shuffle: must come with ladder.seat_decks.deck, "
+                          "the deck they are dealt against")
     if sd.shuffle not in SHUFFLES:
         raise ConfigError(f"--ladder.seat-decks.shuffle {sd.shuffle!r}: must be one of {', '.join(SHUFFLES)}")
 
@@ -1012,8 +1041,9 @@ def check_seed_snapshots(seeds: Sequence[SeedSnapshot]) -> None:
 def resolve_device(args: Args) -> torch.device:
     """A profile that wants CUDA on a machine without it stops with a message, not a traceback."""
     if args.net.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"profile {args.profile!r} wants net.device={args.net.device} but this machine has no "
-                          "CUDA device: run with --profile cpu (or --net.device cpu --net.autocast-dtype float32)")
+        raise ConfigError(f"profile {args.profile!r} wants net.device={args.net.device} but this machine "
+                          "has no CUDA device: run with --profile cpu "
+                          "(or --net.device cpu --net.autocast-dtype float32)")
     return torch.device(args.net.device)
 
 
@@ -1030,7 +1060,8 @@ def ratio_atol(args: Args) -> float:
 # field fails at start-up, naming itself.
 HAND_CARDS, HAND_COST, HAND_AFFORDABLE = "own_hand_cards", "own_hand_cost", "own_hand_affordable"
 OWN_ELIXIR = "own_elixir"   # read for env/mean_elixir_at_decision only; a builder without it omits the key
-CLOCK = "clock"   # read by Bot alone: its first entry, regular time left, is 1.0 at an episode's first observation
+CLOCK = "clock"   # read by Bot alone: its first entry, regular time left, is 1.0 at an episode's
+                  # first observation
 
 # Width of the per-tile card-identity embedding (design 5.1): a module constant, not a config
 # field, so runs without card identity keep their arch_digest.
@@ -1086,7 +1117,8 @@ def geometry_from_env(obs_space: Any, builder: Any, frame_stack: int = 1) -> Net
     layout = tuple((f.key, int(f.size)) for f in builder.vector_layout())
     V = int(obs_space["vector"].shape[0])
     if sum(w for _, w in layout) != V:
-        raise ConfigError(f"vector_layout sums to {sum(w for _, w in layout)} but the obs space's vector is {V}")
+        raise ConfigError(f"vector_layout sums to {sum(w for _, w in layout)} "
+                          f"but the obs space's vector is {V}")
     has_planes = "mask_planes" in obs_space.spaces
     if has_planes:
         P = int(obs_space["mask_planes"].shape[0])
@@ -1125,7 +1157,8 @@ class MaskedCategorical:
         if logits.dtype != torch.float32:
             raise TypeError(f"MaskedCategorical needs float32 logits (design 5.2), got {logits.dtype}")
         if mask.dtype != torch.bool or mask.shape != logits.shape:
-            raise TypeError(f"mask must be bool of shape {tuple(logits.shape)}, got {mask.dtype} {tuple(mask.shape)}")
+            raise TypeError(f"mask must be bool of shape {tuple(logits.shape)}, "
+                            f"got {mask.dtype} {tuple(mask.shape)}")
         if check_noop:
             refuse_clear_noop(mask)
         self.mask = mask
@@ -1161,8 +1194,9 @@ class MaskedCategorical:
         plogp = lp.exp() * lp
         grid = 1 + slots * tiles
         tile_lp = self.logp[:, 1:grid].reshape(B, slots, tiles)
-        card_lp = torch.cat([torch.logsumexp(tile_lp, -1), self.logp[:, grid:]], -1)   # log P(card); a button is one
-        act_lp = torch.logsumexp(card_lp, -1)                                       # log P(act)
+        # log P(card); a button is one
+        card_lp = torch.cat([torch.logsumexp(tile_lp, -1), self.logp[:, grid:]], -1)
+        act_lp = torch.logsumexp(card_lp, -1)   # log P(act)
         gate = -(plogp[:, 0] + p_log_p(act_lp))
         candidate = -p_log_p(card_lp).sum(-1) + p_log_p(act_lp)
         tile = -plogp[:, 1:grid].sum(-1) + p_log_p(card_lp[:, :slots]).sum(-1)
@@ -1217,7 +1251,8 @@ def decode_fn(mode: str, path: str) -> Decode:
     def plugin(d: MaskedCategorical, vector: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         a = torch.as_tensor(fn(d.logp.clone(), d.mask.clone(), vector, u))
         n, A = d.mask.shape
-        bad = "" if a.shape == (n,) and not a.is_floating_point() else f"returned {a.dtype} of shape {tuple(a.shape)}"
+        bad = ("" if a.shape == (n,) and not a.is_floating_point()
+               else f"returned {a.dtype} of shape {tuple(a.shape)}")
         if not bad:
             a = a.to(device=d.mask.device, dtype=torch.int64)
             ok = (a >= 0) & (a < A)
@@ -1226,8 +1261,8 @@ def decode_fn(mode: str, path: str) -> Decode:
                 r = int(torch.nonzero(~ok)[0])
                 bad = f"chose action {int(a[r])} on row {r}, which its mask forbids"
         if bad:
-            raise ConfigError(f"{flag(path)} {mode!r} {bad}: a decode returns one legal action (int) for each "
-                              f"of the {n} rows")
+            raise ConfigError(f"{flag(path)} {mode!r} {bad}: a decode returns one legal action (int) "
+                              f"for each of the {n} rows")
         return a
     return plugin
 
@@ -1244,11 +1279,13 @@ def plugin_files(*modes: str) -> list[Path]:
     return out
 
 
-def factored_log_probs(gate: torch.Tensor, choices: torch.Tensor, tiles: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def factored_log_probs(gate: torch.Tensor, choices: torch.Tensor, tiles: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
     """The factored head's three stages as one (B, A) row of flat log-probabilities in the env's
     encoding [no-op, (slot, tile) in C order, buttons], all float32 (design 5.1):
       p(no-op)          = 1 - sigmoid(gate)
-      p(slot s, tile t) = sigmoid(gate) * softmax(choices over candidates)[s] * softmax(tiles[s] over its legal tiles)[t]
+      p(slot s, tile t) = sigmoid(gate) * softmax(choices over candidates)[s]
+                          * softmax(tiles[s] over its legal tiles)[t]
       p(button b)       = sigmoid(gate) * softmax(choices over candidates)[P + b]
     gate (B,), choices (B, P + NB), tiles (B, P, H*W). A slot is a candidate when any of its tiles
     is legal, a button when it is; a row without a candidate waits at log-prob exactly 0. The
@@ -1260,16 +1297,19 @@ def factored_log_probs(gate: torch.Tensor, choices: torch.Tensor, tiles: torch.T
     choice_ok = torch.cat([tile_ok.any(-1), mask[:, 1 + P * HW:]], -1)
     acts = choice_ok.any(-1)
     wait = torch.where(acts, F.logsigmoid(-gate), torch.zeros_like(gate))
-    play = F.logsigmoid(gate)[:, None] + torch.log_softmax(choices.masked_fill(~choice_ok, fmin), -1).masked_fill(~choice_ok, 0.0)
+    play = (F.logsigmoid(gate)[:, None]
+            + torch.log_softmax(choices.masked_fill(~choice_ok, fmin), -1).masked_fill(~choice_ok, 0.0))
     tile_lp = torch.log_softmax(tiles.masked_fill(~tile_ok, fmin), -1).masked_fill(~tile_ok, 0.0)
-    return torch.cat([wait[:, None], (play[:, :P, None] + tile_lp).reshape(B, -1), play[:, P:]], -1).masked_fill(~mask, 0.0)
+    return torch.cat([wait[:, None], (play[:, :P, None] + tile_lp).reshape(B, -1), play[:, P:]],
+                     -1).masked_fill(~mask, 0.0)
 
 
 def refuse_clear_noop(mask: torch.Tensor) -> None:
     """The no-op is always legal, so a row without it is a bug upstream: refused by row number."""
     if not bool(mask[:, 0].all()):
         rows = torch.nonzero(~mask[:, 0]).flatten()[:16].tolist()
-        raise ValueError(f"mask[NOOP] must be True (royalegym action.py sets it always); rows {rows} have it clear")
+        raise ValueError(f"mask[NOOP] must be True (royalegym action.py sets it always); "
+                         f"rows {rows} have it clear")
 
 
 def forced_rows(mask: np.ndarray) -> np.ndarray:
@@ -1469,7 +1509,8 @@ class CardQueries(nn.Module):
         super().__init__()
         C = net.channels
         self.geo = geo
-        self.cards_at, self.cost_at, self.afford_at = geo.field(HAND_CARDS), geo.field(HAND_COST), geo.field(HAND_AFFORDABLE)
+        self.cards_at, self.cost_at, self.afford_at = (geo.field(HAND_CARDS), geo.field(HAND_COST),
+                                                       geo.field(HAND_AFFORDABLE))
         self.K = geo.card_vocab()
         self.fp = nn.Sequential(*_conv_gn(C, C, net.norm_groups), nn.ReLU())
         self.card = nn.Embedding(self.K, C)
@@ -1484,7 +1525,8 @@ class CardQueries(nn.Module):
         B, P = x.shape[0], self.geo.hand_size
         fp = self.fp(x)
         card_id = vector[:, self.cards_at].reshape(B, P, self.K).argmax(-1)
-        q_in = torch.cat([self.card(card_id), vector[:, self.cost_at, None], vector[:, self.afford_at, None]], -1).to(fp.dtype)
+        q_in = torch.cat([self.card(card_id), vector[:, self.cost_at, None], vector[:, self.afford_at, None]],
+                         -1).to(fp.dtype)
         q = at_batch_shape(self.q, q_in, rows)
         tiles = torch.einsum("bcyx,bkc->bkyx", fp, q) * self.scale
         return q_in, q, tiles, board_pool(fp)
@@ -1502,14 +1544,16 @@ class PointerHead(CardQueries):
         self.buttons = nn.Linear(2 * C, geo.n_buttons) if geo.n_buttons else None
         self.noop_bias = float(net.noop_bias)
 
-    def forward(self, x: torch.Tensor, vector: torch.Tensor, mask: torch.Tensor, rows: Rows | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, vector: torch.Tensor, mask: torch.Tensor,
+                rows: Rows | None = None) -> torch.Tensor:
         """x: the trunk's rows; vector: the whole batch's, of which `rows` are x's (None: all). The
         mask is not read: the logits are masked in MaskedCategorical (FactoredHead reads it)."""
         if rows is not None:
             vector = vector[rows.idx]
         q_in, _, tiles, pooled = self.queries(x, vector, rows)
         tiles = tiles + at_batch_shape(self.qb, q_in, rows)[..., None]
-        parts = [at_batch_shape(self.noop, pooled, rows).float() + self.noop_bias, tiles.reshape(x.shape[0], -1).float()]
+        parts = [at_batch_shape(self.noop, pooled, rows).float() + self.noop_bias,
+                 tiles.reshape(x.shape[0], -1).float()]
         if self.buttons is not None:
             parts.append(at_batch_shape(self.buttons, pooled, rows).float())
         return torch.cat(parts, -1)  # float32 always (design 5.2)
@@ -1530,7 +1574,8 @@ class FactoredHead(CardQueries):
         self.gate = nn.Linear(2 * C, 1)
         self.buttons = nn.Linear(2 * C, geo.n_buttons) if geo.n_buttons else None
 
-    def forward(self, x: torch.Tensor, vector: torch.Tensor, mask: torch.Tensor, rows: Rows | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, vector: torch.Tensor, mask: torch.Tensor,
+                rows: Rows | None = None) -> torch.Tensor:
         """x: the trunk's rows; vector and mask: the whole batch's, of which `rows` are x's (None: all)."""
         if rows is not None:
             vector, mask = vector[rows.idx], mask[rows.idx]
@@ -1594,12 +1639,13 @@ class ValueHead(nn.Module):
         C = net.channels
         self.geo = geo
         self.vfeat = nn.Linear(geo.vector_size, net.vector_embed)
-        self.mlp = nn.Sequential(nn.Linear(2 * C + net.vector_embed + geo.hand_size, net.value_hidden), nn.ReLU(),
-                                 nn.Linear(net.value_hidden, 1))
+        self.mlp = nn.Sequential(nn.Linear(2 * C + net.vector_embed + geo.hand_size, net.value_hidden),
+                                 nn.ReLU(), nn.Linear(net.value_hidden, 1))
 
     def forward(self, x: torch.Tensor, obs: Any) -> torch.Tensor:
         pooled = board_pool(x)
-        feat = torch.cat([pooled, self.vfeat(obs.vector).to(pooled.dtype), legal_frac(obs.mask, self.geo).to(pooled.dtype)], 1)
+        feat = torch.cat([pooled, self.vfeat(obs.vector).to(pooled.dtype),
+                          legal_frac(obs.mask, self.geo).to(pooled.dtype)], 1)
         return self.mlp(feat).squeeze(-1).float()
 
 
@@ -1616,7 +1662,8 @@ class ActorCritic(nn.Module):
     def __init__(self, geo: NetGeometry, net: "NetArgs", master_seed: int) -> None:
         super().__init__()
         if net.channels % net.norm_groups:
-            raise ConfigError(f"net.channels {net.channels} is not divisible by net.norm_groups {net.norm_groups}")
+            raise ConfigError(f"net.channels {net.channels} is not divisible by "
+                              f"net.norm_groups {net.norm_groups}")
         self.geo, self.net = geo, net
         self.actor_trunk = Trunk(geo, net)
         self.critic_trunk = Trunk(geo, net) if net.separate_trunks else None
@@ -1645,7 +1692,8 @@ class ActorCritic(nn.Module):
 
     def logits(self, obs: Any, rows: Rows | None = None) -> torch.Tensor:
         with self._ctx(obs.vector.device.type):
-            return self.policy(self.actor_trunk(obs, rows), obs.vector, self.policy_mask(obs.mask), rows).float()
+            return self.policy(self.actor_trunk(obs, rows), obs.vector, self.policy_mask(obs.mask),
+                               rows).float()
 
     def value(self, obs: Any) -> torch.Tensor:
         with self._ctx(obs.vector.device.type):
@@ -1658,7 +1706,8 @@ class ActorCritic(nn.Module):
         return MaskedCategorical(self.logits(obs, rows), mask, check_noop=check_noop)
 
     @torch.no_grad()
-    def act_and_hold(self, obs: Any, u: torch.Tensor, forced: np.ndarray, decode: Decode = sample_decode) -> Acted:
+    def act_and_hold(self, obs: Any, u: torch.Tensor, forced: np.ndarray,
+                     decode: Decode = sample_decode) -> Acted:
         """Rollout inference: actions from the caller's uniforms, their log-probs to store, and
         each row's p(no-op), the rollout's own hold probability (design 9.2's policy/rollout_hold_*,
         measured on the policy that chose, not the one the update moved). forced: forced_rows of
@@ -1697,7 +1746,8 @@ def init_weights(model: ActorCritic, gen: torch.Generator) -> None:
     head = model.policy
     small = {id(m) for m in head.modules() if isinstance(m, nn.Linear)}
     last_value = model.value_head.mlp[-1]
-    zero = {id(t.glob) for t in (model.actor_trunk, model.critic_trunk) if t is not None and t.glob is not None}
+    zero = {id(t.glob) for t in (model.actor_trunk, model.critic_trunk)
+            if t is not None and t.glob is not None}
     for m in model.modules():
         if id(m) in zero:
             nn.init.zeros_(m.weight)
@@ -1760,7 +1810,8 @@ class Comm:
 
     def __init__(self, device: torch.device | str = "cpu", on: bool = False, rank: int = 0, world: int = 1,
                  backend: str = "") -> None:
-        self.device, self.on, self.rank, self.world, self.backend = torch.device(device), on, rank, world, backend
+        self.device, self.on, self.rank, self.world, self.backend = (torch.device(device), on, rank, world,
+                                                                     backend)
 
     @property
     def voice(self) -> bool:
@@ -1844,8 +1895,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, final_values: torch.Tensor,
     return out, out + values[:T]
 
 
-def smdp_gae(rewards: torch.Tensor, values: torch.Tensor, final_values: torch.Tensor, terminated: torch.Tensor,
-             truncated: torch.Tensor, choice: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def smdp_gae(rewards: torch.Tensor, values: torch.Tensor, final_values: torch.Tensor,
+             terminated: torch.Tensor, truncated: torch.Tensor, choice: torch.Tensor, gamma: float,
+             lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over decisions rather than ticks (design 6.6): one backward loop of T steps over (R,)
     vectors, the same arguments as gae() plus choice (T, R), the cells whose mask offered more
     than the no-op.
@@ -2003,7 +2055,8 @@ def obs_rows(obs: Any, sel: torch.Tensor) -> Any:
 
 
 
-def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_range: float, dual_clip_c: float) -> torch.Tensor:
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_range: float,
+                      dual_clip_c: float) -> torch.Tensor:
     """Per-sample PPO objective L_i (to be maximised). For A < 0 the plain min does not bound
     the loss below, and in a masked space of thousands of actions a rarely sampled action's ratio can be
     enormous, so the dual clip floors it at c * A (design 6.3)."""
@@ -2061,11 +2114,13 @@ class _Acc:
             return
         n = len(self.epoch_kl)
         local = [float(self.s.get(k, 0.0)) for k in self.KEYS] + [float(x) for x in self.epoch_kl] + \
-            [float(x) for x in self.epoch_clip] + [float(x) for x in self.epoch_n] + [self.actor_rows, self.actor_forwards]
+            [float(x) for x in self.epoch_clip] + [float(x) for x in self.epoch_n] + \
+            [self.actor_rows, self.actor_forwards]
         tot = comm.sum_(torch.tensor(local, dtype=torch.float64, device=comm.device)).tolist()
-        self.s = dict(zip(self.KEYS, tot))
+        self.s = dict(zip(self.KEYS, tot, strict=False))
         k = len(self.KEYS)
-        self.epoch_kl, self.epoch_clip, self.epoch_n = tot[k:k + n], tot[k + n:k + 2 * n], tot[k + 2 * n:k + 3 * n]
+        self.epoch_kl, self.epoch_clip, self.epoch_n = (tot[k:k + n], tot[k + n:k + 2 * n],
+                                                        tot[k + 2 * n:k + 3 * n])
         self.actor_rows, self.actor_forwards = int(tot[-2]), int(tot[-1])
 
 
@@ -2089,7 +2144,7 @@ def ratio_invariant(ac: ActorCritic, data: Any, perm0: np.ndarray, minibatch_siz
     worst = float(dev.max())
     if outliers is not None:
         top = torch.argsort(dev, descending=True, stable=True)[:10].cpu().numpy()
-        for j, lab in zip(top, data.label(idx[top])):
+        for j, lab in zip(top, data.label(idx[top]), strict=True):
             o: dict[str, Any] = {"sample": lab, "ratio": float(ratio[j]), "abs_dev": float(dev[j])}
             if hasattr(data, "t") and hasattr(data, "r"):
                 o["cycle"], o["slot"] = int(data.t[idx[j]]), int(data.r[idx[j]])
@@ -2168,12 +2223,14 @@ def accumulate_batch(ac: ActorCritic, data: Any, bidx: np.ndarray, ppo: "PPOArgs
                 acc.add("clip", clip)
                 acc.add("dual", ((adv < 0) & (ppo.dual_clip_c * adv > surr) & ch).to(torch.float32).sum())
                 acc.add("entropy", (ent * chf).sum())
-                acc.add("entropy_norm", (ent / torch.log(dist.n_legal().clamp_min(2).to(torch.float32)) * chf).sum())
+                acc.add("entropy_norm",
+                        (ent / torch.log(dist.n_legal().clamp_min(2).to(torch.float32)) * chf).sum())
                 acc.add("noop_entropy", (ent2 * chf).sum())
                 if teacher is not None:
                     acc.add("kl_teacher", (kl_t * chf).sum())
                 if ppo.entropy_coef_stages is not None:
-                    for key, h in zip(("entropy_gate", "entropy_candidate", "entropy_tile"), stages):
+                    for key, h in zip(("entropy_gate", "entropy_candidate", "entropy_tile"), stages,
+                                      strict=True):
                         acc.add(key, (h * chf).sum())
                     acc.add("p_act", ((1.0 - dist.logp[:, 0].exp()) * chf).sum())
                 acc.add("policy_obj_choice", (obj * chf).sum())
@@ -2202,7 +2259,8 @@ def _debug_checks(m: Minibatch, data: Any, idx: np.ndarray) -> None:
     if not bool(legal.all()):
         bad = np.asarray(idx)[(~legal).cpu().numpy()][:10]
         raise StoredActionIllegal(f"stored actions illegal under their stored masks at {data.label(bad)}: "
-                                  f"the rollout and update masks disagree (a mask bug, not a learning problem)")
+                                  f"the rollout and update masks disagree "
+                                  f"(a mask bug, not a learning problem)")
     if not bool(torch.isfinite(m.log_prob).all()):
         bad = np.asarray(idx)[(~torch.isfinite(m.log_prob)).cpu().numpy()][:10]
         raise NonFiniteLogProb(f"stored log-probs not finite at {data.label(bad)}")
@@ -2258,8 +2316,8 @@ def _epochs(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch
     # zero gradient, so no collective waits on a rank that has stopped calling it
     n_batches = int(comm.most(-(-data.n // ppo.batch_size)))
     for e in range(ppo.n_epochs):
-        perm = perm0 if e == 0 else \
-            derive_generator(master_seed, f"ppo/minibatch/iteration/{iteration}/epoch/{e}").permutation(data.n)
+        perm = perm0 if e == 0 else derive_generator(
+            master_seed, f"ppo/minibatch/iteration/{iteration}/epoch/{e}").permutation(data.n)
         for start in range(0, n_batches * ppo.batch_size, ppo.batch_size):
             opt_actor.zero_grad(set_to_none=True)
             opt_critic.zero_grad(set_to_none=True)
@@ -2272,7 +2330,8 @@ def _epochs(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch
             gnc = nn.utils.clip_grad_norm_(pc, ppo.max_grad_norm)
             if not bool(torch.isfinite(gna) & torch.isfinite(gnc)):  # one sync per optimizer step
                 raise NonFiniteGradient(f"non-finite gradient at iteration {iteration} epoch {e} batch "
-                                        f"{start // ppo.batch_size}: actor norm {float(gna)}, critic norm {float(gnc)}")
+                                        f"{start // ppo.batch_size}: actor norm {float(gna)}, "
+                                        f"critic norm {float(gnc)}")
             acc.grad_norm_actor.append(gna.detach())
             acc.grad_norm_critic.append(gnc.detach())
             if actor_steps:
@@ -2282,11 +2341,12 @@ def _epochs(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch
     return steps
 
 
-def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer, data: Any,
-               ppo: "PPOArgs", *, ent_coef: float, ent_coef_noop: float, master_seed: int, iteration: int,
-               debug: bool, check_ratio: bool, ratio_atol: float,
+def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer,
+               data: Any, ppo: "PPOArgs", *, ent_coef: float, ent_coef_noop: float, master_seed: int,
+               iteration: int, debug: bool, check_ratio: bool, ratio_atol: float,
                ratio_outliers: list[dict[str, Any]] | None = None, comm: Comm = SOLO,
-               actor_steps: bool = True, teacher: tuple[ActorCritic, float] | None = None) -> dict[str, float]:
+               actor_steps: bool = True,
+               teacher: tuple[ActorCritic, float] | None = None) -> dict[str, float]:
     """n_epochs passes over data in batches of ppo.batch_size (the last one smaller, never
     dropped), one optimizer step per batch, each optimizer's gradient clipped on its own; the
     actor's optimizer steps only when actor_steps (WarmArgs.critic_iterations); teacher: see
@@ -2298,11 +2358,12 @@ def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: to
     before_a, before_c = _flat(pa), _flat(pc)
     perm0 = derive_generator(master_seed, f"ppo/minibatch/iteration/{iteration}/epoch/0").permutation(data.n)
     with unfilled_empty_tensors():
-        acc.ratio_dev = comm.most(ratio_invariant(ac, data, perm0, ppo.minibatch_size, check_ratio, ratio_atol,
-                                                  ratio_outliers))   # the worst rank's: its alarm halts
-        steps = _epochs(ac, opt_actor, opt_critic, data, ppo, acc, perm0, ent_coef=ent_coef, ent_coef_noop=ent_coef_noop,
-                        master_seed=master_seed, iteration=iteration, debug=debug, comm=comm,
-                        actor_steps=actor_steps, teacher=teacher)
+        # the worst rank's: its alarm halts
+        acc.ratio_dev = comm.most(ratio_invariant(ac, data, perm0, ppo.minibatch_size, check_ratio,
+                                                  ratio_atol, ratio_outliers))
+        steps = _epochs(ac, opt_actor, opt_critic, data, ppo, acc, perm0, ent_coef=ent_coef,
+                        ent_coef_noop=ent_coef_noop, master_seed=master_seed, iteration=iteration,
+                        debug=debug, comm=comm, actor_steps=actor_steps, teacher=teacher)
     acc.reduce(comm)
     s = {k: float(v) for k, v in acc.s.items()}
     nc = max(acc.choice_rows, 1)
@@ -2331,7 +2392,8 @@ def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: to
     if teacher is not None:
         out["ppo/kl_teacher"] = s.get("kl_teacher", 0.0) / nc
     if ppo.entropy_coef_stages is not None:   # what the stages' coefficients act on, choice rows
-        out.update({f"ppo/{k}": s.get(k, 0.0) / nc for k in ("entropy_gate", "entropy_candidate", "entropy_tile", "p_act")})
+        out.update({f"ppo/{k}": s.get(k, 0.0) / nc
+                    for k in ("entropy_gate", "entropy_candidate", "entropy_tile", "p_act")})
     for e in range(ppo.n_epochs):
         n = max(acc.epoch_n[e], 1)
         out[f"ppo/kl_epoch{e}"] = float(acc.epoch_kl[e]) / n
@@ -2366,7 +2428,8 @@ class LrBackoff:
         return {"count": self.count, "lr_actor": self.lr_actor, "lr_critic": self.lr_critic}
 
     def load_state(self, d: dict[str, Any]) -> None:
-        self.count, self.lr_actor, self.lr_critic = int(d["count"]), float(d["lr_actor"]), float(d["lr_critic"])
+        self.count, self.lr_actor, self.lr_critic = (int(d["count"]), float(d["lr_actor"]),
+                                                     float(d["lr_critic"]))
 
 
 
@@ -2390,7 +2453,8 @@ class ForcedRowInconsistent(IterationInvariantError): ...
 
 def _cells(mask: np.ndarray, n: int = 10) -> str:
     t, r = np.nonzero(mask)
-    return ", ".join(f"(cycle {a}, slot {b})" for a, b in zip(t[:n].tolist(), r[:n].tolist())) + \
+    return ", ".join(f"(cycle {a}, slot {b})"
+                     for a, b in zip(t[:n].tolist(), r[:n].tolist(), strict=True)) + \
         (f" and {len(t) - n} more" if len(t) > n else "")
 
 
@@ -2402,8 +2466,9 @@ def check_iteration(*, rounds: int, expected_rounds: int, trainable: np.ndarray,
     if rounds != expected_rounds:
         raise RoundsMissing(f"{rounds} rounds collected, expected T * shards_per_worker = {expected_rounds}")
     if trainable.sum() < 0.98 * timesteps_per_iteration:
-        raise TrainableRowsShort(f"{int(trainable.sum())} trainable cells, under 98% of ppo.timesteps_per_iteration "
-                                 f"{timesteps_per_iteration}: workers died or the mixture starves the learner")
+        raise TrainableRowsShort(f"{int(trainable.sum())} trainable cells, under 98% of "
+                                 f"ppo.timesteps_per_iteration {timesteps_per_iteration}: workers died "
+                                 "or the mixture starves the learner")
     bad = trainable & ~np.isfinite(log_prob)
     if bad.any():
         raise NonFiniteLogProb(f"non-finite stored log-prob at {_cells(bad)}")
@@ -2419,8 +2484,9 @@ def check_iteration(*, rounds: int, expected_rounds: int, trainable: np.ndarray,
         g[:, 0::2] = blue != red
         raise EpisodesUnpaired(f"a battle's two seats ended episodes on different cycles at {_cells(g)}")
     if abs(discarded_rows_frac - expected_discarded_frac) >= 0.05:
-        raise MixtureDrifted(f"discarded_rows_frac {discarded_rows_frac:.3f} vs {expected_discarded_frac:.3f} expected "
-                             f"from ladder.mix: the matchmaker is not drawing the configured mixture")
+        raise MixtureDrifted(f"discarded_rows_frac {discarded_rows_frac:.3f} "
+                             f"vs {expected_discarded_frac:.3f} expected from ladder.mix: "
+                             "the matchmaker is not drawing the configured mixture")
     changed = np.zeros_like(group, dtype=bool)
     # a worker's death turns its cells dead mid-episode: not a change of policy (design 3.7)
     changed[1:] = (group[1:] != group[:-1]) & ~episode_end[:-1].astype(bool) & (group[1:] != farm.GROUP_DEAD)
@@ -2429,8 +2495,8 @@ def check_iteration(*, rounds: int, expected_rounds: int, trainable: np.ndarray,
     forced = trainable & (n_legal == 1)
     bad = forced & ((log_prob != 0.0) | (action != 0))
     if bad.any():
-        raise ForcedRowInconsistent(f"forced cells (one legal action) must store log-prob exactly 0.0 and the no-op "
-                                    f"(design 6.5); not so at {_cells(bad)}")
+        raise ForcedRowInconsistent(f"forced cells (one legal action) must store log-prob exactly 0.0 "
+                                    f"and the no-op (design 6.5); not so at {_cells(bad)}")
 
 
 
@@ -2450,7 +2516,8 @@ def train(args: Args, *, max_iterations: int | None = None, quiet: bool = False,
     are put back on the way out, so a caller in the same process (a test, checks.py) keeps its own."""
     check_consistency(args)   # design 1.3: an Args built in code is held to the rules the command line is
     # where the run will write, before the start-up gates' seconds: a file, or a read-only disk, in its way
-    check_writable(Path(resume).parent.parent if resume else Path(args.runs_dir), "--resume" if resume else "--runs-dir")
+    check_writable(Path(resume).parent.parent if resume else Path(args.runs_dir),
+                   "--resume" if resume else "--runs-dir")
     comm = open_comm(args)    # torchrun's ranks, or SOLO (design 3.10)
     try:
         with process_settings_kept():
@@ -2471,7 +2538,8 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
     first = learner.iteration
     run.announce(env)
     try:
-        while learner.timesteps < args.timestep_limit and (max_iterations is None or learner.iteration < max_iterations):
+        while (learner.timesteps < args.timestep_limit
+               and (max_iterations is None or learner.iteration < max_iterations)):
             iteration, t_it = learner.iteration, time.perf_counter()
             run.iteration = iteration + 1                # as its row will number it, whatever the phase
             sched = learner.schedule_values(args)        # gamma and entropy coefficients at this env step
@@ -2485,8 +2553,8 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
             plan = lad.plan(iteration, source.ordinals, opening if iteration == first else source.assignment)
             view.new_iteration(renumber=iteration > first)
             source.begin_iteration(plan)
-            run.boundary = Boundary(ordinals, lad.state(list(plan.assignment)), [int(g) for g in source.generation],
-                                    in_flight)
+            run.boundary = Boundary(ordinals, lad.state(list(plan.assignment)),
+                                    [int(g) for g in source.generation], in_flight)
             run.phase = "collect"
             roll = collect(source, view, learner.model, lad, env, run, iteration, first, sched["gamma"], t_it)
             roll.failures = found + roll.failures
@@ -2518,8 +2586,9 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
                 run.phase = "boundary"
                 halts = [(a, v) for a, v in run.record(row, roll.episodes) if a.severity == "halt"]
                 save_play_heatmaps(run.path, learner.iteration, roll, env, args.metrics.image_every)
-                ctl = "" if halts else read_control(run.path, quiet) or run.stop.asked   # Ctrl-C, SIGTERM: "q"
-                verdict = Verdict(halts, checkpoint_due(learner, env, args, ctl, lad_row), ctl == "q", lad.shared())
+                ctl = "" if halts else read_control(run.path, quiet) or run.stop.asked  # Ctrl-C, SIGTERM: "q"
+                verdict = Verdict(halts, checkpoint_due(learner, env, args, ctl, lad_row), ctl == "q",
+                                  lad.shared())
             verdict = comm.share(verdict)   # every rank acts on rank 0's decisions
             lad.follow(verdict.pool)
             halt_if_asked(run, learner, source, lad, verdict.halts, upd["outliers"])
@@ -2528,7 +2597,8 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
             if verdict.stop:
                 run.say_stopped(learner)   # where it stopped, and the resume command
                 break
-        if run.last_saved != learner.env_steps:   # the limit: save on the way out unless the last save holds it
+        # the limit: save on the way out unless the last save holds it
+        if run.last_saved != learner.env_steps:
             save_checkpoint(run, learner, boundary_now(source, lad))
     except (Exception, KeyboardInterrupt) as exc:   # KeyboardInterrupt is named: it is not an Exception
         saved = emergency_save(run, learner, source, lad, exc)
@@ -2575,7 +2645,8 @@ def open_comm(args: Args) -> Comm:
     # during a larger profile's gate. A failed rank does not wait this out: torchrun stops the rest.
     import datetime
     dist.init_process_group(backend, timeout=datetime.timedelta(hours=1))
-    return Comm(torch.device("cuda", local) if cuda else "cpu", True, dist.get_rank(), dist.get_world_size(), backend)
+    return Comm(torch.device("cuda", local) if cuda else "cpu", True, dist.get_rank(), dist.get_world_size(),
+                backend)
 
 
 def close_comm(comm: Comm) -> None:
@@ -2597,9 +2668,10 @@ def same_weights(comm: Comm, learner: Learner) -> None:
     digests = comm.everyone(learner.digest())
     bad = [r for r, d in enumerate(digests) if d != digests[0]]
     if bad:
-        raise RanksDiverged(f"after iteration {learner.iteration + 1}'s update rank(s) {bad} hold state_digest "
-                            f"{[digests[r][:16] for r in bad]}, rank 0 {digests[0][:16]}: the ranks' learners "
-                            f"diverged (a reduction missed, or a rank-local decision); the last checkpoint resumes")
+        raise RanksDiverged(f"after iteration {learner.iteration + 1}'s update rank(s) {bad} hold "
+                            f"state_digest {[digests[r][:16] for r in bad]}, rank 0 {digests[0][:16]}: "
+                            "the ranks' learners diverged (a reduction missed, or a rank-local decision); "
+                            "the last checkpoint resumes")
 
 
 def every_episode(comm: Comm, episodes: list[Any], n_battles: int) -> list[Any]:
@@ -2611,7 +2683,8 @@ def every_episode(comm: Comm, episodes: list[Any], n_battles: int) -> list[Any]:
     got = comm.everyone(episodes)
     if not comm.voice:
         return []
-    return [msgspec.structs.replace(e, battle=e.battle + r * n_battles) for r, eps in enumerate(got) for e in eps]
+    return [msgspec.structs.replace(e, battle=e.battle + r * n_battles)
+            for r, eps in enumerate(got) for e in eps]
 
 
 class Setup(NamedTuple):
@@ -2634,12 +2707,14 @@ def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: boo
     if stale and not quiet and comm.voice:
         print(stale, flush=True)
     env = read_env(args, comm)                # geometry, codec table and T x R, read off a reset env
-    check_gates([ram_gate(args, env, parameter_count(args, env))])   # design 3.8 step 9, before any allocation
+    check_gates([ram_gate(args, env, parameter_count(args, env))])  # design 3.8 step 9, before any allocation
     learner = Learner(args, env, comm)        # the network, its optimizers, scaler, backoff, positions
-    seeds = check_seeds(args, env, learner.model) if comm.voice and resume is None else []   # before any long step
+    # before any long step
+    seeds = check_seeds(args, env, learner.model) if comm.voice and resume is None else []
     run_startup_gates(args, env, learner.model, quiet or not comm.voice)   # design 3.8
     # a warm start (WarmArgs) makes v0 the clone of a scripted rung; every rank clones alike
-    cloned = warm_start(args, env, learner.model, quiet or not comm.voice) if resume is None and args.warm.rung else None
+    cloned = (warm_start(args, env, learner.model, quiet or not comm.voice)
+              if resume is None and args.warm.rung else None)
     t0 = time.perf_counter() if t_start is None else t_start
     if comm.voice:
         run = open_run(args, env, learner, resume, allow_drift, quiet, t0)    # identity; a resume restores
@@ -2652,7 +2727,8 @@ def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: boo
                 (run.path / "warm.json").write_bytes(msgspec.json.format(canonical_json(cloned)))
             lad = LadderLoop(args, run.path, run.rid, args.master_seed, env.n_battles, env.spec, env.table,
                              env.device, env.seed)
-            opening = start_ladder(lad, run, learner, env, seeds)   # v0 and the seeds, or the checkpoint's pool
+            # v0 and the seeds, or the checkpoint's pool
+            opening = start_ladder(lad, run, learner, env, seeds)
             comm.share((str(run.path), run.rid, run.identity, lad.shared()))
         else:
             lad = LadderLoop(args, run.path, run.rid, args.master_seed, env.n_battles, env.spec, env.table,
@@ -2660,7 +2736,8 @@ def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: boo
             opening = lad.load(run.ladder_saved) if run.ladder_saved is not None else None
             lad.follow(shared)
         lad.join(comm)
-        if teacher_on(args.warm):   # v0's snapshot, the clone in fp16: a fresh run, a resume, every rank alike
+        # v0's snapshot, the clone in fp16: a fresh run, a resume, every rank alike
+        if teacher_on(args.warm):
             v0 = lad.store.load(lad.pool.snapshot_id(lad.pool.v0))
             learner.teacher = actor_from_snapshot(*v0, env.device)
             learner.teacher.requires_grad_(False)
@@ -2752,10 +2829,11 @@ def read_env(args: Args, comm: Comm = SOLO) -> Env:
                                                               "hand_size": geo.hand_size})),
                      codec_version=codec.CODEC_VERSION, codec_table_digest=table.digest(),
                      royalegym_version=_pkg_version("royalegym"))
-    return Env(spec=spec, table=table, statics=statics, geo=geo, facts=facts, device=device, n_battles=n_battles,
-               R=2 * n_battles, T=-(-args.ppo.timesteps_per_iteration // learner_rows), learner_rows=learner_rows,
-               n_shards=args.rollout.workers * args.rollout.shards_per_worker,
-               seed=derive_int(seed, f"rank/{comm.rank}") if comm.on else seed, world=comm.world, rank=comm.rank,
+    return Env(spec=spec, table=table, statics=statics, geo=geo, facts=facts, device=device,
+               n_battles=n_battles, R=2 * n_battles, T=-(-args.ppo.timesteps_per_iteration // learner_rows),
+               learner_rows=learner_rows, n_shards=args.rollout.workers * args.rollout.shards_per_worker,
+               seed=derive_int(seed, f"rank/{comm.rank}") if comm.on else seed, world=comm.world,
+               rank=comm.rank,
                backend=comm.backend, card_names=tuple(c.name for c in cards))
 
 
@@ -2781,7 +2859,8 @@ class Cloned(NamedTuple):
 def clone_rows(args: Args, env: Env) -> Cloned:
     """args.warm.battles battles of the rung against itself, one episode each, on the run's env."""
     name, n = args.warm.rung.removeprefix("scripted:"), args.warm.battles
-    vec = farm.build_vec(env.spec, n, autoreset_seed_fn=lambda g, k: derive_int(args.master_seed, f"warm/battle/{g}/ordinal/{k}"))
+    vec = farm.build_vec(env.spec, n, autoreset_seed_fn=lambda g, k: derive_int(
+        args.master_seed, f"warm/battle/{g}/ordinal/{k}"))
     players = [farm.make_scripted(name) for _ in range(2 * n)]
     rngs = [derive_generator(args.master_seed, f"warm/slot/{i}") for i in range(2 * n)]
     packer, buf = codec.Packer(env.table), np.zeros((2 * n, env.table.row_bytes), np.uint8)
@@ -2802,7 +2881,8 @@ def clone_rows(args: Args, env: Env) -> Cloned:
     vec.close()
     if not out[0]:
         raise ConfigError(f"--warm.rung {args.warm.rung}: {n} battles gave no choice row to clone")
-    return Cloned(np.concatenate(out[0]), np.concatenate(out[1]).astype(np.int64), np.concatenate(out[2]), steps)
+    return Cloned(np.concatenate(out[0]), np.concatenate(out[1]).astype(np.int64), np.concatenate(out[2]),
+                  steps)
 
 
 def warm_start(args: Args, env: Env, model: ActorCritic, quiet: bool) -> dict[str, float]:
@@ -2841,8 +2921,9 @@ def warm_start(args: Args, env: Env, model: ActorCritic, quiet: bool) -> dict[st
     after = measure()   # <run>/warm.json keeps these numbers (set_up writes it)
     if not quiet:
         print(f"warm start: {args.warm.rung} cloned from {n:,} choice rows of {args.warm.battles} battles "
-              f"({data.game_steps:,} game-steps), {args.warm.epochs} epochs: cross-entropy {before[0]:.3f} -> "
-              f"{after[0]:.3f}, agreement with the rung {before[1]:.3f} -> {after[1]:.3f}", flush=True)
+              f"({data.game_steps:,} game-steps), {args.warm.epochs} epochs: "
+              f"cross-entropy {before[0]:.3f} -> {after[0]:.3f}, "
+              f"agreement with the rung {before[1]:.3f} -> {after[1]:.3f}", flush=True)
     return {"rows": n, "game_steps": data.game_steps, "loss_before": before[0], "loss_after": after[0],
             "agree_before": before[1], "agree_after": after[1]}
 
@@ -2866,7 +2947,8 @@ class Learner:
     def schedule_values(self, args: Args) -> dict[str, float]:
         """The schedules read at this env step (design 1.3: schedules are written in game-steps)."""
         teacher = {"teacher_kl": args.warm.teacher_kl.value(self.env_steps)} if teacher_on(args.warm) else {}
-        return {"gamma": args.advantage.gamma.value(self.env_steps), "ent_coef": args.ppo.ent_coef.value(self.env_steps),
+        return {"gamma": args.advantage.gamma.value(self.env_steps),
+                "ent_coef": args.ppo.ent_coef.value(self.env_steps),
                 "ent_coef_noop": args.ppo.ent_coef_noop.value(self.env_steps), **teacher}
 
     def advance(self, sched: dict[str, float], env: Env, roll: Rollout, upd: dict[str, Any]) -> None:
@@ -2887,7 +2969,8 @@ class Learner:
 
     def files(self, master_seed: int) -> dict[str, bytes]:
         return learner_files(self.model, self.opt_a, self.opt_c, self.scaler, self.positions(),
-                             capture_rng(master_seed, self.iteration), {"cumulative_model_updates": self.updates})
+                             capture_rng(master_seed, self.iteration),
+                             {"cumulative_model_updates": self.updates})
 
     def restore(self, files: dict[str, bytes]) -> None:
         """The inverse of files(): weights, moments, scaler, backoff, RNG and the counters."""
@@ -2917,7 +3000,8 @@ def boundary_now(source: Any, lad: LadderLoop) -> Boundary:
                     [int(g) for g in source.generation], source.in_flight())
 
 
-def start_ladder(lad: LadderLoop, run: Run, learner: Learner, env: Env, seeds: Sequence[Any]) -> list[Any] | None:
+def start_ladder(lad: LadderLoop, run: Run, learner: Learner, env: Env,
+                 seeds: Sequence[Any]) -> list[Any] | None:
     """A resumed run restores the pool and returns the saved assignment table (the farm's opening
     plan). A new run admits v0, the initial actor, as the first champion, so the pool and the
     gauge exist from the first iteration (design 7.4), and its seed snapshots (`seeds`: their
@@ -2925,8 +3009,8 @@ def start_ladder(lad: LadderLoop, run: Run, learner: Learner, env: Env, seeds: S
     if run.ladder_saved is not None:
         return lad.load(run.ladder_saved)
     # with seed snapshots the training pool is theirs (design 7.3): v0 is the champion, not drawn
-    lad.admit(lad.snapshot(learner.model, learner.env_steps, env.facts.action_digest), learner.env_steps, promote=True,
-              sample=not seeds)
+    lad.admit(lad.snapshot(learner.model, learner.env_steps, env.facts.action_digest), learner.env_steps,
+              promote=True, sample=not seeds)
     lad.admit_seeds(seeds)
     return None
 
@@ -2944,7 +3028,8 @@ def check_seeds(args: Args, env: Env, model: ActorCritic) -> list[Any]:
     specs = []
     for i, sd in enumerate(args.ladder.seed_snapshots):
         try:
-            specs.append(ladder.check_seed(f"ladder.seed_snapshots[{i}] (seed:{sd.name})", sd.path, sd.sha256, expect))
+            specs.append(ladder.check_seed(f"ladder.seed_snapshots[{i}] (seed:{sd.name})", sd.path, sd.sha256,
+                                           expect))
         except ladder.SnapshotMismatch as e:
             raise ConfigError(str(e)) from None
     return specs
@@ -3034,7 +3119,8 @@ class RectView:
 
     def obs(self, t: np.ndarray, r: np.ndarray) -> Any:
         rows = self.rect[frame_stack_rows(t, self.k), r[:, None]]          # (n, k, row_bytes)
-        fv = torch.as_tensor(frame_valid(self.last_start, t, r, self.k), device=self.device) if self.k > 1 else None
+        fv = (torch.as_tensor(frame_valid(self.last_start, t, r, self.k), device=self.device)
+              if self.k > 1 else None)
         return codec.unpack(self.table, torch.as_tensor(rows, device=self.device), self.statics,
                             torch.as_tensor(r % 2, device=self.device), fv)
 
@@ -3139,8 +3225,8 @@ def tend_workers(source: Any, run: Run, failures: list[Any], before_plan: bool =
         path = run.path / f"{f'rank-{run.rank}-' if run.rank else ''}worker-{w}-generation-{g}.txt"
         with path.open("a") as fh:
             for f in mine:
-                fh.write(f"--- {ladder.utc_now()} worker {w} generation {g}, shard {f.shard}, cycle {f.cycle}: "
-                         f"{f.kind}\n{f.message.rstrip()}\n")
+                fh.write(f"--- {ladder.utc_now()} worker {w} generation {g}, shard {f.shard}, "
+                         f"cycle {f.cycle}: {f.kind}\n{f.message.rstrip()}\n")
         why = "restarts are off (--rollout.no-restart-failed-workers)"
         if r.restart_failed_workers:
             try:
@@ -3148,8 +3234,9 @@ def tend_workers(source: Any, run: Run, failures: list[Any], before_plan: bool =
                 if not run.quiet:   # the worker_failures alarm points the reader at this line
                     lost = "before this iteration's plan, no cell lost" if before_plan else \
                         "its cells this iteration dropped"
-                    print(f"{f'rank {run.rank} ' if run.rank else ''}worker {w} (generation {g}) failed ({mine[0].kind}, shard {mine[0].shard}, cycle "
-                          f"{mine[0].cycle}): restarted as generation {g + 1}, {lost}; what it said is in {path}",
+                    print(f"{f'rank {run.rank} ' if run.rank else ''}worker {w} (generation {g}) failed "
+                          f"({mine[0].kind}, shard {mine[0].shard}, cycle {mine[0].cycle}): "
+                          f"restarted as generation {g + 1}, {lost}; what it said is in {path}",
                           flush=True)
                 continue
             except farm.FarmError as e:
@@ -3227,13 +3314,14 @@ def critic_pass(model: ActorCritic, view: RectView, source: Any, roll: Rollout, 
     finals = [(ft, fr, raw) for (ft, fr), raw in sorted(source.finals.items()) if finals_at[ft, fr]]
     with torch.no_grad():
         for s in range(0, tt.size, chunk):
-            values[tt[s:s + chunk], rr[s:s + chunk]] = model.value(view.obs(tt[s:s + chunk], rr[s:s + chunk])).cpu().numpy()
+            values[tt[s:s + chunk], rr[s:s + chunk]] = model.value(
+                view.obs(tt[s:s + chunk], rr[s:s + chunk])).cpu().numpy()
         final_values = values[1:].copy()      # truncated without a final obs
         for ft, fr, raw in finals:
             rows = source.rect[frame_stack_rows(np.array([ft + 1]), k)[0], fr].copy()
             rows[-1] = raw
-            fv = (torch.as_tensor(frame_valid(view.last_start, np.array([ft + 1]), np.array([fr]), k, np.array([ft])),
-                                  device=env.device) if k > 1 else None)
+            fv = (torch.as_tensor(frame_valid(view.last_start, np.array([ft + 1]), np.array([fr]), k,
+                                              np.array([ft])), device=env.device) if k > 1 else None)
             fo = codec.unpack(env.table, torch.as_tensor(rows[None], device=env.device), env.statics,
                               torch.as_tensor([fr % 2], device=env.device), fv)
             final_values[ft, fr] = float(model.value(fo)[0])
@@ -3250,14 +3338,16 @@ def host_legality(view: RectView, action: np.ndarray, chunk: int) -> tuple[np.nd
     n_legal, legal = np.zeros((T, R), np.int64), np.zeros((T, R), bool)
     step = max(1, chunk // R)
     for t in range(0, T, step):
-        rows = view.rect[view.k - 1 + t: view.k - 1 + min(t + step, T)]   # cycle t's newest frame: row t + k - 1
+        # cycle t's newest frame: row t + k - 1
+        rows = view.rect[view.k - 1 + t: view.k - 1 + min(t + step, T)]
         mask = codec.host_mask(view.table, rows.reshape(-1, rows.shape[-1])).reshape(len(rows), R, -1)
         n_legal[t:t + len(rows)] = mask.sum(-1)
         legal[t:t + len(rows)] = np.take_along_axis(mask, action[t:t + len(rows), :, None], -1)[..., 0]
     return n_legal, legal
 
 
-def smdp_cells(trainable: np.ndarray, n_legal: np.ndarray, seed: int, iteration: int) -> tuple[np.ndarray, ...]:
+def smdp_cells(trainable: np.ndarray, n_legal: np.ndarray, seed: int,
+               iteration: int) -> tuple[np.ndarray, ...]:
     """(choice, sample, heldout), each (T, R) bool (design 6.6). The critic trains on the choice
     cells and on a uniform sample of the forced cells of equal count; V(row T) and the finals are
     read at forced states most of the time, so a critic fitted on choice cells alone would be
@@ -3284,8 +3374,9 @@ def check_rollout(roll: Rollout, crit: Critic, env: Env, args: Args) -> None:
     discarded = 1 - trainable.sum() / max(valid.sum(), 1)
     check_iteration(rounds=roll.rounds, expected_rounds=env.T * env.n_shards, trainable=trainable,
                     timesteps_per_iteration=0 if roll.failures else args.ppo.timesteps_per_iteration,
-                    log_prob=roll.log_prob, action_legal=crit.legal, deploy_status=roll.scalars["deploy_status"],
-                    episode_end=roll.scalars["episode_end"] != 0, group=roll.group, discarded_rows_frac=discarded,
+                    log_prob=roll.log_prob, action_legal=crit.legal,
+                    deploy_status=roll.scalars["deploy_status"], episode_end=roll.scalars["episode_end"] != 0,
+                    group=roll.group, discarded_rows_frac=discarded,
                     expected_discarded_frac=discarded if roll.failures else 1 - env.learner_rows / env.R,
                     action=roll.action, n_legal=crit.n_legal)
 
@@ -3314,11 +3405,12 @@ def advantages(scaler: WelfordReturnScaler, roll: Rollout, crit: Critic, gamma: 
     trainable = roll.trainable
     choice = trainable & (crit.n_legal > 1)
     rewards = np.where(roll.valid, roll.scalars["reward"], 0.0).astype(np.float64)
-    scaler.update(discounted_return_per_episode(rewards, roll.terminated | roll.truncated, gamma)[trainable], comm)
+    scaler.update(discounted_return_per_episode(rewards, roll.terminated | roll.truncated, gamma)[trainable],
+                  comm)
     rew_scaled, reward_clip_frac = scaler.scale(rewards)
     vals_t = torch.as_tensor(crit.values, dtype=torch.float32)
-    scan = (torch.as_tensor(rew_scaled), vals_t, torch.as_tensor(crit.final_values), torch.as_tensor(roll.terminated),
-            torch.as_tensor(roll.truncated))
+    scan = (torch.as_tensor(rew_scaled), vals_t, torch.as_tensor(crit.final_values),
+            torch.as_tensor(roll.terminated), torch.as_tensor(roll.truncated))
     if args.ppo.forced_rows == "smdp":
         adv, ret = smdp_gae(*scan, torch.as_tensor(choice), gamma, args.advantage.gae_lambda)
         fitted = choice | crit.sample   # the cells whose value the critic ran on and trains on
@@ -3332,7 +3424,8 @@ def advantages(scaler: WelfordReturnScaler, roll: Rollout, crit: Critic, gamma: 
              "ppo/advantage_mean_choice": float(pre.mean()) if pre.size else None,
              "ppo/explained_variance_choice": ev_on(choice) if pre.size > 1 else None}
     if crit.heldout is not None:
-        stats["ppo/explained_variance_forced_heldout"] = ev_on(crit.heldout) if crit.heldout.sum() > 1 else None
+        stats["ppo/explained_variance_forced_heldout"] = (ev_on(crit.heldout) if crit.heldout.sum() > 1
+                                                          else None)
     cells = choice if args.ppo.forced_rows in CHOICE_MEAN else trainable
     if args.ppo.advantage_standardization and comm.counts(int(cells.sum()))[0] > 1:
         adv_np = standardize_advantages(adv_np, cells, comm)
@@ -3346,7 +3439,8 @@ def no_update(roll: Rollout) -> tuple[Advantages, dict[str, Any]]:
     scale or learn from, so the scaler and the weights stay as they were and the row says so
     with ppo/optimizer_steps 0 and no loss keys."""
     zero = np.zeros(roll.action.shape, np.float32)
-    adv = Advantages(zero, zero, {"ppo/advantage_std_choice_pre_norm": None, "ppo/advantage_mean_choice": None,
+    adv = Advantages(zero, zero, {"ppo/advantage_std_choice_pre_norm": None,
+                                  "ppo/advantage_mean_choice": None,
                                   "ppo/explained_variance_choice": None}, None, 0.0, 0.0)
     return adv, {"ppo/optimizer_steps": 0.0, "ppo/actor_rows_seen": 0.0, "run/lr_backoff": False,
                  "time/update": 0.0, "outliers": [], "trainable_rows": 0, "update_rows": 0}
@@ -3361,17 +3455,17 @@ def update(learner: Learner, view: RectView, roll: Rollout, crit: Critic, adv: A
     t0 = time.perf_counter()
     cells = roll.trainable if crit.sample is None else (roll.trainable & (crit.n_legal > 1)) | crit.sample
     ct, cr = np.nonzero(cells)
-    data = RectData(view, ct, cr, roll.action[ct, cr], roll.log_prob[ct, cr], adv.adv[ct, cr], adv.ret[ct, cr],
-                    crit.n_legal[ct, cr])
+    data = RectData(view, ct, cr, roll.action[ct, cr], roll.log_prob[ct, cr], adv.adv[ct, cr],
+                    adv.ret[ct, cr], crit.n_legal[ct, cr])
     it, p = learner.iteration, args.ppo
     debug = it < p.debug_assert_iterations
     outliers: list[dict[str, Any]] = []
-    upd: dict[str, Any] = ppo_update(learner.model, learner.opt_a, learner.opt_c, data, p, ent_coef=sched["ent_coef"],
-                                     ent_coef_noop=sched["ent_coef_noop"], master_seed=args.master_seed, iteration=it,
-                                     debug=debug, check_ratio=debug or it % p.check_ratio_invariant_every == 0,
-                                     ratio_atol=ratio_atol(args), ratio_outliers=outliers, comm=learner.comm,
-                                     actor_steps=it >= args.warm.critic_iterations,
-                                     teacher=None if learner.teacher is None else (learner.teacher, sched["teacher_kl"]))
+    upd: dict[str, Any] = ppo_update(
+        learner.model, learner.opt_a, learner.opt_c, data, p, ent_coef=sched["ent_coef"],
+        ent_coef_noop=sched["ent_coef_noop"], master_seed=args.master_seed, iteration=it, debug=debug,
+        check_ratio=debug or it % p.check_ratio_invariant_every == 0, ratio_atol=ratio_atol(args),
+        ratio_outliers=outliers, comm=learner.comm, actor_steps=it >= args.warm.critic_iterations,
+        teacher=None if learner.teacher is None else (learner.teacher, sched["teacher_kl"]))
     upd["run/lr_backoff"] = learner.backoff.observe(upd["ppo/kl"])
     if upd["run/lr_backoff"]:
         learner.backoff.apply(learner.opt_a, learner.opt_c)
@@ -3393,14 +3487,15 @@ class RectData:
         self.n = int(len(cells_t))
         self.cols = {name: torch.as_tensor(v, device=view.device) for name, v in
                      (("action", action.astype(np.int64)), ("log_prob", log_prob.astype(np.float32)),
-                      ("adv", adv.astype(np.float32)), ("ret", ret.astype(np.float32)), ("n_legal", n_legal.astype(np.int64)))}
+                      ("adv", adv.astype(np.float32)), ("ret", ret.astype(np.float32)),
+                      ("n_legal", n_legal.astype(np.int64)))}
         self.n_legal = n_legal.astype(np.int64)
 
     def gather(self, idx: np.ndarray) -> Minibatch:
         i = torch.as_tensor(idx, device=self.view.device)
         c = self.cols
-        return Minibatch(self.view.obs(self.t[idx], self.r[idx]), c["action"][i], c["log_prob"][i], c["adv"][i],
-                         c["ret"][i], c["n_legal"][i])
+        return Minibatch(self.view.obs(self.t[idx], self.r[idx]), c["action"][i], c["log_prob"][i],
+                         c["adv"][i], c["ret"][i], c["n_legal"][i])
 
     def label(self, idx: Sequence[int]) -> list[str]:
         return [f"(cycle {int(self.t[i])}, slot {int(self.r[i])})" for i in idx]
@@ -3416,7 +3511,8 @@ def crossed(last: int, step: int, every: int) -> bool:
     return step // every > last // every
 
 
-def ladder_step(lad: LadderLoop, learner: Learner, episodes: list[Any], env: Env, args: Args, quiet: bool) -> dict[str, Any]:
+def ladder_step(lad: LadderLoop, learner: Learner, episodes: list[Any], env: Env, args: Args,
+                quiet: bool) -> dict[str, Any]:
     """The ladder's work after an update, in this order (design 10.1): the kind="train" results,
     the gate on its cadence, a floor admit, a refit, the probe; returns the row's ladder keys that
     this iteration produced (the gate's and the probe's time, the probe's scores, role counts)."""
@@ -3466,10 +3562,12 @@ def halt_if_asked(run: Run, learner: Learner, source: Any, lad: LadderLoop, halt
     (alarm, value), it = halts[0], learner.iteration
     if not run.voice:
         raise AlarmHalt(f"halted at iteration {it} by {alarm.name}: rank 0 says why")
-    bundle = write_bundle(run.path, it, alarm, value, run.tail, ck, run.args, run.identity, episodes=run.ep_tail,
-                          alarm_rows=run.alarm_rows, ratio_outliers=outliers, episode_lines=run.lines["episodes"])
+    bundle = write_bundle(run.path, it, alarm, value, run.tail, ck, run.args, run.identity,
+                          episodes=run.ep_tail, alarm_rows=run.alarm_rows, ratio_outliers=outliers,
+                          episode_lines=run.lines["episodes"])
     raise AlarmHalt(f"halted at iteration {it} by {alarm.name} ({alarm.key} = {value:.4g}); checkpoint {ck}; "
-                    f"bundle {bundle}; resume: {resume_command(run.path, learner.comm.world)} --checkpoint {ck}")
+                    f"bundle {bundle}; resume: {resume_command(run.path, learner.comm.world)} "
+                    f"--checkpoint {ck}")
 
 
 def control_letter(f: Path) -> str:
@@ -3511,19 +3609,22 @@ def checkpoint_due(learner: Learner, env: Env, args: Args, ctl: str, lad_row: di
     return step // every > (step - env.game_steps) // every or ctl in ("c", "q") or "time/gate" in lad_row
 
 
-def emergency_save(run: Run, learner: Learner, source: Any, lad: LadderLoop, exc: BaseException) -> Path | None:
+def emergency_save(run: Run, learner: Learner, source: Any, lad: LadderLoop,
+                   exc: BaseException) -> Path | None:
     """On a crash or a second Ctrl-C (design 10.3): only a learner on an iteration boundary can be
     resumed, so save while collecting (the learner is still the last boundary's, and so is the
     saved boundary) or after the row, never halfway through an update. The save must not hide
     the original failure. Returns the checkpoint written, or None."""
-    if isinstance(exc, AlarmHalt) or learner.sched is None or run.phase == "learn" or run.last_saved == learner.env_steps:
+    if (isinstance(exc, AlarmHalt) or learner.sched is None or run.phase == "learn"
+            or run.last_saved == learner.env_steps):
         return None
     if disk_fault(exc, run.path):   # the write would fail too, leaving a .partial: the last checkpoint stands
         return None
     if learner.comm.on:   # every rank's farm would have to answer, and a failed rank cannot (design 3.10)
         return None
     try:
-        return save_checkpoint(run, learner, run.boundary if run.phase == "collect" else boundary_now(source, lad))
+        return save_checkpoint(run, learner,
+                               run.boundary if run.phase == "collect" else boundary_now(source, lad))
     except Exception as e2:
         print(f"emergency checkpoint failed: {e2!r}", file=sys.stderr)
         return None
@@ -3554,12 +3655,13 @@ def crash_line(run: Run, learner: Learner, exc: BaseException, saved: Path | Non
     what = "interrupted (a second Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else "crashed"
     said = "; ".join(x for x in [(str(exc).strip().splitlines() or [""])[0], disk_fault(exc, run.path)] if x)
     last = saved or latest_checkpoint(run.path)
-    kept = None if last is None else f"emergency checkpoint {last}" if saved else f"the last checkpoint is {last}"
+    kept = (None if last is None else f"emergency checkpoint {last}" if saved
+            else f"the last checkpoint is {last}")
     resume = (f"{kept}; resume: {resume_command(run.path, comm.world)}" if kept else
-              f"no checkpoint yet: the same command, or {resume_command(run.path, comm.world)}, starts it again "
-              "from its start")
-    return (f"{f'rank {comm.rank} ' if comm.on else ''}{what} in iteration {k} ({run.phase}): {type(exc).__name__}"
-            f"{': ' + said if said else ''}; {told}; {resume}")
+              f"no checkpoint yet: the same command, or {resume_command(run.path, comm.world)}, "
+              "starts it again from its start")
+    return (f"{f'rank {comm.rank} ' if comm.on else ''}{what} in iteration {k} ({run.phase}): "
+            f"{type(exc).__name__}{': ' + said if said else ''}; {told}; {resume}")
 
 
 # A disk that takes no more writes, anywhere in a run: full, over a quota, or mounted read-only.
@@ -3572,8 +3674,8 @@ def disk_fault(exc: BaseException | None, where: Path | str) -> str | None:
     name one: a write to a file already open); None for any other exception."""
     while exc is not None:
         if isinstance(exc, OSError) and exc.errno in DISK_FAULTS:
-            return (f"the disk holding {exc.filename or where} {DISK_FAULTS[exc.errno]}: free space on it (or "
-                    "remount it writable), or move the run to a disk with room")
+            return (f"the disk holding {exc.filename or where} {DISK_FAULTS[exc.errno]}: free space on it "
+                    "(or remount it writable), or move the run to a disk with room")
         exc = exc.__cause__ or exc.__context__
     return None
 
@@ -3623,7 +3725,8 @@ def canonical_json(obj: Any) -> bytes:
 
 def canonical_json_ordered(fields: dict[str, Any]) -> bytes:
     """canonical_json of a dataclass's fields given as a dict in field order (a dict would be sorted)."""
-    return b"{" + b",".join(msgspec.json.encode(k) + b":" + canonical_json(v) for k, v in fields.items()) + b"}"
+    return b"{" + b",".join(msgspec.json.encode(k) + b":" + canonical_json(v)
+                            for k, v in fields.items()) + b"}"
 
 
 def sha256_hex(data: bytes) -> str:
@@ -3699,8 +3802,10 @@ def engine_build_from_config(cfg: dict[str, Any], engine_class: str) -> EngineBu
     return EngineBuild(engine_class=engine_class, calibration_digest=str(cfg.get("calibration_digest")),
                        build_digest=str(cfg.get("build_digest")),
                        catalogue_sha256=sha256_hex(canonical_json(cards)),
-                       path_search=None if params.get("path_search") is None else str(params.get("path_search")),
-                       stale_build_differences=[], binary_sha256=str(params.get("engine_binary_sha256", "not stated")))
+                       path_search=(None if params.get("path_search") is None
+                                    else str(params.get("path_search"))),
+                       stale_build_differences=[],
+                       binary_sha256=str(params.get("engine_binary_sha256", "not stated")))
 
 
 def device_kind(device: torch.device | str) -> str:
@@ -3726,7 +3831,8 @@ def code_tokens(source: bytes) -> bytes:
                 and i + 1 < len(toks) and toks[i + 1].type == tokenize.NEWLINE):
             i += 2   # a docstring and the end of its line
             continue
-        out.append(tokenize.tok_name[t.type] if t.type in starts else f"{tokenize.tok_name[t.type]} {t.string}")
+        out.append(tokenize.tok_name[t.type] if t.type in starts
+                   else f"{tokenize.tok_name[t.type]} {t.string}")
         i += 1
     return "\n".join(out).encode()
 
@@ -3765,12 +3871,14 @@ def algo_digest(args: Args) -> str:
     starting points arch_digest leaves out: the warm start, the factored head's P(act)."""
     # each only when on: every earlier run id holds
     w = args.warm
-    warm = {"warm": msgspec.Raw(canonical_json_ordered({f.name: getattr(w, f.name) for f in dataclasses.fields(w)
-                                                        if f.name != "teacher_kl" or teacher_on(w)}))} if w.rung else {}
+    warm = {"warm": msgspec.Raw(canonical_json_ordered(
+        {f.name: getattr(w, f.name) for f in dataclasses.fields(w)
+         if f.name != "teacher_kl" or teacher_on(w)}))} if w.rung else {}
     act = {"factored_act_init": args.net.factored_act_init} if args.net.policy_head == "factored" else {}
     ppo: Any = args.ppo
     if ppo.entropy_coef_stages is None:   # the section's fields in their own order, less that one
-        ppo = msgspec.Raw(canonical_json_ordered({f.name: getattr(ppo, f.name) for f in dataclasses.fields(ppo)
+        ppo = msgspec.Raw(canonical_json_ordered({f.name: getattr(ppo, f.name)
+                                                  for f in dataclasses.fields(ppo)
                                                   if f.name != "entropy_coef_stages"}))
     return sha256_hex(canonical_json({"ppo": ppo, "advantage": args.advantage,
                                       "autocast_dtype": args.net.autocast_dtype, **warm, **act}))
@@ -3809,8 +3917,8 @@ def make_identity(args: Args, facts: EnvFacts, *, arch: str, T: int, R: int, dev
         codec_version=facts.codec_version, codec_table_digest=facts.codec_table_digest,
         algo_digest=algo_digest(args), rollout_digest=rollout_digest(args, T, R),
         ladder_digest=ladder_digest(args, eval_seed_set_sha), master_seed=args.master_seed,
-        determinism_tier=args.determinism.tier, torch_version=str(torch.__version__), device_kind=device_kind(device),
-        user_code=user_code, world_size=world_size, backend=backend)
+        determinism_tier=args.determinism.tier, torch_version=str(torch.__version__),
+        device_kind=device_kind(device), user_code=user_code, world_size=world_size, backend=backend)
 
 
 def run_id(identity: RunIdentity) -> str:
@@ -3833,7 +3941,8 @@ def compute_identity(args: Args, env: Env) -> RunIdentity:
     seed_sha = ladder.draw_eval_seeds(args.master_seed, args.ladder.eval_seed_count).sha256
     return make_identity(args, env.facts, arch=arch_digest(env.geo, args.net), T=env.T, R=env.R,
                          device=env.device, eval_seed_set_sha=seed_sha,
-                         user_code=user_code_digest(extra=plugin_files(args.ladder.release_mode, args.ladder.opponent_mode)),
+                         user_code=user_code_digest(extra=plugin_files(args.ladder.release_mode,
+                                                                       args.ladder.opponent_mode)),
                          world_size=env.world, backend=env.backend)
 
 
@@ -3908,7 +4017,8 @@ def sample_battles(args: Args, env: Env) -> SampledBattles:
                 break
             if disagree is None and step == 50 and args.doctor.run_mask_disagreement_gate:
                 st = e.engine.state()
-                disagree = [d for team in (BLUE, RED) for d in mask_disagreements(e.engine, e.action_parser, st, team)]
+                disagree = [d for team in (BLUE, RED)
+                            for d in mask_disagreements(e.engine, e.action_parser, st, team)]
             obs, *_ = e.step({a: int(rng.choice(np.flatnonzero(m))) if rng.random() < 1 / 3 else NOOP
                               for a, m in masks.items()})
         i += 1
@@ -3926,11 +4036,13 @@ def ram_ledger(args: Args, env: Env, params: int) -> list[tuple[str, float, str]
             ("scalar columns T x R", env.T * env.R * farm.SCALAR_DTYPE.itemsize / 2**20, "[A]"),
             ("parent torch", TORCH_MB, "[M]"),
             ("weights, gradients, Adam moments: 4 x 4 B a parameter", 16 * params / 2**20, "[A]"),
-            (f"{r.workers} workers x {r.games_per_worker} battles", r.workers * worker(r.games_per_worker), "[M]"),
+            (f"{r.workers} workers x {r.games_per_worker} battles", r.workers * worker(r.games_per_worker),
+             "[M]"),
             (f"at a gate: {r.eval_workers} eval workers x {r.eval_games_per_worker} battles",
              r.eval_workers * worker(r.eval_games_per_worker), "[M]"),
             # a seed: int64 8 B drawn, a Python int 32 B and its list slot 8 B, about 21 B of JSON
-            (f"{args.ladder.eval_seed_count} eval seeds x 69 B", args.ladder.eval_seed_count * 69 / 2**20, "[A]")]
+            (f"{args.ladder.eval_seed_count} eval seeds x 69 B", args.ladder.eval_seed_count * 69 / 2**20,
+             "[A]")]
 
 
 def ram_gate(args: Args, env: Env, params: float) -> Gate:
@@ -3950,7 +4062,8 @@ def parameter_count(args: Args, env: Env) -> float:
     network whose byte count a tensor cannot even represent (torch says "overflowed")."""
     try:
         with torch.device("meta"):
-            return float(sum(p.numel() for p in ActorCritic(env.geo, args.net, args.master_seed).parameters()))
+            return float(sum(p.numel()
+                             for p in ActorCritic(env.geo, args.net, args.master_seed).parameters()))
     except RuntimeError as e:
         if "overflow" not in str(e):
             raise
@@ -3962,7 +4075,8 @@ def startup_gates(args: Args, env: Env, model: ActorCritic) -> tuple[list[Gate],
     count (the row's health/mask_disagreements). Raises nothing: check_gates refuses on the first
     failure."""
     eb, geo = env.facts.engine_build, env.geo
-    fields = ", ".join(f"{n}[{geo.field(n).start}:{geo.field(n).stop}]" for n in (HAND_CARDS, HAND_COST, HAND_AFFORDABLE))
+    fields = ", ".join(f"{n}[{geo.field(n).start}:{geo.field(n).stop}]"
+                       for n in (HAND_CARDS, HAND_COST, HAND_AFFORDABLE))
     gates = [Gate(1, "engine built and reset", True, f"{eb.engine_class}, binary {eb.binary_sha256[:12]}"),
              Gate(2, "the env's config read once", True, f"calibration {eb.calibration_digest[:12]}, build "
                   f"{eb.build_digest[:12]}, env {env.facts.env_spec_digest[:12]}"),
@@ -3971,21 +4085,29 @@ def startup_gates(args: Args, env: Env, model: ActorCritic) -> tuple[list[Gate],
              Gate(4, "pointer head's vector fields by name", True, fields)]
     s = sample_battles(args, env)
     n_dis = len(s.disagreements or [])
-    gates.append(Gate(5, "mask agrees with the engine at a played state, both teams", None if s.disagreements is None
-                      else n_dis == 0, "skipped (doctor.run_mask_disagreement_gate false)" if s.disagreements is None
-                      else f"{n_dis} disagreements" + (f", first (action, mask, engine status): {s.disagreements[:4]}" if n_dis else ""),
-                      "the observation's mask and the engine's deploy rules differ: report it against royalegym"))
+    gates.append(Gate(5, "mask agrees with the engine at a played state, both teams",
+                      None if s.disagreements is None else n_dis == 0,
+                      "skipped (doctor.run_mask_disagreement_gate false)" if s.disagreements is None
+                      else f"{n_dis} disagreements"
+                      + (f", first (action, mask, engine status): {s.disagreements[:4]}" if n_dis else ""),
+                      "the observation's mask and the engine's deploy rules differ: "
+                      "report it against royalegym"))
     gates.append(Gate(6, "mask[NOOP] on sampled states", s.noop_missing == 0 and s.game_over > 0,
-                      f"{s.states} states ({s.game_over} after game over), {s.noop_missing} without the no-op",
+                      f"{s.states} states ({s.game_over} after game over), "
+                      f"{s.noop_missing} without the no-op",
                       "the masking scheme needs the no-op always legal: report it against royalegym"))
     H, W = geo.tiles
     bad = [(p, x, y) for p in range(geo.hand_size) for y in range(H) for x in range(W)
            if s.parser.encode(p, x, y) != 1 + p * H * W + y * W + x]
-    gates.append(Gate(7, "action layout: encode(slot, x, y) = 1 + slot*H*W + y*W + x", not bad and not s.planes_mismatch,
-                      f"{geo.hand_size * H * W} actions, {len(bad)} off the layout" + (f" (first {bad[:3]})" if bad else "") + "; "
+    gates.append(Gate(7, "action layout: encode(slot, x, y) = 1 + slot*H*W + y*W + x",
+                      not bad and not s.planes_mismatch,
+                      f"{geo.hand_size * H * W} actions, {len(bad)} off the layout"
+                      + (f" (first {bad[:3]})" if bad else "") + "; "
                       f"{s.planes_mismatch} states whose mask_planes differ from the mask",
-                      "the pointer head's tiles would name the wrong actions: update PointerHead to the parser"))
-    gates.append(Gate(8, "engine build recorded in the identity", True, f"catalogue {eb.catalogue_sha256[:12]}"))
+                      "the pointer head's tiles would name the wrong actions: "
+                      "update PointerHead to the parser"))
+    gates.append(Gate(8, "engine build recorded in the identity", True,
+                      f"catalogue {eb.catalogue_sha256[:12]}"))
     gates.append(ram_gate(args, env, sum(p.numel() for p in model.parameters())))
     gates.append(vram_gate(args, env, model))
     return gates, n_dis
@@ -4100,7 +4222,8 @@ def move_after(path: Path, keep: int | None, covered: Any, stays: Any, side: Pat
         f.seek(pos)
         tail = f.read().splitlines(keepends=True)
         hold = [stays is not None and _row_holds(x, stays) for x in tail]
-        kept, moved = [x for x, h in zip(tail, hold) if h], [x for x, h in zip(tail, hold) if not h]
+        kept, moved = ([x for x, h in zip(tail, hold, strict=True) if h],
+                       [x for x, h in zip(tail, hold, strict=True) if not h])
         if moved:
             ladder.write_atomic(side, b"".join(moved))
             f.seek(pos)
@@ -4128,7 +4251,8 @@ def cut_back(run: Path, man: Manifest, ordinals: Sequence[int]) -> list[str]:
         how = "" if keep is not None else " (by iteration: the checkpoint records no row count)"
         stays = (lambda row: row["iteration"] < 0) if rel == "ladder/games.jsonl" else None
         head, moved = move_after(p, keep, written_by(rel, k, ordinals), stays, side)
-        line = (f"resume: {rel}: moved {moved} row(s) written after iteration {k} to {side.relative_to(run)}{how}"
+        line = (f"resume: {rel}: moved {moved} row(s) written after iteration {k} "
+                f"to {side.relative_to(run)}{how}"
                 if moved else f"resume: {rel}: no row after iteration {k}{how}")
         if keep is not None and head < keep:
             line += f"; it holds {head} of the {keep} rows the checkpoint covers (lost before this resume)"
@@ -4158,7 +4282,8 @@ def open_run(args: Args, env: Env, learner: Learner, resume: Path | None, allow_
     path = Path(resume).parent.parent
     lock = hold_run(path)   # before anything below writes (drift.json, the logs' cut)
     try:
-        return _resume_run(args, env, learner, path, Path(resume), identity, allow_drift, quiet, t_start, lock)
+        return _resume_run(args, env, learner, path, Path(resume), identity, allow_drift, quiet, t_start,
+                           lock)
     except BaseException:
         lock.close()
         raise
@@ -4171,9 +4296,10 @@ def _resume_run(args: Args, env: Env, learner: Learner, path: Path, resume: Path
     diff = identity_diff(msgspec.convert(man.identity, RunIdentity), identity)
     ranks = [d for d in diff if d.startswith(("world_size:", "backend:"))]
     if ranks:   # a checkpoint holds one farm a rank: no drift flag can give a rank its battles (design 3.10)
-        raise IdentityMismatch(f"refusing to resume {resume}: {'; '.join(ranks)}. A checkpoint resumes with the "
-                               f"world size and backend it was saved with, even under --allow-identity-drift: "
-                               f"{resume_command(path, msgspec.convert(man.identity, RunIdentity).world_size)}")
+        raise IdentityMismatch(
+            f"refusing to resume {resume}: {'; '.join(ranks)}. A checkpoint resumes with the world size "
+            f"and backend it was saved with, even under --allow-identity-drift: "
+            f"{resume_command(path, msgspec.convert(man.identity, RunIdentity).world_size)}")
     if diff and not allow_drift:
         raise IdentityMismatch(f"refusing to resume {resume}: the identity differs in {len(diff)} field(s): "
                                + "; ".join(diff) + ". Undo the change, or pass --allow-identity-drift "
@@ -4229,7 +4355,8 @@ def check_writable(path: Path, name: str) -> None:
     try:
         there = next(q for q in (path.absolute(), *path.absolute().parents) if q.exists())
         if not there.is_dir():
-            raise ConfigError(f"{name} {path}: {there} is a file, not a folder; pass a folder (made if absent)")
+            raise ConfigError(f"{name} {path}: {there} is a file, not a folder; "
+                              "pass a folder (made if absent)")
         if not os.access(there, os.W_OK | os.X_OK):
             raise ConfigError(f"{name} {path}: {there} is not writable (a read-only disk, or another user's "
                               "folder); pass a folder you can write in")
@@ -4248,8 +4375,9 @@ def hold_run(path: Path) -> Any:
         f.seek(0)
         holder = f.read().strip() or "a process"
         f.close()
-        raise ConfigError(f"{path} is being trained by {holder}: stop it first (`echo q > {path / 'control'}` "
-                          "stops it at its iteration's end, with a checkpoint), then resume it")
+        raise ConfigError(f"{path} is being trained by {holder}: stop it first "
+                          f"(`echo q > {path / 'control'}` stops it at its iteration's end, "
+                          "with a checkpoint), then resume it")
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {platform.node()}")
@@ -4276,8 +4404,8 @@ def saved_boundary(files: dict[str, bytes], rank: int) -> dict[str, Any]:
     return {"start_ordinals": rollout["ordinals"],
             "start_generations": rollout.get("generations"),   # absent: generation 0
             # absent (an older checkpoint): its battles start their episodes again
-            "start_in_flight": msgspec.json.decode(files.get(rank_file("rollout/in_flight.json", rank), b"[]"),
-                                                   type=list[farm.InFlight]),
+            "start_in_flight": msgspec.json.decode(
+                files.get(rank_file("rollout/in_flight.json", rank), b"[]"), type=list[farm.InFlight]),
             "ladder_saved": json.loads(ladder_state) if ladder_state is not None else None}
 
 
@@ -4290,8 +4418,8 @@ def follow_run(args: Args, env: Env, learner: Learner, path: Path, rid: str, voi
     identity = compute_identity(args, env)
     diff = identity_diff(voice_identity, identity)
     if diff:
-        raise IdentityMismatch(f"rank {rank} is not running what rank 0 runs: {'; '.join(diff)}; every node needs "
-                               "the same code, packages and device kind")
+        raise IdentityMismatch(f"rank {rank} is not running what rank 0 runs: {'; '.join(diff)}; "
+                               "every node needs the same code, packages and device kind")
     if resume is None:
         return Run(args, path, identity, rid, quiet, t_start, rank=rank)
     _, files = read_checkpoint(Path(resume))
@@ -4305,13 +4433,15 @@ class Run:
     episodes and alarms files, the sinks, the alarm set and the tails a halt's bundle reads; and
     where the loop stands, for an emergency save: its phase and the boundary it started from."""
 
-    def __init__(self, args: Args, path: Path, identity: RunIdentity, rid: str, quiet: bool, t_start: float, *,
-                 drifted: bool = False, start_ordinals: list[int] | None = None,
+    def __init__(self, args: Args, path: Path, identity: RunIdentity, rid: str, quiet: bool, t_start: float,
+                 *, drifted: bool = False, start_ordinals: list[int] | None = None,
                  ladder_saved: dict[str, Any] | None = None, last_saved: int = -1,
                  start_generations: list[int] | None = None, start_in_flight: list[Any] | None = None,
                  rank: int = 0, lock: Any = None) -> None:
-        self.args, self.path, self.identity, self.rid, self.quiet, self.t_start = args, path, identity, rid, quiet, t_start
-        self.drifted, self.start_ordinals, self.ladder_saved, self.last_saved = drifted, start_ordinals, ladder_saved, last_saved
+        self.args, self.path, self.identity, self.rid, self.quiet, self.t_start = \
+            args, path, identity, rid, quiet, t_start
+        self.drifted, self.start_ordinals, self.ladder_saved, self.last_saved = \
+            drifted, start_ordinals, ladder_saved, last_saved
         self.start_generations, self.start_in_flight = start_generations, start_in_flight
         # a torchrun rank other than 0 opens no file and no sink: rank 0 writes the run (design 3.10)
         self.rank, self.voice = rank, rank == 0
@@ -4348,7 +4478,8 @@ class Run:
     def announce(self, env: Env) -> None:
         a = self.args
         if not self.quiet and self.voice:
-            horizon = credit_horizon_seconds(a.obs.decision_ms, a.advantage.gamma.value(0), a.advantage.gae_lambda)
+            horizon = credit_horizon_seconds(a.obs.decision_ms, a.advantage.gamma.value(0),
+                                             a.advantage.gae_lambda)
             print(f"run {self.path}  T={env.T} R={env.R} learner_rows={env.learner_rows} device={env.device} "
                   f"credit_horizon={horizon:.1f}s")
         self.stop = StopSignals()   # from here on a signal is a request, not an exit
@@ -4395,8 +4526,9 @@ class Run:
                 print(f"ALARM {a.severity} {a.name}: {a.key} = {v:.4g} {a.op} {a.threshold:g} -- {a.meaning}")
                 if ar.get("winning_episodes"):
                     n = ar["winning_episodes"][0]
-                    print(f"  winning episodes (lines of episodes.jsonl): {ar['winning_episodes']}; watch one: python "
-                          f"checks.py replay {self.path} --episode {n} --trace episode-{n}.msgpack")
+                    print(f"  winning episodes (lines of episodes.jsonl): {ar['winning_episodes']}; "
+                          f"watch one: python checks.py replay {self.path} --episode {n} "
+                          f"--trace episode-{n}.msgpack")
         self.files["alarms"].write(b"".join(msgspec.json.encode(x) + b"\n" for x in self.alarm_rows))
         self.files["alarms"].flush()
         self.lines["alarms"] += len(self.alarm_rows)
@@ -4419,7 +4551,8 @@ class Run:
     def say_stopped(self, learner: Learner) -> None:
         if not self.voice:
             return
-        print(f"stopped after iteration {learner.iteration} as asked, checkpoint {latest_checkpoint(self.path)}; "
+        print(f"stopped after iteration {learner.iteration} as asked, "
+              f"checkpoint {latest_checkpoint(self.path)}; "
               f"resume: {resume_command(self.path, learner.comm.world)}", file=sys.stderr)
 
     def close(self) -> None:
@@ -4553,7 +4686,8 @@ def read_checkpoint(ckpt_dir: Path) -> tuple[Manifest, dict[str, bytes]]:
     ckpt_dir = Path(ckpt_dir)
     man, mp = read_manifest(ckpt_dir), ckpt_dir / "manifest.json"
     if man.format_version > CHECKPOINT_FORMAT:
-        raise CheckpointFormatError(f"{mp} has format_version {man.format_version}; this code reads up to {CHECKPOINT_FORMAT}")
+        raise CheckpointFormatError(f"{mp} has format_version {man.format_version}; "
+                                    f"this code reads up to {CHECKPOINT_FORMAT}")
     out = {}
     for rel, want in sorted(man.files.items()):
         p = ckpt_dir / rel
@@ -4562,8 +4696,9 @@ def read_checkpoint(ckpt_dir: Path) -> tuple[Manifest, dict[str, bytes]]:
         data = p.read_bytes()
         got = sha256_hex(data)
         if got != want:
-            raise CheckpointFormatError(f"{p}: sha256 {got[:16]}... does not match the manifest's {want[:16]}...; "
-                                        f"the file changed after it was written. Resume an earlier checkpoint.")
+            raise CheckpointFormatError(f"{p}: sha256 {got[:16]}... does not match the manifest's "
+                                        f"{want[:16]}...; the file changed after it was written. "
+                                        f"Resume an earlier checkpoint.")
         out[rel] = data
     return man, out
 
@@ -4583,8 +4718,8 @@ def state_digest(ac: ActorCritic, optimizers: Sequence[torch.optim.Optimizer], s
         for pid in sorted(st["state"]):
             for k in sorted(st["state"][pid]):
                 v = st["state"][pid][k]
-                h.update(f"{pid}.{k}".encode() + (v.detach().cpu().contiguous().numpy().tobytes() if torch.is_tensor(v)
-                                                   else canonical_json(v)))
+                h.update(f"{pid}.{k}".encode() + (v.detach().cpu().contiguous().numpy().tobytes()
+                                                   if torch.is_tensor(v) else canonical_json(v)))
         h.update(canonical_json([{k: v for k, v in g.items() if k != "params"} for g in st["param_groups"]]))
     h.update(canonical_json(scaler.state()))
     h.update(canonical_json(schedule_positions))
@@ -4603,7 +4738,8 @@ def capture_rng(master_seed: int, iteration: int) -> RngState:
     (every draw is name-addressed): a library call that does draw would otherwise break resume
     silently. Python's `random` and numpy's global state are never used (a test scans for it),
     and the minibatch generator is re-derived by name each epoch, so neither needs storing."""
-    cuda = [s.numpy().tobytes().hex() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
+    cuda = ([s.numpy().tobytes().hex() for s in torch.cuda.get_rng_state_all()]
+            if torch.cuda.is_available() else [])
     return RngState(master_seed=master_seed, torch_cpu=torch.get_rng_state().numpy().tobytes().hex(),
                     torch_cuda=cuda, iteration=iteration)
 
@@ -4611,7 +4747,8 @@ def capture_rng(master_seed: int, iteration: int) -> RngState:
 def restore_rng(st: RngState) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(bytes.fromhex(st.torch_cpu)), dtype=torch.uint8))
     if st.torch_cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(bytes.fromhex(s)), dtype=torch.uint8) for s in st.torch_cuda])
+        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(bytes.fromhex(s)), dtype=torch.uint8)
+                                      for s in st.torch_cuda])
 
 
 def learner_files(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer,
@@ -4637,14 +4774,17 @@ def learner_files(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic:
 
 
 def load_learner(files: dict[str, bytes], ac: ActorCritic, opt_actor: torch.optim.Optimizer,
-                 opt_critic: torch.optim.Optimizer, scaler: WelfordReturnScaler) -> tuple[dict[str, Any], RngState, dict[str, Any]]:
+                 opt_critic: torch.optim.Optimizer,
+                 scaler: WelfordReturnScaler) -> tuple[dict[str, Any], RngState, dict[str, Any]]:
     """Inverse of learner_files; refuses a different architecture by name before touching weights.
     Returns (schedule positions, RNG state, misc)."""
     check_arch(json.loads(files["actor_critic/arch.json"]), ac, "actor_critic/arch.json")
-    sd = {**load_tensors(files["actor_critic/actor.safetensors"]), **load_tensors(files["actor_critic/critic.safetensors"])}
+    sd = {**load_tensors(files["actor_critic/actor.safetensors"]),
+          **load_tensors(files["actor_critic/critic.safetensors"])}
     ac.load_state_dict(sd, strict=True)
     load_optimizer(opt_actor, files["optimizers/actor_adam.safetensors"], files["optimizers/actor_adam.json"])
-    load_optimizer(opt_critic, files["optimizers/critic_adam.safetensors"], files["optimizers/critic_adam.json"])
+    load_optimizer(opt_critic, files["optimizers/critic_adam.safetensors"],
+                   files["optimizers/critic_adam.json"])
     scaler.load_state(json.loads(files["advantage/welford.json"]))
     rng = msgspec.json.decode(files["rng/rng.json"], type=RngState)
     return json.loads(files["schedules/state.json"]), rng, json.loads(files["optimizers/misc.json"])
@@ -4657,9 +4797,11 @@ class ArchMismatch(ValueError):
 
 def check_arch(saved: dict[str, Any], model: ActorCritic, what: str) -> None:
     """Refuse weights written by another architecture before touching the model, naming each field."""
-    diffs = dict_diff(json.loads(canonical_json(saved)), json.loads(canonical_json(arch_description(model.geo, model.net))))
+    diffs = dict_diff(json.loads(canonical_json(saved)),
+                      json.loads(canonical_json(arch_description(model.geo, model.net))))
     if diffs:
-        raise ArchMismatch(f"{what} was written by a different architecture (saved -> this model): {'; '.join(diffs)}. "
+        raise ArchMismatch(f"{what} was written by a different architecture (saved -> this model): "
+                           f"{'; '.join(diffs)}. "
                            f"Build the network with the saved config, or start a new run.")
 
 
@@ -4674,25 +4816,28 @@ def save_checkpoint(run: Run, learner: Learner, boundary: Boundary) -> Path:
         files[rank_file("rollout/state.json", r)] = canonical_json({"ordinals": [int(x) for x in b.ordinals],
                                                                     "generations": b.generations})
         files[rank_file("rollout/in_flight.json", r)] = canonical_json(b.in_flight or [])   # design 3.9
-        files[rank_file("ladder/state.json", r)] = canonical_json(b.ladder)   # matchmaker, pool, ratings, residents
+        # matchmaker, pool, ratings, residents
+        files[rank_file("ladder/state.json", r)] = canonical_json(b.ladder)
     d = run.path / "checkpoints" / f"{learner.env_steps:012d}"
     digest = learner.digest()
     run.last_saved = learner.env_steps
     if not run.voice:
         return d
-    if d.exists():   # a damaged one was set aside at the resume (set_aside_damaged); read_manifest names any other
+    # a damaged one was set aside at the resume (set_aside_damaged); read_manifest names any other
+    if d.exists():
         old = read_manifest(d).state_digest
         if old != digest:
-            raise CheckpointFormatError(f"{d} exists with state_digest {old[:16]} but this run reached that step "
-                                        f"with {digest[:16]}: the resume did not reproduce the run")
+            raise CheckpointFormatError(f"{d} exists with state_digest {old[:16]} but this run reached "
+                                        f"that step with {digest[:16]}: the resume did not reproduce the run")
         return d
     write_checkpoint(d, files, dict(
         run_id=run.rid, run_name=args.run_name, identity=msgspec.to_builtins(run.identity),
-        config=msgspec.to_builtins(args), config_hash=sha256_hex(config_json(args)), iteration=learner.iteration,
+        config=msgspec.to_builtins(args), config_hash=sha256_hex(config_json(args)),
+        iteration=learner.iteration,
         cumulative_env_steps=learner.env_steps, cumulative_timesteps=learner.timesteps,
         cumulative_model_updates=learner.updates, wall_seconds=time.perf_counter() - run.t_start,
-        created_unix_ns=time.time_ns(), state_digest=digest, component_versions={"learner": 1, "rollout": 2, "ladder": 1},
-        rows=run.rows_covered()))
+        created_unix_ns=time.time_ns(), state_digest=digest,
+        component_versions={"learner": 1, "rollout": 2, "ladder": 1}, rows=run.rows_covered()))
     return d
 
 
@@ -4754,15 +4899,17 @@ def prune_checkpoints(run: Path, keep: int) -> list[Path]:
 SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "run/iteration": ("count", "iterations completed", None, False),
     "run/cumulative_timesteps": ("timesteps", "learner transitions trained on", None, False),
-    "run/cumulative_env_steps": ("game-steps", "battle decisions stepped (cadences count these)", None, False),
+    "run/cumulative_env_steps": ("game-steps", "battle decisions stepped (cadences count these)",
+                                 None, False),
     "run/cumulative_updates": ("steps", "optimizer steps taken", None, False),
-    "run/world_size": ("ranks", "torchrun's ranks, each collecting its own battles (1: one process; design 3.10)",
-                       None, False),
+    "run/world_size": ("ranks", "torchrun's ranks, each collecting its own battles "
+                       "(1: one process; design 3.10)", None, False),
     "run/wall_seconds": ("s", "since the process started (wall clock)", None, False),
     "run/gamma": ("", "the discount this iteration (schedule)", None, False),
     "run/gae_lambda": ("", "GAE lambda", None, False),
     "run/credit_horizon_seconds": ("s", "decision_ms / (1 - gamma * lambda)", (40.0, 50.0), False),
-    "run/ent_coef": ("", "entropy coefficient this iteration (schedule; unread under ppo.entropy_coef_stages)", None, False),
+    "run/ent_coef": ("", "entropy coefficient this iteration (schedule; "
+                     "unread under ppo.entropy_coef_stages)", None, False),
     "run/teacher_kl": ("", "the teacher's KL weight this iteration (warm.teacher_kl's schedule)", None, True),
     "run/ent_coef_noop": ("", "play/wait entropy coefficient this iteration (schedule)", None, False),
     "run/lr_actor": ("", "actor learning rate after any backoff", None, False),
@@ -4770,28 +4917,36 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "run/lr_backoff": ("bool", "the kl backoff fired this iteration", None, False),
     "run/determinism_tier": ("", "run_exact or throughput (design 2.1)", None, False),
     "run/resumed_with_drift": ("bool", "resumed under --allow-identity-drift", None, False),
-    "run/state_digest": ("sha256", "the whole learner: weights, optimizers, scaler, schedules (design 2.4)", None, False),
+    "run/state_digest": ("sha256", "the whole learner: weights, optimizers, scaler, schedules (design 2.4)",
+                         None, False),
     "time/iteration": ("s", "wall clock of the iteration", None, False),
     "time/collection": ("s", "rounds from the farm, inference included", None, False),
     "time/critic_pass": ("s", "the cells' legality and the critic pass (every cell, or smdp's)", None, False),
     "time/gae": ("s", "reward scaling, GAE, advantage standardisation", None, False),
     "time/update": ("s", "the PPO update", None, False),
     "throughput/collected_steps_per_second": ("game-steps/s", "env steps over collection time", None, False),
-    "ppo/policy_loss": ("", "surrogate over every row, skipped forced rows added back (design 6.5)", None, False),
+    "ppo/policy_loss": ("", "surrogate over every row, skipped forced rows added back (design 6.5)",
+                        None, False),
     "ppo/policy_loss_choice": ("", "surrogate over choice rows: what choice_mean optimises", None, False),
     "ppo/value_loss": ("", "mean squared error against the returns", None, False),
     "ppo/entropy": ("nats", "masked-categorical entropy, choice rows", None, False),
-    "ppo/entropy_normalised": ("", "entropy / log(legal actions the policy chooses among), choice rows", None, False),
+    "ppo/entropy_normalised": ("", "entropy / log(legal actions the policy chooses among), choice rows",
+                               None, False),
     "ppo/noop_entropy": ("nats", "play/wait entropy, choice rows", (0.02, 0.7), False),
     "ppo/kl_teacher": ("nats", "KL(clone || actor), choice rows (warm.teacher_kl)", None, True),
-    "ppo/entropy_gate": ("nats", "the entropy's wait-or-act term, choice rows (ppo.entropy_coef_stages)", None, True),
-    "ppo/entropy_candidate": ("nats", "P(act) x H(card | act), choice rows (ppo.entropy_coef_stages)", None, True),
-    "ppo/entropy_tile": ("nats", "P(act) x H(tile | card, act), choice rows (ppo.entropy_coef_stages)", None, True),
-    "ppo/p_act": ("", "the learner's probability of acting, choice rows (ppo.entropy_coef_stages)", None, True),
+    "ppo/entropy_gate": ("nats", "the entropy's wait-or-act term, choice rows (ppo.entropy_coef_stages)",
+                         None, True),
+    "ppo/entropy_candidate": ("nats", "P(act) x H(card | act), choice rows (ppo.entropy_coef_stages)",
+                              None, True),
+    "ppo/entropy_tile": ("nats", "P(act) x H(tile | card, act), choice rows (ppo.entropy_coef_stages)",
+                         None, True),
+    "ppo/p_act": ("", "the learner's probability of acting, choice rows (ppo.entropy_coef_stages)",
+                  None, True),
     "ppo/kl": ("nats", "Schulman k3, choice rows; lr_backoff reads it", (0.003, 0.02), False),
     "ppo/clip_fraction": ("", "|ratio - 1| > clip_range, choice rows", (0.05, 0.2), False),
     "ppo/dual_clip_fraction": ("", "the dual clip bound, choice rows", None, False),
-    "ppo/forced_frac": ("", "rows through the update with one legal action (smdp: its forced sample)", None, False),
+    "ppo/forced_frac": ("", "rows through the update with one legal action (smdp: its forced sample)",
+                        None, False),
     "ppo/actor_rows": ("rows", "rows the actor ran on, all epochs", None, False),
     "ppo/actor_forwards": ("count", "actor minibatch forwards, all epochs", None, False),
     "ppo/optimizer_steps": ("count", "one per batch, nothing dropped", None, False),
@@ -4805,39 +4960,55 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "ppo/update_magnitude_critic": ("", "|| theta_after - theta_before ||", None, False),
     "ppo/kl_epoch*": ("nats", "kl per epoch; epoch 3 > 2x epoch 1 says lower n_epochs", None, False),
     "ppo/clip_fraction_epoch*": ("", "clip fraction per epoch", None, False),
-    "ppo/explained_variance": ("", "1 - Var(G - V) / Var(G) over the cells the critic trains on", (0.0, 1.0), False),
+    "ppo/explained_variance": ("", "1 - Var(G - V) / Var(G) over the cells the critic trains on",
+                               (0.0, 1.0), False),
     "ppo/explained_variance_choice": ("", "the same over trainable choice cells (design 6.5)", None, True),
-    "ppo/explained_variance_forced_heldout": ("", "the same over forced cells it never trains on (smdp, design 6.6)",
-                                              None, True),
-    "ppo/advantage_std_choice_pre_norm": ("", "advantage std over choice cells before standardising", None, True),
+    "ppo/explained_variance_forced_heldout": ("", "the same over forced cells it never trains on "
+                                              "(smdp, design 6.6)", None, True),
+    "ppo/advantage_std_choice_pre_norm": ("", "advantage std over choice cells before standardising",
+                                          None, True),
     "ppo/advantage_mean_choice": ("", "advantage mean over choice cells before standardising", None, True),
-    "ppo/reward_clip_frac": ("", "cells whose scaled reward hit reward_clip; exactly 0 when healthy", (0.0, 0.0), False),
-    "health/illegal_action_rate": ("", "trainable actions illegal under their stored mask; exactly 0", (0.0, 0.0), False),
+    "ppo/reward_clip_frac": ("", "cells whose scaled reward hit reward_clip; exactly 0 when healthy",
+                             (0.0, 0.0), False),
+    "health/illegal_action_rate": ("", "trainable actions illegal under their stored mask; exactly 0",
+                                   (0.0, 0.0), False),
     "health/worker_failures": ("count", "worker failures this iteration", (0.0, 0.0), False),
-    "health/mask_disagreements": ("count", "actions where the mask and the engine disagreed at the start-up gate (design 3.8 step 5); a run starts only at 0", (0.0, 0.0), False),
+    "health/mask_disagreements": ("count", "actions where the mask and the engine disagreed at the start-up "
+                                  "gate (design 3.8 step 5); a run starts only at 0", (0.0, 0.0), False),
     "env/episodes_completed": ("count", "seat-episodes that ended this iteration", None, False),
     "env/episode_steps_mean": ("decisions", "learner seats' episode length", None, True),
     "env/crowns_for": ("crowns", "learner seats' crowns per episode", None, True),
     "env/crowns_against": ("crowns", "opponents' crowns per learner episode", None, True),
     "env/draw_rate": ("", "learner seats' episodes that ended drawn", (0.0, 0.5), True),
-    "env/elixir_count_exact_frac": ("", "episode-seats whose count of the opponent's elixir stayed exact", (0.99, 1.0), True),
+    "env/elixir_count_exact_frac": ("", "episode-seats whose count of the opponent's elixir stayed exact",
+                                    (0.99, 1.0), True),
     "policy/legal_actions_mean": ("actions", "legal actions per trainable cell", None, True),
-    "health/buffer_fill_frac": ("", "valid cells over T x R: exactly 1 in a healthy rectangle", (1.0, 1.0), False),
+    "health/buffer_fill_frac": ("", "valid cells over T x R: exactly 1 in a healthy rectangle",
+                                (1.0, 1.0), False),
     # the farm's own counters (farm.stats, design 3.3, 3.7): run totals for the health keys
-    "health/obs_codec_clipped": ("count", "uint8 values clipped by the codec, run total: non-zero is a bug report against a declared bound", (0.0, 0.0), False),
-    "health/obs_codec_rounded": ("count", "non-integral values rounded into a uint8 plane, run total: the table's sample was unrepresentative", (0.0, 0.0), False),
+    "health/obs_codec_clipped": ("count", "uint8 values clipped by the codec, run total: "
+                                 "non-zero is a bug report against a declared bound", (0.0, 0.0), False),
+    "health/obs_codec_rounded": ("count", "non-integral values rounded into a uint8 plane, run total: "
+                                 "the table's sample was unrepresentative", (0.0, 0.0), False),
     "health/worker_restarts": ("count", "rollout worker restarts, run total", (0.0, 0.0), False),
-    "health/rows_dropped_dead_worker": ("cells", "(cycle, slot) cells lost to a dead worker this iteration", (0.0, 0.0), False),
-    "time/env": ("s", "the workers' vec.step time summed over shard-rounds (worker CPU, can exceed collection with several workers)", None, False),
+    "health/rows_dropped_dead_worker": ("cells", "(cycle, slot) cells lost to a dead worker this iteration",
+                                        (0.0, 0.0), False),
+    "time/env": ("s", "the workers' vec.step time summed over shard-rounds (worker CPU, "
+                 "can exceed collection with several workers)", None, False),
     "time/codec": ("s", "the workers' codec.pack time summed over shard-rounds", None, False),
-    "throughput/parent_wait_frac": ("", "share of collection the parent was blocked on workers that had not published", None, False),
-    "throughput/boundary_mb_per_second": ("MB/s", "bytes the workers wrote across the process boundary per second of collection", None, False),
-    "health/samples_unused_frac": ("", "trainable samples the update never saw: exactly 0", (0.0, 0.0), False),
-    "policy/cards_per_match": ("cards", "learner seats' cards per finished episode (about 22 healthy)", (8.0, 40.0), True),
+    "throughput/parent_wait_frac": ("", "share of collection the parent was blocked on workers "
+                                    "that had not published", None, False),
+    "throughput/boundary_mb_per_second": ("MB/s", "bytes the workers wrote across the process boundary per "
+                                          "second of collection", None, False),
+    "health/samples_unused_frac": ("", "trainable samples the update never saw: exactly 0",
+                                   (0.0, 0.0), False),
+    "policy/cards_per_match": ("cards", "learner seats' cards per finished episode (about 22 healthy)",
+                               (8.0, 40.0), True),
     "policy/noop_rate": ("", "trainable actions that were the no-op", None, True),
     "env/win_rate_vs_scripted": ("", "learner seats' win share against scripted opponents", None, True),
     # the ladder (design 9.2, 7.8, 7.9): absent, never 0, while undefined (no fit, no gate, no probe)
-    "ladder/rating/*": ("Elo", "fitted rating per pool member and the anchor (scripted:noop = 0)", None, True),
+    "ladder/rating/*": ("Elo", "fitted rating per pool member and the anchor (scripted:noop = 0)",
+                        None, True),
     "ladder/rating_se/*": ("Elo", "its standard error (inverse observed Fisher information)", None, True),
     "ladder/rating_ci95_lo/*": ("Elo", "rating - 1.96 se", None, True),
     "ladder/rating_ci95_hi/*": ("Elo", "rating + 1.96 se", None, True),
@@ -4851,15 +5022,18 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "ladder/gate_lower_bound": ("", "its Wilson 95% lower bound (passes at >= 0.52)", None, True),
     "ladder/gate_failed_condition": ("", "the last gate's failed conditions, comma separated", None, True),
     "ladder/gate_seconds_frac": ("", "wall clock spent in gates since the process started", None, False),
-    "ladder/transitivity_residual": ("", "pairs whose score contradicts the fit by > 2 se (> 0.1: scalar rating lies)", (0.0, 0.1), True),
+    "ladder/transitivity_residual": ("", "pairs whose score contradicts the fit by > 2 se (> 0.1: "
+                                     "scalar rating lies)", (0.0, 0.1), True),
     "ladder/paired_rho": ("", "the last gate's correlation of a seed's two sides", None, True),
     "ladder/draw_rate_eval": ("", "draws among evaluation games", None, True),
     "ladder/eval_games_total": ("count", "kind=eval games in the fit", None, True),
     "ladder/evictions": ("count", "members evicted from the sampler (hall of fame)", None, False),
-    "ladder/pfsp_effective": ("bool", "1: the plan's PFSP used a rated stand-in; 0: uniform fallback", None, False),
+    "ladder/pfsp_effective": ("bool", "1: the plan's PFSP used a rated stand-in; 0: uniform fallback",
+                              None, False),
     "ladder/pfsp_learner_step": ("game-steps", "the stand-in's env step", None, True),
     "ladder/probe_seconds_frac": ("", "wall clock spent in probes since the process started", None, False),
-    "ladder/role_counts/*": ("episodes", "training battle episodes that ended, by what they played", None, False),
+    "ladder/role_counts/*": ("episodes", "training battle episodes that ended, by what they played",
+                             None, False),
     "ladder/score_vs_noop": ("", "probe: the live policy's score against scripted:noop", None, True),
     "ladder/score_vs_random_legal": ("", "probe: against scripted:random_legal", None, True),
     "ladder/score_vs/*": ("", "probe: score against a rung", None, True),
@@ -4870,19 +5044,31 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "time/gate": ("s", "the gate this iteration", None, True),
     # time/ and throughput/ are wall clock (the resume test skips them); every other key is a pure
     # function of the run
-    "time/inference": ("s", "the parent's batched forwards while collecting (learner and pool seats); inside time/collection", None, False),
-    "time/checkpoint": ("s", "checkpoint writing since the previous row (a save follows its own row, so it is counted in the next)", None, False),
-    "time/residual": ("s", "time/iteration less collection, critic_pass, gae, update, gate, probe and checkpoint", None, False),
-    "throughput/overall_steps_per_second": ("game-steps/s", "env steps over time/iteration: what the run really makes", None, False),
-    "throughput/engine_ticks_per_second": ("ticks/s", "engine ticks advanced by the battles (the tick scalar's per-cycle deltas) over collection time", None, False),
-    "throughput/discarded_rows_frac": ("", "valid cells that are not trainable (opponent seats): (n_battles - mirror) / (2 n_battles) by construction (design 7.3)", None, False),
+    "time/inference": ("s", "the parent's batched forwards while collecting (learner and pool seats); "
+                       "inside time/collection", None, False),
+    "time/checkpoint": ("s", "checkpoint writing since the previous row (a save follows its own row, "
+                        "so it is counted in the next)", None, False),
+    "time/residual": ("s", "time/iteration less collection, critic_pass, gae, update, gate, "
+                      "probe and checkpoint", None, False),
+    "throughput/overall_steps_per_second": ("game-steps/s", "env steps over time/iteration: "
+                                            "what the run really makes", None, False),
+    "throughput/engine_ticks_per_second": ("ticks/s", "engine ticks advanced by the battles "
+                                           "(the tick scalar's per-cycle deltas) over collection time",
+                                           None, False),
+    "throughput/discarded_rows_frac": ("", "valid cells that are not trainable (opponent seats): "
+                                       "(n_battles - mirror) / (2 n_battles) by construction (design 7.3)",
+                                       None, False),
     "throughput/inference_ms_per_round": ("ms", "time/inference per shard-round", None, False),
     # how the work was done, not what the run computed: counted with the clock, so a build that
     # skips forward rows compares equal to one that does not
-    "throughput/inference_rows_forward": ("rows", "rows the parent's actors ran on while collecting (learner and pool seats)", None, False),
-    "throughput/inference_rows_skipped": ("rows", "forced rows acted without a forward: the no-op at log-prob 0 (design 3.6)", None, False),
-    "policy/forced_noop_frac": ("", "learner rollout cells with exactly one legal action (zero policy gradient); read against ppo/forced_frac", None, True),
-    "policy/rollout_choice_frac": ("", "learner rollout cells with more than the no-op legal: 1 - forced_noop_frac", None, True),
+    "throughput/inference_rows_forward": ("rows", "rows the parent's actors ran on while collecting "
+                                          "(learner and pool seats)", None, False),
+    "throughput/inference_rows_skipped": ("rows", "forced rows acted without a forward: "
+                                          "the no-op at log-prob 0 (design 3.6)", None, False),
+    "policy/forced_noop_frac": ("", "learner rollout cells with exactly one legal action "
+                                "(zero policy gradient); read against ppo/forced_frac", None, True),
+    "policy/rollout_choice_frac": ("", "learner rollout cells with more than the no-op legal: "
+                                   "1 - forced_noop_frac", None, True),
     "policy/legal_actions_p05": ("actions", "legal actions per learner cell, 5th percentile", None, True),
     "policy/legal_actions_p50": ("actions", "median", None, True),
     "policy/legal_actions_p95": ("actions", "95th percentile", None, True),
@@ -4890,38 +5076,63 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
     "env/episode_steps_p50": ("decisions", "median", None, True),
     "env/episode_steps_p95": ("decisions", "95th percentile", None, True),
     "env/crown_diff": ("crowns", "learner seats' crowns less the opponent's, per episode", None, True),
-    "env/tower_hp_frac_end_own": ("", "learner seats' own tower hp fraction at the episode's end", None, True),
+    "env/tower_hp_frac_end_own": ("", "learner seats' own tower hp fraction at the episode's end",
+                                  None, True),
     "env/tower_hp_frac_end_enemy": ("", "the opponent's tower hp fraction at the episode's end", None, True),
-    "env/win_rate_by_seat": ("", "blue's score (win 1, draw 0.5) in mirror battles, where both seats are the learner: near 0.5", (0.45, 0.55), True),
-    "env/win_rate_by_seat_ci95_lo": ("", "its Wilson 95% interval over the mirror episodes, low end (seat_bias reads it)", None, True),
+    "env/win_rate_by_seat": ("", "blue's score (win 1, draw 0.5) in mirror battles, "
+                             "where both seats are the learner: near 0.5", (0.45, 0.55), True),
+    "env/win_rate_by_seat_ci95_lo": ("", "its Wilson 95% interval over the mirror episodes, low end "
+                                     "(seat_bias reads it)", None, True),
     "env/win_rate_by_seat_ci95_hi": ("", "high end", None, True),
-    "env/elixir_leak_frac": ("", "learner seats' decisions at full elixir (elixir_leak_steps / episode_steps), per episode", None, True),
-    "env/episode_steps_at_cap_frac": ("", "learner episodes that reached obs.max_steps; absent when no cap is set", None, True),
+    "env/elixir_leak_frac": ("", "learner seats' decisions at full elixir "
+                             "(elixir_leak_steps / episode_steps), per episode", None, True),
+    "env/episode_steps_at_cap_frac": ("", "learner episodes that reached obs.max_steps; "
+                                      "absent when no cap is set", None, True),
     "policy/rollout_hold_rate": ("", "the rollout's p(no-op) on learner cells that had a choice", None, True),
-    "policy/rollout_hold_lift": ("", "p(no-op) x n_legal on those cells: 1.0 is a policy that learnt nothing about waiting; no band earned yet", None, True),
-    "policy/tile_top1_share": ("", "the learner's card plays on its single most used tile (tile_spam reads it)", (0.0, 0.25), True),
-    "policy/tile_entropy": ("nats", "entropy of the learner's played-tile histogram; ln(H*W) is every tile equally", None, True),
-    "policy/card_plays/*": ("", "a card's share of the learner's plays this iteration, by catalogue name", None, True),
-    "policy/card_tile_top10_share": ("", "the learner's plays on its ten most used (card, tile) pairs (artefact_exploit reads it)", (0.0, 0.5), True),
-    "env/mean_elixir_at_decision": ("bar", "the learner's own elixir at its choice cells, as a fraction of the bar (own_elixir)", None, True),
-    "env/frac_elixir_above_99": ("", "the learner's choice cells with elixir at 0.99 of the bar or more (about to leak)", None, True),
-    "ladder/elo_readout": ("Elo", "sequential Elo (k=32) of 'learner' over its kind=train games (design 7.2 layer 1; never the gate)", None, True),
-    "ladder/rating_above_v0": ("Elo", "the champion's fitted rating less v0's (the learner itself is never fitted, design 7.9)", None, True),
-    "ladder/gate_consecutive_discards": ("count", "gates discarded in a row since the last admission (gate_starved reads it)", None, False),
-    "env/reward_terms/*": ("reward", "learner seats' per-episode sum of a weighted term, signed mean (terminal: the objective)", None, True),
-    "env/reward_terms_abs/*": ("reward", "the mean of each learner seat's |per-episode sum| of that term", None, True),
-    "env/reward_terms_step_abs/*": ("reward", "the mean of each learner seat's per-episode sum of |that term| over its steps: how loud it is", None, True),
-    "env/reward_shaping_abs": ("reward", "sum of reward_terms_abs over every term but terminal (shaping_dominates reads it)", None, True),
-    "env/reward_terminal_abs": ("reward", "reward_terms_abs/terminal (0 when no term is filed as terminal)", None, True),
-    "health/rss_peak_mb": ("MB", "the process's peak resident memory (getrusage); machine-dependent like time/", None, False),
+    "policy/rollout_hold_lift": ("", "p(no-op) x n_legal on those cells: 1.0 is a policy that learnt nothing "
+                                 "about waiting; no band earned yet", None, True),
+    "policy/tile_top1_share": ("", "the learner's card plays on its single most used tile "
+                               "(tile_spam reads it)", (0.0, 0.25), True),
+    "policy/tile_entropy": ("nats", "entropy of the learner's played-tile histogram; "
+                            "ln(H*W) is every tile equally", None, True),
+    "policy/card_plays/*": ("", "a card's share of the learner's plays this iteration, by catalogue name",
+                            None, True),
+    "policy/card_tile_top10_share": ("", "the learner's plays on its ten most used (card, tile) pairs "
+                                     "(artefact_exploit reads it)", (0.0, 0.5), True),
+    "env/mean_elixir_at_decision": ("bar", "the learner's own elixir at its choice cells, "
+                                    "as a fraction of the bar (own_elixir)", None, True),
+    "env/frac_elixir_above_99": ("", "the learner's choice cells with elixir at 0.99 of the bar or more "
+                                 "(about to leak)", None, True),
+    "ladder/elo_readout": ("Elo", "sequential Elo (k=32) of 'learner' over its kind=train games "
+                           "(design 7.2 layer 1; never the gate)", None, True),
+    "ladder/rating_above_v0": ("Elo", "the champion's fitted rating less v0's "
+                               "(the learner itself is never fitted, design 7.9)", None, True),
+    "ladder/gate_consecutive_discards": ("count", "gates discarded in a row since the last admission "
+                                         "(gate_starved reads it)", None, False),
+    "env/reward_terms/*": ("reward", "learner seats' per-episode sum of a weighted term, signed mean "
+                           "(terminal: the objective)", None, True),
+    "env/reward_terms_abs/*": ("reward", "the mean of each learner seat's |per-episode sum| of that term",
+                               None, True),
+    "env/reward_terms_step_abs/*": ("reward", "the mean of each learner seat's per-episode sum "
+                                    "of |that term| over its steps: how loud it is", None, True),
+    "env/reward_shaping_abs": ("reward", "sum of reward_terms_abs over every term but terminal "
+                               "(shaping_dominates reads it)", None, True),
+    "env/reward_terminal_abs": ("reward", "reward_terms_abs/terminal (0 when no term is filed as terminal)",
+                                None, True),
+    "health/rss_peak_mb": ("MB", "the process's peak resident memory (getrusage); "
+                           "machine-dependent like time/", None, False),
     # the device-memory regime, on a CUDA device only (device_memory)
     "health/vram_peak_mb": ("MB", "the iteration's peak allocated device memory", None, True),
     "health/vram_reserved_mb": ("MB", "device memory torch's allocator holds", None, True),
-    "health/vram_inactive_split_mb": ("MB", "reserved but unusable between split blocks (fragmentation)", None, True),
-    "health/vram_driver_free_mb": ("MB", "free device memory as the driver reports it (vram_spilling reads it)", None, True),
+    "health/vram_inactive_split_mb": ("MB", "reserved but unusable between split blocks (fragmentation)",
+                                      None, True),
+    "health/vram_driver_free_mb": ("MB", "free device memory as the driver reports it "
+                                   "(vram_spilling reads it)", None, True),
     "health/vram_available_mb": ("MB", "driver free plus what this process reserves", None, True),
-    "health/vram_alloc_retries": ("count", "allocations that had to free the cache and retry, run total", None, True),
-    "health/vram_needed_mb": ("MB", "one minibatch's peak measured at start-up plus doctor.vram_headroom_mb", None, True),
+    "health/vram_alloc_retries": ("count", "allocations that had to free the cache and retry, run total",
+                                  None, True),
+    "health/vram_needed_mb": ("MB", "one minibatch's peak measured at start-up plus doctor.vram_headroom_mb",
+                              None, True),
 }
 
 
@@ -4936,8 +5147,9 @@ def check_row_schema(row: dict[str, Any]) -> None:
     patterns = tuple(k[:-1] for k in SCHEMA if k.endswith("*"))
     unknown = sorted(k for k in row if k not in SCHEMA and not k.startswith(patterns))
     if unknown:
-        raise SchemaError(f"metric row key(s) {', '.join(unknown)} have no SCHEMA entry: add (unit, description, "
-                          f"healthy range or None, conditional) for each to SCHEMA in {SCRIPT}, section 11")
+        raise SchemaError(f"metric row key(s) {', '.join(unknown)} have no SCHEMA entry: "
+                          f"add (unit, description, healthy range or None, conditional) "
+                          f"for each to SCHEMA in {SCRIPT}, section 11")
 
 # Keys whose value depends on the machine or the clock rather than the run: the resume test
 # compares every other key byte for byte (design 2.4, 8.3).
@@ -4959,7 +5171,8 @@ def episode_metrics(eps: Sequence[Any], cap: int = 0) -> dict[str, float]:
         m["env/crown_diff"] = float(np.mean([e.own_crowns - e.enemy_crowns for e in mine]))
         m["env/tower_hp_frac_end_own"] = float(np.mean([e.own_tower_hp_frac for e in mine]))
         m["env/tower_hp_frac_end_enemy"] = float(np.mean([e.enemy_tower_hp_frac for e in mine]))
-        m["env/elixir_leak_frac"] = float(np.mean([e.elixir_leak_steps / max(e.episode_steps, 1) for e in mine]))
+        m["env/elixir_leak_frac"] = float(np.mean([e.elixir_leak_steps / max(e.episode_steps, 1)
+                                                   for e in mine]))
         if cap > 0:
             m["env/episode_steps_at_cap_frac"] = float(np.mean(steps >= cap))
         # design 4 / 9.2: each weighted term's per-episode sum, signed and as a magnitude, over the
@@ -4973,16 +5186,19 @@ def episode_metrics(eps: Sequence[Any], cap: int = 0) -> dict[str, float]:
             m[f"env/reward_terms/{n}"] = float(v.mean())
             m[f"env/reward_terms_abs/{n}"] = float(np.abs(v).mean())
         for n in sorted({k for e in mine for k in e.reward_terms_step_abs}):
-            m[f"env/reward_terms_step_abs/{n}"] = float(np.mean([e.reward_terms_step_abs.get(n, 0.0) for e in mine]))
+            m[f"env/reward_terms_step_abs/{n}"] = float(np.mean([e.reward_terms_step_abs.get(n, 0.0)
+                                                                 for e in mine]))
         if names:
             m["env/reward_shaping_abs"] = float(sum(m[f"env/reward_terms_abs/{n}"] for n in names
                                                     if n != farm.TERMINAL_REWARD_TERM))
             m["env/reward_terminal_abs"] = m.get(f"env/reward_terms_abs/{farm.TERMINAL_REWARD_TERM}", 0.0)
-    blue = [{0: 1.0, 2: 0.5, 1: 0.0}[e.winner] for e in eps if e.bucket == "mirror" and e.seat == 0 and e.winner in (0, 1, 2)]
+    blue = [{0: 1.0, 2: 0.5, 1: 0.0}[e.winner] for e in eps
+            if e.bucket == "mirror" and e.seat == 0 and e.winner in (0, 1, 2)]
     if blue:
         p = float(np.mean(blue))
         m["env/win_rate_by_seat"] = p
-        m["env/win_rate_by_seat_ci95_lo"], m["env/win_rate_by_seat_ci95_hi"] = ladder.wilson_interval(p, len(blue))
+        m["env/win_rate_by_seat_ci95_lo"], m["env/win_rate_by_seat_ci95_hi"] = \
+            ladder.wilson_interval(p, len(blue))
     return m
 
 
@@ -5020,7 +5236,8 @@ def rollout_policy_metrics(action: np.ndarray, n_legal: np.ndarray, p_noop: np.n
             _, pair_counts = np.unique(np.stack([card[play], tiles]), axis=1, return_counts=True)
             m["policy/card_tile_top10_share"] = float(np.sort(pair_counts)[::-1][:10].sum() / play.sum())
             ids, n = np.unique(card[play], return_counts=True)
-            m.update({f"policy/card_plays/{card_name(card_names, i)}": float(k / play.sum()) for i, k in zip(ids, n)})
+            m.update({f"policy/card_plays/{card_name(card_names, i)}": float(k / play.sum())
+                      for i, k in zip(ids, n, strict=True)})
     return m
 
 
@@ -5038,7 +5255,8 @@ def play_heatmaps(action: np.ndarray, card: np.ndarray, geo: NetGeometry,
     tiles = (action[play] - 1) % (H * W)
     out = {}
     for i in np.unique(card[play]):
-        out[card_name(card_names, int(i))] = np.bincount(tiles[card[play] == i], minlength=H * W).reshape(H, W)
+        out[card_name(card_names, int(i))] = np.bincount(tiles[card[play] == i],
+                                                         minlength=H * W).reshape(H, W)
     return out
 
 
@@ -5057,7 +5275,8 @@ def save_play_heatmaps(run: Path, iteration: int, roll: Rollout, env: Env, every
     return path
 
 
-def decision_facts(vector: torch.Tensor, action: torch.Tensor, geo: NetGeometry) -> tuple[np.ndarray, np.ndarray | None]:
+def decision_facts(vector: torch.Tensor, action: torch.Tensor,
+                   geo: NetGeometry) -> tuple[np.ndarray, np.ndarray | None]:
     """Per acted row: the card id the played hand slot held (-1 for the no-op or a button) and the
     row's own elixir (None when the env declares no own_elixir field): rollout_policy_metrics'
     card and elixir. Read off the same vector the pointer head resolves its hand from."""
@@ -5174,39 +5393,55 @@ def alarm_table(args: Args) -> list[Alarm]:
     episodes (alarm_rows) rather than writing their traces, which checks.py writes."""
     al = args.alarms
     return [
-        Alarm("illegal_actions", "health/illegal_action_rate", ">", 0.0, 1, "halt", "a mask bug or a wrong action encoding"),
-        Alarm("ratio_invariant", "ppo/ratio_max_abs_dev", ">", al.ratio_invariant_multiple * ratio_atol(args), 1, "halt",
-              "a mask, codec or weight-version mismatch (design 6.4)"),
-        Alarm("clip_pinned", "ppo/clip_fraction", ">", al.clip_pinned, 3, "halt", "mask disagreement, or lr far too high"),
+        Alarm("illegal_actions", "health/illegal_action_rate", ">", 0.0, 1, "halt",
+              "a mask bug or a wrong action encoding"),
+        Alarm("ratio_invariant", "ppo/ratio_max_abs_dev", ">", al.ratio_invariant_multiple * ratio_atol(args),
+              1, "halt", "a mask, codec or weight-version mismatch (design 6.4)"),
+        Alarm("clip_pinned", "ppo/clip_fraction", ">", al.clip_pinned, 3, "halt",
+              "mask disagreement, or lr far too high"),
         Alarm("kl_high", "ppo/kl", ">", al.kl_high, 3, "warn", "the backoff should already be acting"),
-        Alarm("kl_dead", "ppo/kl", "<", al.kl_dead, 10, "warn", "nothing is moving: entropy, lr, or a frozen head"),
-        Alarm("ev_negative", "ppo/explained_variance", "<", 0.0, al.ev_negative_patience, "warn", "the likeliest cause of a plateau"),
-        Alarm("noop_collapse", "policy/cards_per_match", "<", al.noop_collapse, 5, "warn", "about 22 is healthy"),
-        Alarm("noop_collapse_severe", "policy/cards_per_match", "<", al.noop_collapse_severe, 5, "halt", "the policy stopped playing"),
-        Alarm("noop_entropy_floor", "ppo/noop_entropy", "<", al.noop_entropy_floor, 5, "warn", "the leading indicator of no-op collapse"),
-        Alarm("reward_clipped", "ppo/reward_clip_frac", ">", 0.0, 1, "warn", "a clipped step breaks the potential shaping's telescoping"),
-        Alarm("buffer_overflow", "health/buffer_fill_frac", ">", 1.0, 1, "halt", "a rectangle cell written twice: an invariant is broken"),
+        Alarm("kl_dead", "ppo/kl", "<", al.kl_dead, 10, "warn",
+              "nothing is moving: entropy, lr, or a frozen head"),
+        Alarm("ev_negative", "ppo/explained_variance", "<", 0.0, al.ev_negative_patience, "warn",
+              "the likeliest cause of a plateau"),
+        Alarm("noop_collapse", "policy/cards_per_match", "<", al.noop_collapse, 5, "warn",
+              "about 22 is healthy"),
+        Alarm("noop_collapse_severe", "policy/cards_per_match", "<", al.noop_collapse_severe, 5, "halt",
+              "the policy stopped playing"),
+        Alarm("noop_entropy_floor", "ppo/noop_entropy", "<", al.noop_entropy_floor, 5, "warn",
+              "the leading indicator of no-op collapse"),
+        Alarm("reward_clipped", "ppo/reward_clip_frac", ">", 0.0, 1, "warn",
+              "a clipped step breaks the potential shaping's telescoping"),
+        Alarm("buffer_overflow", "health/buffer_fill_frac", ">", 1.0, 1, "halt",
+              "a rectangle cell written twice: an invariant is broken"),
         Alarm("obs_codec_clipped", "health/obs_codec_clipped", ">", 0.0, 1, "warn",
-              "a uint8 plane exceeded its declared bound and was clipped (design 3.3): report it against the builder"),
+              "a uint8 plane exceeded its declared bound and was clipped (design 3.3): "
+              "report it against the builder"),
         Alarm("elixir_count_inexact", "env/elixir_count_exact_frac", "<", 0.99, 3, "warn",
               "the observation's enemy-elixir field was an estimate; read identity.json engine_build first"),
         Alarm("worker_failures", "health/worker_restarts", "rose", 0.0, 1, "warn",
               "a rollout worker died and was restarted (the failure line says whether cells were dropped)"),
         Alarm("worker_failures_persistent", "health/worker_restarts", "rose", 0.0, 3, "halt",
-              "workers died on three iterations running: the environment or the machine is failing, not one battle"),
+              "workers died on three iterations running: the environment or the machine is failing, "
+              "not one battle"),
         Alarm("seat_bias", "env/win_rate_by_seat", "<", 0.0, 3, "warn",
-              "blue's mirror score's 95% interval excludes 0.45-0.55: an unseeded reset, a reward asymmetry or a mirror bug",
-              test=_seat_bias, reads=("env/win_rate_by_seat", "env/win_rate_by_seat_ci95_lo", "env/win_rate_by_seat_ci95_hi")),
+              "blue's mirror score's 95% interval excludes 0.45-0.55: "
+              "an unseeded reset, a reward asymmetry or a mirror bug",
+              test=_seat_bias, reads=("env/win_rate_by_seat", "env/win_rate_by_seat_ci95_lo",
+                                      "env/win_rate_by_seat_ci95_hi")),
         Alarm("draw_equilibrium", "env/draw_rate", ">", 0.5, 5, "warn",
               "draw_rate > 0.5 and episode_steps_at_cap_frac > 0.8: the turtle equilibrium",
               test=_draw_equilibrium, reads=("env/draw_rate", "env/episode_steps_at_cap_frac")),
         Alarm("gate_starved", "ladder/gate_consecutive_discards", ">", 4.0, 1, "warn",
               "five gates in a row discarded: the plateau signal, stated as an event", test=_gate_starved),
-        Alarm("transitivity", "ladder/transitivity_residual", ">", 0.10, 3, "warn", "the scalar rating is lying"),
+        Alarm("transitivity", "ladder/transitivity_residual", ">", 0.10, 3, "warn",
+              "the scalar rating is lying"),
         Alarm("shaping_dominates", "env/reward_shaping_abs", ">", 0.0, 5, "warn",
-              "shaping outweighs the objective: under a potential reward a term stopped telescoping (design 9.3)",
+              "shaping outweighs the objective: under a potential reward a term stopped telescoping "
+              "(design 9.3)",
               test=_shaping_dominates, reads=("env/reward_shaping_abs", "env/reward_terminal_abs")),
-        Alarm("tile_spam", "policy/tile_top1_share", ">", 0.25, 5, "warn", "a quarter of the learner's plays on one tile"),
+        Alarm("tile_spam", "policy/tile_top1_share", ">", 0.25, 5, "warn",
+              "a quarter of the learner's plays on one tile"),
         Alarm("artefact_exploit", "policy/card_tile_top10_share", ">", 0.5, 5, "warn",
               "half the learner's plays on ten (card, tile) pairs: a real meta is not that concentrated"),
         Alarm("vram_spilling", "health/vram_driver_free_mb", "<", VRAM_FULL_MB, 3, "warn",
@@ -5230,7 +5465,8 @@ class AlarmSet:
         fired = []
         for k, v in row.items():
             if isinstance(v, float) and not math.isfinite(v):
-                fired.append((Alarm("nonfinite", k, ">", 0.0, 1, "halt", "a loss, gradient or metric went non-finite"), v))
+                fired.append((Alarm("nonfinite", k, ">", 0.0, 1, "halt",
+                                    "a loss, gradient or metric went non-finite"), v))
         for a in self.alarms:
             v = row.get(a.key)
             if a.test is not None:
@@ -5287,7 +5523,8 @@ def write_bundle(run: Path, iteration: int, alarm: Alarm, value: float, rows: li
     b.mkdir(parents=True, exist_ok=True)
     reads = alarm.reads or (alarm.key,)
     recent = {k: [r.get(k) for r in rows[-5:]] for k in reads}
-    halt = {"alarm": alarm.name, "metric": alarm.key, "predicate": f"{alarm.key} {alarm.op} {alarm.threshold}",
+    halt = {"alarm": alarm.name, "metric": alarm.key,
+            "predicate": f"{alarm.key} {alarm.op} {alarm.threshold}",
             "threshold": alarm.threshold, "patience": alarm.patience, "value": value,
             "last_values": recent[alarm.key] if alarm.key in recent else recent[reads[0]], "recent": recent,
             "meaning": alarm.meaning, "iteration": iteration, "checkpoint": str(checkpoint),
@@ -5298,7 +5535,8 @@ def write_bundle(run: Path, iteration: int, alarm: Alarm, value: float, rows: li
     (b / "halt.json").write_bytes(msgspec.json.format(canonical_json(halt)))
     (b / "metrics_tail.jsonl").write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in rows[-50:]))
     (b / "alarms.jsonl").write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in alarm_rows))
-    (b / "episodes_tail.jsonl").write_bytes(b"".join(msgspec.json.encode(e) + b"\n" for e in list(episodes)[-20:]))
+    (b / "episodes_tail.jsonl").write_bytes(b"".join(msgspec.json.encode(e) + b"\n"
+                                                     for e in list(episodes)[-20:]))
     (b / "ratio_outliers.json").write_bytes(msgspec.json.format(msgspec.json.encode(list(ratio_outliers))))
     (b / "config.json").write_bytes(config_json(args))
     (b / "identity.json").write_bytes(canonical_json(identity))
@@ -5349,8 +5587,9 @@ class TensorBoardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
-            raise ConfigError("--metrics.tensorboard needs the optional tensorboard extra: pip install "
-                              f"'clash-ppo[tb]' (or pip install tensorboard); or run without it ({e})") from None
+            raise ConfigError("--metrics.tensorboard needs the optional tensorboard extra: "
+                              f"pip install 'clash-ppo[tb]' (or pip install tensorboard); "
+                              f"or run without it ({e})") from None
         metrics = run / "metrics.jsonl"
         last = metrics.read_bytes().splitlines()[-1] if metrics.exists() and metrics.stat().st_size else b""
         purge = json.loads(last)["run/cumulative_env_steps"] + 1 if last else None
@@ -5445,9 +5684,11 @@ def learning_status(row: dict[str, Any], run_name: str) -> dict[str, Any]:
             "env_steps_per_s": g("throughput/collected_steps_per_second"),
             "engine_ticks_per_s": g("throughput/engine_ticks_per_second"),
             "episode_ticks": None, "crowns_per_episode": g("env/crowns_for"), "towers_per_episode": None,
-            "illegal_rate": g("health/illegal_action_rate"), "elixir_wasted": g("env/elixir_leak_frac"), "elo": g("ladder/elo_readout"),
-            "win_rate": g("env/win_rate_vs_scripted"), "pool_size": g("ladder/pool_size"), "games_vs_pool": None,
-            "extra": {"cards_per_match": g("policy/cards_per_match") if g("policy/cards_per_match") is not None else "-",
+            "illegal_rate": g("health/illegal_action_rate"), "elixir_wasted": g("env/elixir_leak_frac"),
+            "elo": g("ladder/elo_readout"), "win_rate": g("env/win_rate_vs_scripted"),
+            "pool_size": g("ladder/pool_size"), "games_vs_pool": None,
+            "extra": {"cards_per_match":
+                      g("policy/cards_per_match") if g("policy/cards_per_match") is not None else "-",
                       "forced_frac": g("ppo/forced_frac"),
                       "gate": g("ladder/gate_failed_condition") if g("ladder/gate_attempts") else "none yet"}}
 
@@ -5457,15 +5698,18 @@ def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: LadderLoop
                adv: Advantages, upd: dict[str, Any], lad_row: dict[str, Any]) -> dict[str, Any]:
     """The iteration's one flat row (design 9.2); every key is in SCHEMA. time/iteration runs from
     the previous row to this one, so a checkpoint written after a row is counted in the next."""
-    T, trainable, valid, mine = env.T, roll.trainable, roll.valid, [e for e in roll.episodes if e.policy_id == "learner"]
+    T, trainable, valid, mine = (env.T, roll.trainable, roll.valid,
+                                 [e for e in roll.episodes if e.policy_id == "learner"])
     nl, n_train = crit.n_legal[trainable], max(int(trainable.sum()), 1)
     pol: dict[str, Any] = {}
     if nl.size:
-        pol = {"policy/forced_noop_frac": float((nl == 1).mean()), "policy/rollout_choice_frac": float((nl > 1).mean()),
+        pol = {"policy/forced_noop_frac": float((nl == 1).mean()),
+               "policy/rollout_choice_frac": float((nl > 1).mean()),
                **{f"policy/legal_actions_p{q:02d}": float(np.percentile(nl, q)) for q in (5, 50, 95)}}
     pol.update(rollout_policy_metrics(roll.action[trainable], nl, roll.p_noop[trainable], env.geo,
                                       card=roll.card[trainable],
-                                      elixir=roll.elixir[trainable] if OWN_ELIXIR in dict(env.geo.vector_layout) else None,
+                                      elixir=(roll.elixir[trainable]
+                                              if OWN_ELIXIR in dict(env.geo.vector_layout) else None),
                                       card_names=env.card_names))
     t_now = time.perf_counter()
     t_iter = t_now - run.t_row
@@ -5474,7 +5718,8 @@ def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: LadderLoop
     gamma, lam, fst = learner.sched["gamma"], args.advantage.gae_lambda, roll.stats
     mean = lambda xs: float(np.mean(xs)) if xs else None   # noqa: E731  (absent population: null)
     return {
-        "run/iteration": learner.iteration, "run/cumulative_timesteps": learner.timesteps, "run/world_size": env.world,
+        "run/iteration": learner.iteration, "run/cumulative_timesteps": learner.timesteps,
+        "run/world_size": env.world,
         "run/cumulative_env_steps": learner.env_steps, "run/cumulative_updates": learner.updates,
         "run/wall_seconds": time.perf_counter() - run.t_start, "run/gamma": gamma, "run/gae_lambda": lam,
         "run/credit_horizon_seconds": credit_horizon_seconds(args.obs.decision_ms, gamma, lam),
@@ -5489,7 +5734,8 @@ def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: LadderLoop
         "throughput/engine_ticks_per_second": roll.engine_ticks / max(roll.t_collect, 1e-9),
         "throughput/discarded_rows_frac": 1.0 - float(trainable.sum()) / max(int(valid.sum()), 1),
         "throughput/inference_ms_per_round": 1e3 * roll.t_inference / max(roll.rounds, 1),
-        "throughput/inference_rows_forward": roll.rows_forward, "throughput/inference_rows_skipped": roll.rows_skipped,
+        "throughput/inference_rows_forward": roll.rows_forward,
+        "throughput/inference_rows_skipped": roll.rows_skipped,
         "health/rss_peak_mb": rss_peak_mb(), **device_memory(env.device, env.vram_needed_mb), **pol,
         **episode_metrics(roll.episodes, args.obs.max_steps),
         "time/critic_pass": crit.seconds, "time/gae": adv.seconds, "time/update": upd["time/update"],
@@ -5505,13 +5751,15 @@ def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: LadderLoop
         "env/elixir_count_exact_frac": mean([e.elixir_count_exact for e in roll.episodes]),
         "policy/legal_actions_mean": float(nl.mean()) if trainable.any() else None,
         "health/buffer_fill_frac": float(valid.sum()) / (T * env.R),
-        "health/obs_codec_clipped": fst["obs_codec_clipped"], "health/obs_codec_rounded": fst["obs_codec_rounded"],
+        "health/obs_codec_clipped": fst["obs_codec_clipped"],
+        "health/obs_codec_rounded": fst["obs_codec_rounded"],
         "health/worker_restarts": fst["worker_restarts"],
         "health/rows_dropped_dead_worker": fst["rows_dropped_dead_worker"],
         "time/env": fst["env_ms"] / 1e3, "time/codec": fst["codec_ms"] / 1e3,
         "throughput/parent_wait_frac": fst["parent_wait_frac"],
         "throughput/boundary_mb_per_second": fst["bytes_out"] / 1e6 / max(roll.t_collect, 1e-9),
-        "health/samples_unused_frac": 1.0 - upd["ppo/actor_rows_seen"] / max(upd["update_rows"] * args.ppo.n_epochs, 1),
+        "health/samples_unused_frac":
+            1.0 - upd["ppo/actor_rows_seen"] / max(upd["update_rows"] * args.ppo.n_epochs, 1),
         "policy/cards_per_match": mean([e.cards_played for e in mine]),
         "policy/noop_rate": float((roll.action[trainable] == 0).mean()) if trainable.any() else None,
         "env/win_rate_vs_scripted": mean([e.outcome > 0 for e in mine if e.bucket == "scripted"]),
@@ -5534,9 +5782,9 @@ def _fmt(v: Any, fmt: str = "{:.3g}") -> str:
 
 
 def console_block(row: dict[str, Any], fired: Sequence[tuple[Alarm, float]] = (), full: bool = False) -> str:
-    """The compact block a person watches each iteration: two dozen numbers on labelled lines. An absent key prints as "-" (the console never indexes a fixed key list
-    into a crash, design 9.1). With full=True (--metrics.console-full) every key follows, grouped by
-    prefix."""
+    """The compact block a person watches each iteration: two dozen numbers on labelled lines. An
+    absent key prints as "-" (the console never indexes a fixed key list into a crash, design 9.1).
+    With full=True (--metrics.console-full) every key follows, grouped by prefix."""
     g = row.get
 
     def f(k: str, fmt: str = "{:.3g}") -> str:
@@ -5550,11 +5798,13 @@ def console_block(row: dict[str, Any], fired: Sequence[tuple[Alarm, float]] = ()
              # the parts time/residual is taken from, so the line adds up to the iteration
              f"time {f('time/iteration', '{:.1f}')}s = collect {f('time/collection', '{:.1f}')} "
              f"(inference {f('time/inference', '{:.1f}')}) + critic {f('time/critic_pass', '{:.1f}')} "
-             f"+ gae {f('time/gae', '{:.1f}')} + update {f('time/update', '{:.1f}')} + gate {f('time/gate', '{:.1f}')} "
+             f"+ gae {f('time/gae', '{:.1f}')} + update {f('time/update', '{:.1f}')} "
+             f"+ gate {f('time/gate', '{:.1f}')} "
              f"+ probe {f('time/probe', '{:.1f}')} + ckpt {f('time/checkpoint', '{:.1f}')} "
              f"+ other {f('time/residual', '{:.1f}')}",
-             f"  learn   policy_loss {f('ppo/policy_loss')} value_loss {f('ppo/value_loss')} kl {f('ppo/kl')} "
-             f"clip {f('ppo/clip_fraction', '{:.3f}')} ev {f('ppo/explained_variance', '{:.2f}')} "
+             f"  learn   policy_loss {f('ppo/policy_loss')} value_loss {f('ppo/value_loss')} "
+             f"kl {f('ppo/kl')} clip {f('ppo/clip_fraction', '{:.3f}')} "
+             f"ev {f('ppo/explained_variance', '{:.2f}')} "
              f"H_norm {f('ppo/entropy_normalised', '{:.3f}')} forced {f('ppo/forced_frac', '{:.2f}')}",
              f"  play    cards/match {f('policy/cards_per_match', '{:.1f}')} win_vs_scripted "
              f"{f('env/win_rate_vs_scripted', '{:.2f}')} blue_mirror {f('env/win_rate_by_seat', '{:.2f}')} "
@@ -5564,8 +5814,10 @@ def console_block(row: dict[str, Any], fired: Sequence[tuple[Alarm, float]] = ()
     if champ is not None:
         r, se = g(f"ladder/rating/{champ}"), g(f"ladder/rating_se/{champ}")
         rating = "-" if r is None else f"{r:.0f} +- {se:.0f}" if se is not None else f"{r:.0f}"
-        gate = "none yet" if not g("ladder/gate_attempts") else (g("ladder/gate_failed_condition") or "passed")
-        lines.append(f"  ladder  champion {champ} rating {rating} above_v0 {f('ladder/rating_above_v0', '{:.0f}')} "
+        gate = ("none yet" if not g("ladder/gate_attempts")
+                else (g("ladder/gate_failed_condition") or "passed"))
+        lines.append(f"  ladder  champion {champ} rating {rating} "
+                     f"above_v0 {f('ladder/rating_above_v0', '{:.0f}')} "
                      f"elo_readout {f('ladder/elo_readout', '{:.0f}')} pool {f('ladder/pool_size')} "
                      f"last gate {gate}")
     if fired:
@@ -5596,7 +5848,8 @@ ACTOR_PREFIXES = ("actor_trunk.", "policy.")
 
 def actor_tensors(model: ActorCritic) -> dict[str, np.ndarray]:
     """The actor's tensors as float32 numpy (SnapshotStore.save stores floats as fp16)."""
-    return {k: v.detach().to("cpu").numpy() if not v.is_floating_point() else v.detach().to("cpu", torch.float32).numpy()
+    return {k: (v.detach().to("cpu").numpy() if not v.is_floating_point()
+                else v.detach().to("cpu", torch.float32).numpy())
             for k, v in model.state_dict().items() if k.startswith(ACTOR_PREFIXES)}
 
 
@@ -5608,8 +5861,8 @@ def write_snapshot(run: Path, model: ActorCritic, *, obs_digest: str, action_dig
     spec = ladder.SnapshotSpec(
         arch_digest=arch_digest(geo, net), obs_digest=obs_digest, action_digest=action_digest,
         codec_version=codec.CODEC_VERSION, codec_table_digest=codec_table_digest, frame_stack=geo.frame_stack,
-        num_cards=geo.card_vocab(), vector_size=geo.vector_size, step=int(step), context=context, run_id=run_id_,
-        arch={"geometry": msgspec.to_builtins(geo), "net": dataclasses.asdict(net)})
+        num_cards=geo.card_vocab(), vector_size=geo.vector_size, step=int(step), context=context,
+        run_id=run_id_, arch={"geometry": msgspec.to_builtins(geo), "net": dataclasses.asdict(net)})
     return ladder.snapshot_player_id(ladder.SnapshotStore(run).save(actor_tensors(model), spec))
 
 
@@ -5620,14 +5873,17 @@ def actor_from_snapshot(spec: Any, tensors: dict[str, np.ndarray], device: torch
     net = msgspec.convert(spec.arch["net"], NetArgs)
     if arch_digest(geo, net) != spec.arch_digest:
         raise ladder.SnapshotMismatch(f"snapshot arch_digest is {spec.arch_digest} but its arch rebuilds to "
-                                      f"{arch_digest(geo, net)}: ppo_clash.py's network changed since it was saved")
+                                      f"{arch_digest(geo, net)}: "
+                                      f"ppo_clash.py's network changed since it was saved")
     model = ActorCritic(geo, net, 0)
     want = {k for k in model.state_dict() if k.startswith(ACTOR_PREFIXES)}
     if want != set(tensors):
-        raise ladder.SnapshotMismatch(f"snapshot tensors differ from the actor's: missing {sorted(want - set(tensors))[:4]}, "
+        raise ladder.SnapshotMismatch(f"snapshot tensors differ from the actor's: "
+                                      f"missing {sorted(want - set(tensors))[:4]}, "
                                       f"unexpected {sorted(set(tensors) - want)[:4]}")
     sd = model.state_dict()
-    model.load_state_dict({**sd, **{k: torch.as_tensor(np.asarray(v)).to(sd[k].dtype) for k, v in tensors.items()}})
+    model.load_state_dict({**sd, **{k: torch.as_tensor(np.asarray(v)).to(sd[k].dtype)
+                                    for k, v in tensors.items()}})
     return model.to(device).eval()
 
 
@@ -5648,8 +5904,9 @@ def raw_obs_act(model: ActorCritic, table: Any, device: torch.device | str,
         with torch.inference_mode():
             o = codec.unpack(table, torch.as_tensor(rows, device=device), statics,
                              torch.arange(B, device=device), None)
+            # forced rows: no forward
             a = model.act_and_hold(o, torch.as_tensor(np.asarray(u), dtype=torch.float32, device=device),
-                                   forced_rows(codec.host_mask(table, rows)), decode).action   # forced rows: no forward
+                                   forced_rows(codec.host_mask(table, rows)), decode).action
         return a.cpu().numpy()
     return act
 
@@ -5657,7 +5914,8 @@ def raw_obs_act(model: ActorCritic, table: Any, device: torch.device | str,
 def run_codec_table(run: Path) -> Any:
     """The codec table of a run's evaluation env (ladder/eval_env.json), as EvalRunner decides it."""
     env, _ = ladder.read_run_env(run)
-    seed = int(json.loads((run / "config.json").read_bytes()).get("master_seed", 0)) if (run / "config.json").exists() else 0
+    seed = (int(json.loads((run / "config.json").read_bytes()).get("master_seed", 0))
+            if (run / "config.json").exists() else 0)
     return ladder._eval_preflight(msgspec.json.encode(ladder.eval_env_spec(env)), seed)[1]
 
 
@@ -5707,15 +5965,16 @@ def checkpoint_policy_act(ckpt_dir: str | Path, device: str = "cpu", table: Any 
     actor = load_tensors(files["actor_critic/actor.safetensors"])
     want = {k for k in model.state_dict() if k.startswith(ACTOR_PREFIXES)}
     if set(actor) != want:
-        raise CheckpointFormatError(f"{ckpt / 'actor_critic/actor.safetensors'}: holds other tensors than the "
-                                    f"actor's (missing {sorted(want - set(actor))[:4]}, unexpected "
+        raise CheckpointFormatError(f"{ckpt / 'actor_critic/actor.safetensors'}: holds other tensors "
+                                    f"than the actor's (missing {sorted(want - set(actor))[:4]}, unexpected "
                                     f"{sorted(set(actor) - want)[:4]})")
     model.load_state_dict({**model.state_dict(), **actor})
     tab = table if table is not None else run_codec_table(ckpt.parent.parent)
-    for field, need in [("codec_table_digest", tab.digest())] + ([("obs_digest", obs_digest)] if obs_digest else []):
-        have = man.identity.get(field)
+    for name, need in ([("codec_table_digest", tab.digest())]
+                       + ([("obs_digest", obs_digest)] if obs_digest else [])):
+        have = man.identity.get(name)
         if have != need:
-            raise ladder.SnapshotMismatch(f"{ckpt}: the run trained with {field} {have}, the evaluation env "
+            raise ladder.SnapshotMismatch(f"{ckpt}: the run trained with {name} {have}, the evaluation env "
                                           f"has {need}: the actor would see another observation; refused")
     if release_mode is None:
         release_mode = str((man.config.get("ladder") or {}).get("release_mode", "stochastic"))
@@ -5751,14 +6010,14 @@ class Bot:
         store = ladder.SnapshotStore(None)
         sid = store.add_folder(folder)                      # FileNotFoundError: not a snapshot folder
         if folder.parent.name == "snapshots" and folder.name != sid:
-            raise ladder.SnapshotMismatch(f"{folder / 'spec.json'} does not hash to its folder name ({sid}); the spec "
-                                          f"was edited after it was saved")
+            raise ladder.SnapshotMismatch(f"{folder / 'spec.json'} does not hash to its folder name ({sid}); "
+                                          f"the spec was edited after it was saved")
         env_json = next((p for p in (folder / "eval_env.json", folder.parent.parent / "eval_env.json")
                          if p.is_file()), None)
         if env_json is None:
             raise FileNotFoundError(f"{folder}: no eval_env.json beside it (a shipped model) or two levels "
-                                    f"up (a run's ladder/snapshots/<id>/): copy the run's ladder/eval_env.json "
-                                    f"in, as the README ships a model")
+                                    f"up (a run's ladder/snapshots/<id>/): "
+                                    f"copy the run's ladder/eval_env.json in, as the README ships a model")
         _, self.table, _ = ladder._eval_preflight(env_json.read_bytes(), 0)
         spec, tensors = store.load(sid, {"codec_table_digest": self.table.digest()})
         self.folder, self.spec, self.device = folder, spec, torch.device(device)
@@ -5769,8 +6028,8 @@ class Bot:
         self.statics_index = list(self.table.static_index)
         self.clock = self.geo.field(CLOCK).start if CLOCK in dict(self.geo.vector_layout) else None
         if self.geo.frame_stack > 1 and self.clock is None:
-            raise ladder.SnapshotMismatch(f"{folder}: a frame-stacked snapshot needs the observation's clock to "
-                                          f"see an episode start, and its vector_layout has none")
+            raise ladder.SnapshotMismatch(f"{folder}: a frame-stacked snapshot needs the observation's clock "
+                                          f"to see an episode start, and its vector_layout has none")
         self.frames = np.zeros((1, self.geo.frame_stack, self.table.row_bytes), np.uint8)
         self.live = np.zeros((1, self.geo.frame_stack), bool)
 
@@ -5781,16 +6040,19 @@ class Bot:
 
     def observe(self, obs: dict[str, np.ndarray], mask: np.ndarray) -> Any:
         """This decision's codec.Obs (a batch of one): the observation checked, packed with `mask` as its
-        action mask, pushed onto the frame stack, and unpacked. Call once a decision: it advances the stack."""
+        action mask, pushed onto the frame stack, and unpacked. Call once a decision: it advances the
+        stack."""
         self._check(obs, mask)
         if self.clock is not None and self.geo.frame_stack > 1 and obs["vector"][self.clock] == 1.0:
-            self.reset()                                    # the clock reads the full regular time at tick 0 only
+            # the clock reads the full regular time at tick 0 only
+            self.reset()
         self.frames[0, :-1], self.live[0, :-1] = self.frames[0, 1:].copy(), self.live[0, 1:].copy()
         one = {k: np.asarray(v)[None] for k, v in obs.items()}
         one["action_mask"] = np.asarray(mask, bool)[None]
         self.packer.pack(one, self.frames[0], self.geo.frame_stack - 1)
         self.live[0, -1] = True
-        statics = torch.as_tensor(one["spatial"][:, self.statics_index].astype(np.float32), device=self.device)
+        statics = torch.as_tensor(one["spatial"][:, self.statics_index].astype(np.float32),
+                                  device=self.device)
         fv = torch.as_tensor(self.live, device=self.device) if self.geo.frame_stack > 1 else None
         return codec.unpack(self.table, torch.as_tensor(self.frames, device=self.device), statics,
                             torch.zeros(1, dtype=torch.int64, device=self.device), fv)
@@ -5812,15 +6074,16 @@ class Bot:
         for key in want:
             if have[key] != want[key]:
                 raise ladder.SnapshotMismatch(
-                    f"{self.folder}: the observation's {key} has shape {have[key]}, the snapshot was trained on "
-                    f"{want[key]} (spec.json arch.geometry): play it on the env of its eval_env.json")
+                    f"{self.folder}: the observation's {key} has shape {have[key]}, the snapshot was trained "
+                    f"on {want[key]} (spec.json arch.geometry): play it on the env of its eval_env.json")
 
 
 def match_config(L: LadderArgs) -> Any:
     """The matchmaker's configuration, from the run's ladder arguments."""
     return ladder.MatchConfig(mix=tuple(L.mix), max_resident_opponents=L.max_resident_opponents,
                               pfsp_power=L.pfsp_power, pfsp_uniform_floor=L.pfsp_uniform_floor,
-                              scripted_opponents=tuple(L.scripted_opponents), fixed_seats=bool(L.seat_decks.deck))
+                              scripted_opponents=tuple(L.scripted_opponents),
+                              fixed_seats=bool(L.seat_decks.deck))
 
 
 class LadderLoop:
@@ -5839,7 +6102,8 @@ class LadderLoop:
         """seed: the run's master seed (the frozen eval seeds, the gate's draws); match_seed: this
         rank's (Env.seed). voice False: a torchrun rank other than 0, which plans its own battles
         against the pool rank 0 shares after each ladder step (follow) and writes nothing."""
-        self.args, self.run, self.rid, self.seed, self.device, self.table = args, run, rid, seed, device, table
+        self.args, self.run, self.rid, self.seed, self.device, self.table = \
+            args, run, rid, seed, device, table
         self.env_spec, self.voice = env_spec, voice
         L = args.ladder
         self.mm = ladder.Matchmaker(seed if match_seed is None else match_seed, n_battles, match_config(L))
@@ -5878,8 +6142,10 @@ class LadderLoop:
                               run_id_=self.rid)
 
     def admit(self, pid: str, step: int, promote: bool, cycle: bool = False, sample: bool = True) -> None:
-        self.pool.admit(ladder.PoolMember(id=pid, step=int(step), cycle=cycle), promote=promote, sample=sample)
-        self.evictions += len(ladder.hall_of_fame_evict(self.pool, self.ratings, self.args.ladder.pool_working_size))
+        self.pool.admit(ladder.PoolMember(id=pid, step=int(step), cycle=cycle), promote=promote,
+                        sample=sample)
+        self.evictions += len(ladder.hall_of_fame_evict(self.pool, self.ratings,
+                                                        self.args.ladder.pool_working_size))
         ladder.write_pool(self.run, self.pool)
 
     def admit_seeds(self, specs: Sequence[Any]) -> None:
@@ -5887,7 +6153,8 @@ class LadderLoop:
         the run, whatever becomes of its folder) and admitted as seed:<name>, never promoted."""
         for sd, spec in zip(self.args.ladder.seed_snapshots, specs, strict=True):
             self.pool.admit(ladder.PoolMember(id=f"seed:{sd.name}", step=spec.step, seed=True,
-                                              snapshot=self.store.copy_in(sd.path), weight=sd.weight), promote=False)
+                                              snapshot=self.store.copy_in(sd.path), weight=sd.weight),
+                            promote=False)
         ladder.write_pool(self.run, self.pool)
 
     # -- the plan --
@@ -5901,8 +6168,8 @@ class LadderLoop:
                 self.slots[g] = sid
                 return g
         if len(self.slots) >= 127:
-            raise RuntimeError("resident table is full (127 int8 group ids are live); this cannot happen with "
-                               f"max_resident_opponents={self.args.ladder.max_resident_opponents}")
+            raise RuntimeError("resident table is full (127 int8 group ids are live); this cannot happen "
+                               f"with max_resident_opponents={self.args.ladder.max_resident_opponents}")
         self.slots.append(sid)
         return len(self.slots) - 1
 
@@ -5955,10 +6222,11 @@ class LadderLoop:
     def _runner(self, iteration: int) -> Any:
         r = self.args.rollout
         return ladder.EvalRunner(self.env_spec, self.seeds, run_dir=self.run, run_id=self.rid,
-                                 policy_builder=snapshot_policy_builder(self.run, str(self.device), table=self.table,
-                                                                         release_mode=self.args.ladder.release_mode),
-                                 battles_at_once=r.eval_workers * r.eval_games_per_worker, iteration=iteration,
-                                 workers=r.eval_workers, table=self.table)
+                                 policy_builder=snapshot_policy_builder(
+                                     self.run, str(self.device), table=self.table,
+                                     release_mode=self.args.ladder.release_mode),
+                                 battles_at_once=r.eval_workers * r.eval_games_per_worker,
+                                 iteration=iteration, workers=r.eval_workers, table=self.table)
 
     def gate(self, model: ActorCritic, iteration: int, env_steps: int, action_digest: str) -> Any:
         """design 7.4: snapshot the learner, play the WilsonGate on its own farm, apply the outcome."""
@@ -5994,8 +6262,10 @@ class LadderLoop:
         import time
         t0 = time.perf_counter()
         with self._runner(iteration) as r:
-            _, m = ladder.run_probe(r, raw_obs_act(model, self.table, self.device, self.args.ladder.release_mode), env_steps,
-                                    rungs=self.args.ladder.probe_opponents, probe_games=self.args.ladder.probe_games,
+            _, m = ladder.run_probe(r, raw_obs_act(model, self.table, self.device,
+                                                   self.args.ladder.release_mode), env_steps,
+                                    rungs=self.args.ladder.probe_opponents,
+                                    probe_games=self.args.ladder.probe_games,
                                     resamples=self.args.ladder.gate.bootstrap_resamples)
         self.seconds_probe += time.perf_counter() - t0
         return m
@@ -6030,11 +6300,13 @@ class LadderLoop:
         return {"matchmaker": msgspec.to_builtins(self.mm.state()), "pool": msgspec.to_builtins(self.pool),
                 "ratings": msgspec.to_builtins(self.ratings) if self.ratings is not None else None,
                 "slots": list(self.slots), "assignment": [msgspec.to_builtins(a) for a in assignment],
-                "gate_attempts": self.gate_attempts, "gate_passes": self.gate_passes, "evictions": self.evictions,
+                "gate_attempts": self.gate_attempts, "gate_passes": self.gate_passes,
+                "evictions": self.evictions,
                 "last_gate": msgspec.to_builtins(self.last_gate) if self.last_gate is not None else None,
                 "last_candidate_step": self.last_candidate_step, "last_floor_step": self.last_floor_step,
                 "seconds_gate": self.seconds_gate, "seconds_probe": self.seconds_probe,
-                "gate_discards_in_a_row": self.gate_discards_in_a_row, "elo": dict(sorted(self.elo.rating.items()))}
+                "gate_discards_in_a_row": self.gate_discards_in_a_row,
+                "elo": dict(sorted(self.elo.rating.items()))}
 
     def refuse_changed_setup(self) -> None:
         """What a run fixed at its start cannot change at a resume, not even under
@@ -6043,12 +6315,12 @@ class LadderLoop:
         L = self.args.ladder
         if self.mm.cfg.fixed_seats != bool(L.seat_decks.deck):
             started = "with" if self.mm.cfg.fixed_seats else "without"
-            raise ConfigError(f"ladder.seat_decks.deck: the checkpoint's run was started {started} one; a run "
-                              "cannot take or drop its deck at a resume (start a new run)")
+            raise ConfigError(f"ladder.seat_decks.deck: the checkpoint's run was started {started} one; "
+                              "a run cannot take or drop its deck at a resume (start a new run)")
         held = sorted(self.pool.seeds())
         if held != sorted(f"seed:{sd.name}" for sd in L.seed_snapshots):
-            raise ConfigError(f"ladder.seed_snapshots: the checkpoint's pool holds {held or 'none'}; seeds are "
-                              "admitted at a run's start only (start a new run)")
+            raise ConfigError(f"ladder.seed_snapshots: the checkpoint's pool holds {held or 'none'}; "
+                              "seeds are admitted at a run's start only (start a new run)")
 
     def load(self, st: dict[str, Any]) -> list[Any]:
         """Restore; returns the saved assignment table (the resumed farm's opening plan)."""
@@ -6056,14 +6328,19 @@ class LadderLoop:
         self.pool = msgspec.convert(st["pool"], ladder.Pool)
         self.refuse_changed_setup()
         if self.voice:
-            ladder.write_pool(self.run, self.pool)   # pool.json follows the checkpoint, not admits made after it
-        self.ratings = msgspec.convert(st["ratings"], ladder.RatingTable) if st["ratings"] is not None else None
+            # pool.json follows the checkpoint, not admits made after it
+            ladder.write_pool(self.run, self.pool)
+        self.ratings = (msgspec.convert(st["ratings"], ladder.RatingTable) if st["ratings"] is not None
+                        else None)
         self.slots = list(st["slots"])
-        self.gate_attempts, self.gate_passes, self.evictions = st["gate_attempts"], st["gate_passes"], st["evictions"]
-        self.last_gate = msgspec.convert(st["last_gate"], ladder.GateDecision) if st["last_gate"] is not None else None
+        self.gate_attempts, self.gate_passes, self.evictions = \
+            st["gate_attempts"], st["gate_passes"], st["evictions"]
+        self.last_gate = (msgspec.convert(st["last_gate"], ladder.GateDecision) if st["last_gate"] is not None
+                          else None)
         self.last_candidate_step, self.last_floor_step = st["last_candidate_step"], st["last_floor_step"]
         self.seconds_gate, self.seconds_probe = st["seconds_gate"], st["seconds_probe"]
-        self.gate_discards_in_a_row = int(st.get("gate_discards_in_a_row", 0))   # absent from older checkpoints
+        # absent from older checkpoints
+        self.gate_discards_in_a_row = int(st.get("gate_discards_in_a_row", 0))
         self.elo.rating = {k: float(v) for k, v in st.get("elo", {}).items()}
         return [msgspec.convert(a, farm.Assignment) for a in st["assignment"]]
 
@@ -6091,14 +6368,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             rest.append(argv[i])
         i += 1
     try:
-        for name, val, like in (("--resume", resume, "runs/<dir>"), ("--checkpoint", ckpt, "runs/<dir>/checkpoints/<step>")):
+        for name, val, like in (("--resume", resume, "runs/<dir>"),
+                                ("--checkpoint", ckpt, "runs/<dir>/checkpoints/<step>")):
             if val == "":   # Path("") is the current folder: never what was meant
                 raise ConfigError(f"{name} needs a value, such as {name} {like}")
         if resume is not None:
             ck = Path(ckpt) if ckpt else latest_checkpoint(Path(resume))
             if ck is None and not (Path(resume) / "config.json").exists():
-                raise ConfigError(f"{resume} has no checkpoint to resume (looked in {Path(resume) / 'checkpoints'}) "
-                                  "and no config.json to start it again from: start it with the command that made it")
+                raise ConfigError(f"{resume} has no checkpoint to resume "
+                                  f"(looked in {Path(resume) / 'checkpoints'}) "
+                                  "and no config.json to start it again from: "
+                                  "start it with the command that made it")
             args = parse_args(["--config", str(Path(resume) / "config.json"), *rest])
             if ck is None:   # it stopped before its first checkpoint: start it again, in its own folder
                 args.runs_dir = str(Path(resume).parent)
