@@ -33,8 +33,8 @@ same; ProcessFarm additionally takes env_spec= to refuse a worker on other space
     farm.rect        uint8 (T + k, R, row_bytes), shared memory. Cycle t's observation of slot r
                      is rect[t + k - 1, r]; rows 0..k-2 are the previous iteration's last frames
                      (begin_iteration copies rows T..T+k-1 to 0..k-1, so cycle T becomes cycle 0)
-    farm.first_obs   bool (T + k, R), aligned with rect: that row starts an episode;
-                     stack_valid(farm.first_obs, k) -> bool (T+1, R, k) frame liveness
+    farm.first_obs   bool (T + k, R), aligned with rect: that row starts an episode. Frame
+                     q - i of the observation at row q is live iff none of rows q-i+1..q does
     farm.scalars     SCALAR_DTYPE (T, R). Row t holds what the ACTION at cycle t caused: reward,
                      flags (F_TERMINATED, F_TRUNCATED, F_VALID, F_FINAL), deploy_status, tick,
                      episode_end (0 none, 1 win, 2 loss, 3 draw, 4 ended with no winner),
@@ -2073,7 +2073,7 @@ class _Collection:
     and how each shard-round's answer is filed into it (design 3.6):
       first_obs   bool (T + k, R): rect row q holds the FIRST observation of its episode (a
                   reset, an autoreset, a restart). Frame liveness is read here, at the
-                  observation's own row (design 1.1's transition alignment): see stack_valid
+                  observation's own row (design 1.1's transition alignment): see farm.first_obs
       scalars     SCALAR_DTYPE (T, R): row t is the transition the action at cycle t caused
       finals      {(t, r): row}: the packed final observation of each truncated transition
       episodes    the EpisodeRecords finished this iteration, in round order
@@ -2466,22 +2466,6 @@ class _FarmCore:
     def _start_worker(self, w: int) -> None: ...
     def _stop_worker(self, w: int) -> None: ...
     def _exited(self, w: int) -> tuple[str, str] | None: ...   # (kind, message) once w's process ended
-
-
-def stack_valid(first_obs: np.ndarray, k: int) -> np.ndarray:
-    """bool (rows - k + 1, R, k): for the observation at rect row q = t + k - 1 (cycle t), which
-    of its k frames (oldest..newest, rows q-k+1..q) belong to its own episode. Frame q-i is live
-    iff none of rows q-i+1..q starts an episode; the newest frame is always live."""
-    rows, R = first_obs.shape
-    n = rows - k + 1
-    out = np.ones((n, R, k), bool)
-    for t in range(n):
-        q = t + k - 1
-        live = np.ones(R, bool)
-        for i in range(1, k):                    # frame q - i, walking back
-            live &= ~first_obs[q - i + 1]
-            out[t, :, k - 1 - i] = live
-    return out
 
 
 # --- 11. InlineFarm: the reference, one process, the same bytes -----------------------------------

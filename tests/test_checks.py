@@ -42,8 +42,9 @@ def write_identity_run(path: Path, args: P.Args) -> Path:
 
 
 def a_record(**kw) -> farm.EpisodeRecord:
-    base = dict(slot=0, worker=0, shard=0, battle=0, seat=0, ordinal=0, episode_seed_path="env/battle/0/ordinal/0",
-                episode_seed=1, policy_id="learner", opponent_id="scripted:noop", bucket="scripted",
+    base = dict(slot=0, worker=0, shard=0, battle=0, seat=0, ordinal=0,
+                episode_seed_path="env/battle/0/ordinal/0", episode_seed=1, policy_id="learner",
+                opponent_id="scripted:noop", bucket="scripted",
                 episode_steps=3, episode_ticks=30, own_crowns=0, enemy_crowns=0, own_tower_hp_frac=1.0,
                 enemy_tower_hp_frac=1.0, elixir_leak_steps=0, elixir_count_exact=True, winner=-1, outcome=0,
                 cards_played=0, illegal_commands=0, undiscounted_return=0.0, reward_terms={}, played=())
@@ -58,8 +59,11 @@ def test_the_cli_lists_exactly_the_built_commands():
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
         checks.main(["--help"])
-    listed = set(re.findall(r"\b(identity|verify-resume|replay|doctor|bench|play)\b", out.getvalue()))
-    assert listed == {"doctor", "identity", "verify-resume", "replay", "play", "bench"}
+    built = ["doctor", "identity", "verify-resume", "replay", "play", "bench", "learn"]
+    usage = re.match(r"usage: checks\.py \[-h\] \{([a-z,-]+)\}\n", out.getvalue())   # the choices, in order
+    assert usage is not None and usage.group(1).split(",") == built, out.getvalue()[:200]
+    dispatched = [re.sub(r"(?<!^)(?=[A-Z])", "-", t.__name__).lower() for t in checks.COMMANDS]
+    assert dispatched == built                        # every listed command runs, and no other
     assert "Not built yet" not in checks.__doc__
 
 
@@ -129,17 +133,20 @@ def test_the_comparison_skips_wall_clock_and_names_file_row_and_field(tmp_path):
         _write_rows(tmp_path / d / "episodes.jsonl", [{"slot": 0}])
         _write_rows(tmp_path / d / "ladder" / "games.jsonl", games)
     b = tmp_path / "b"
-    _write_rows(b / "metrics.jsonl", [dict(r, **{"time/iteration": 9.0, "ladder/gate_seconds_frac": 0.5}) for r in rows])
+    _write_rows(b / "metrics.jsonl",
+                [dict(r, **{"time/iteration": 9.0, "ladder/gate_seconds_frac": 0.5}) for r in rows])
     _write_rows(b / "ladder" / "games.jsonl", [dict(games[0], wall="2002")])
     assert checks.compare_runs(tmp_path / "a", b) is None
     _write_rows(b / "metrics.jsonl", rows[:2] + [dict(rows[2], **{"ppo/kl": 7.0})])
     assert checks.compare_runs(tmp_path / "a", b) == \
         "metrics.jsonl: row 3, field 'ppo/kl': straight run 0.30000000000000004, resumed run 7.0"
     _write_rows(b / "metrics.jsonl", rows[:2])
-    assert checks.compare_runs(tmp_path / "a", b).startswith("metrics.jsonl: row 3: the straight run has 3 rows")
+    assert checks.compare_runs(tmp_path / "a", b).startswith(
+        "metrics.jsonl: row 3: the straight run has 3 rows")
     _write_rows(b / "metrics.jsonl", rows)
     _write_rows(b / "ladder" / "games.jsonl", [dict(games[0], b="z")])
-    assert checks.compare_runs(tmp_path / "a", b) == "ladder/games.jsonl: row 1, field 'b': straight run 'y', resumed run 'z'"
+    assert checks.compare_runs(tmp_path / "a", b) == \
+        "ladder/games.jsonl: row 1, field 'b': straight run 'y', resumed run 'z'"
 
 
 # --- slow: on real smoke runs ---------------------------------------------------------------------
@@ -169,29 +176,37 @@ def test_replay_names_an_edited_step_abs_and_passes_a_record_from_before_it_exis
     def louder(r):
         r["reward_terms_step_abs"]["CommittedElixirPotential"] += 0.5
 
-    code, out, _ = run_main("replay", str(_edited_copy(smoke_run, tmp_path / "louder", {0: louder})), "--episode", "0")
+    code, out, _ = run_main("replay", str(_edited_copy(smoke_run, tmp_path / "louder", {0: louder})),
+                            "--episode", "0")
     assert code == 1 and "reward_terms_step_abs.CommittedElixirPotential: record" in out, out
     def old(r):
         r.pop("reward_terms_step_abs")
         r.pop("trajectory_digest")
 
-    code, out, _ = run_main("replay", str(_edited_copy(smoke_run, tmp_path / "old", {0: old})), "--episode", "0")
-    assert code == 0 and "MATCH" in out and "reward_terms_step_abs" not in out and "trajectory_digest" not in out, out
+    code, out, _ = run_main("replay", str(_edited_copy(smoke_run, tmp_path / "old", {0: old})),
+                            "--episode", "0")
+    assert code == 0 and "MATCH" in out and "reward_terms_step_abs" not in out and \
+        "trajectory_digest" not in out, out
 
 
 @pytest.mark.slow
-def test_replay_holds_the_trajectory_digest_even_when_both_seats_records_are_edited_alike(smoke_run, tmp_path):
+def test_replay_holds_the_trajectory_digest_even_when_both_seats_records_are_edited_alike(
+        smoke_run, tmp_path):
     """The gap the twin check leaves (one edit made to both records of a battle) is closed by the
     chain of engine states: both records' digest edited, replay names the field."""
     recs = [json.loads(x) for x in (smoke_run / "episodes.jsonl").read_text().splitlines()]
-    (twin,) = [j for j, r in enumerate(recs) if j and (r["battle"], r["ordinal"]) == (recs[0]["battle"], recs[0]["ordinal"])]
-    assert len(recs[0]["trajectory_digest"]) == 16 and recs[0]["trajectory_digest"] == recs[twin]["trajectory_digest"]
+    (twin,) = [j for j, r in enumerate(recs)
+               if j and (r["battle"], r["ordinal"]) == (recs[0]["battle"], recs[0]["ordinal"])]
+    assert len(recs[0]["trajectory_digest"]) == 16 and \
+        recs[0]["trajectory_digest"] == recs[twin]["trajectory_digest"]
 
     def other(r):
         r["trajectory_digest"] = "0" * 16
 
-    code, out, _ = run_main("replay", str(_edited_copy(smoke_run, tmp_path / "d", {0: other, twin: other})), "--episode", "0")
-    assert code == 1 and f"trajectory_digest: record '{'0' * 16}', replay '{recs[0]['trajectory_digest']}'" in out, out
+    code, out, _ = run_main("replay", str(_edited_copy(smoke_run, tmp_path / "d", {0: other, twin: other})),
+                            "--episode", "0")
+    assert code == 1 and \
+        f"trajectory_digest: record '{'0' * 16}', replay '{recs[0]['trajectory_digest']}'" in out, out
 
 
 @pytest.mark.slow
@@ -203,7 +218,8 @@ def test_replay_writes_a_trace_that_verifies_and_holds_the_records_battle(smoke_
     i = max(range(len(recs)), key=lambda j: len(recs[j]["played"]))
     rec = recs[i]
     for name in ("t.msgpack", "new/folder/t.json"):      # a missing folder is made, as play --save does
-        code, out, _ = run_main("replay", str(smoke_run), "--episode", str(i), "--trace", str(tmp_path / name))
+        code, out, _ = run_main("replay", str(smoke_run), "--episode", str(i), "--trace",
+                                str(tmp_path / name))
         assert code == 0 and "verify_trace: identical on a fresh engine" in out, out
         trace = load_trace(tmp_path / name)
         assert sum(len(s.commands) for s in trace.steps) == len(rec["played"]) > 0
@@ -212,11 +228,16 @@ def test_replay_writes_a_trace_that_verifies_and_holds_the_records_battle(smoke_
         assert trace.result.crowns == (crowns if rec["seat"] == 0 else crowns[::-1])
         assert verify_trace(trace, checks.ReplayEnv(smoke_run, []).make().engine) == []
     edited = _edited_copy(smoke_run, tmp_path / "edited", {i: change})
-    code, out, _ = run_main("replay", str(edited), "--episode", str(i), "--trace", str(tmp_path / "e.msgpack"))
-    assert code == 1 and "no trace written: the replay diverged" in out and not (tmp_path / "e.msgpack").exists()
-    monkeypatch.setattr("royalegym.replay.verify_trace", lambda trace, engine: ["tick 3: hash a != recorded b"])
-    code, out, _ = run_main("replay", str(smoke_run), "--episode", str(i), "--trace", str(tmp_path / "v.msgpack"))
-    assert code == 1 and "verify_trace FAILS on a fresh engine (1 divergences), the first: tick 3: hash a" in out
+    code, out, _ = run_main("replay", str(edited), "--episode", str(i), "--trace",
+                            str(tmp_path / "e.msgpack"))
+    assert code == 1 and "no trace written: the replay diverged" in out and \
+        not (tmp_path / "e.msgpack").exists()
+    monkeypatch.setattr("royalegym.replay.verify_trace",
+                        lambda trace, engine: ["tick 3: hash a != recorded b"])
+    code, out, _ = run_main("replay", str(smoke_run), "--episode", str(i), "--trace",
+                            str(tmp_path / "v.msgpack"))
+    assert code == 1 and \
+        "verify_trace FAILS on a fresh engine (1 divergences), the first: tick 3: hash a" in out
     code, _, err = run_main("replay", str(smoke_run), "--all", "--trace", str(tmp_path / "a.msgpack"))
     assert code == 2 and "--trace writes one battle: give --episode N instead of --all" in err
     monkeypatch.undo()
@@ -229,8 +250,8 @@ def test_replay_writes_a_trace_that_verifies_and_holds_the_records_battle(smoke_
 def test_a_halt_bundles_trace_command_writes_the_newest_episodes_verified_trace(tmp_path):
     """halt.json's "trace" is a command that works: it traces episodes.jsonl's last record (an
     iteration four times smoke's, so that battles end before the halt at its end)."""
-    args = P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path), "--alarms.ratio-invariant-multiple", "-1",
-                         "--ppo.timesteps-per-iteration", "1024"])
+    args = P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path),
+                         "--alarms.ratio-invariant-multiple", "-1", "--ppo.timesteps-per-iteration", "1024"])
     with pytest.raises(P.AlarmHalt):
         P.train(args, quiet=True)
     (run,) = tmp_path.iterdir()
@@ -284,7 +305,8 @@ def test_replay_fails_naming_the_step_on_a_changed_or_removed_played_action(smok
         code, out, _ = run_main("replay", str(run), "--episode", str(i))
         assert code == 1 and want in out, (name, out)
         code, out, _ = run_main("replay", str(run), "--all")
-        assert code == 1 and out.splitlines()[-1] == f"{len(recs) - 2} of {len(recs)} records match", (name, out)
+        assert code == 1 and out.splitlines()[-1] == f"{len(recs) - 2} of {len(recs)} records match", \
+            (name, out)
 
 
 @pytest.mark.slow
@@ -374,10 +396,12 @@ def test_doctor_fails_naming_the_gate_planted_to_fail(tmp_path, monkeypatch):
     """A mask that disagrees with the engine fails gate 5, a RAM budget of 1 MB fails gate 9: exit
     2, one line naming the gate and its remedy; training refuses the same way (one implementation)."""
     import royalegym.action
-    code, _, err = run_main("doctor", "--config", str(_config(tmp_path, "ram", **{"doctor.ram_budget_mb": 1})))
+    code, _, err = run_main("doctor", "--config",
+                            str(_config(tmp_path, "ram", **{"doctor.ram_budget_mb": 1})))
     assert code == 2 and "start-up gate 9 (RAM ledger within doctor.ram_budget_mb) failed" in err
     assert "raise --doctor.ram-budget-mb" in err and "Traceback" not in err
-    monkeypatch.setattr(royalegym.action, "mask_disagreements", lambda engine, parser, state, team: [(7, 1, 3)])
+    monkeypatch.setattr(royalegym.action, "mask_disagreements",
+                        lambda engine, parser, state, team: [(7, 1, 3)])
     code, _, err = run_main("doctor", "--profile", "smoke")
     assert code == 2 and "start-up gate 5 (mask agrees with the engine" in err and "2 disagreements" in err
     with pytest.raises(P.StartupGateFailed, match="start-up gate 5"):
@@ -395,7 +419,8 @@ def test_doctor_names_the_rebuild_command_for_a_stale_engine_build(monkeypatch):
     code, _, err = run_main("doctor", "--profile", "smoke")
     assert code == 2 and "start-up gate 1 (engine built and reset) failed" in err, err
     assert "royalesim was built against different data" in err and "elixir.REGEN_TICKS" in err
-    assert "pip install --force-reinstall 'royalegym[sim]'" in err and err.count("\n") == 1 and "Traceback" not in err
+    assert "pip install --force-reinstall 'royalegym[sim]'" in err and err.count("\n") == 1 and \
+        "Traceback" not in err
     monkeypatch.undo()
     assert P.stale_build_refusal(RuntimeError("something else")) is None
 
@@ -412,17 +437,24 @@ def test_play_refuses_bad_players_in_one_line(tmp_path):
     half = tmp_path / "models" / "half"     # a snapshot folder without its weights
     half.mkdir(parents=True)
     (half / "spec.json").write_text("{}")
-    cases = [((str(half), "scripted:push"), "half: not a snapshot folder (it needs spec.json and actor.safetensors)"),(("scripted:nope", "scripted:push"), "scripted:nope: unknown scripted player; farm.SCRIPTED_NAMES = noop"),
-             (("pool:x", "scripted:push"), "player 'pool:x': not snap:<id>, seed:<name>, scripted:<name>, checkpoint:<dir>"),
-             (("snap:0123456789abcdef", "scripted:push"), "a snap:<id> or seed:<name> player needs --run RUN_DIR"),
+    cases = [((str(half), "scripted:push"),
+              "half: not a snapshot folder (it needs spec.json and actor.safetensors)"),
+             (("scripted:nope", "scripted:push"),
+              "scripted:nope: unknown scripted player; farm.SCRIPTED_NAMES = noop"),
+             (("pool:x", "scripted:push"),
+              "player 'pool:x': not snap:<id>, seed:<name>, scripted:<name>, checkpoint:<dir>"),
+             (("snap:0123456789abcdef", "scripted:push"),
+              "a snap:<id> or seed:<name> player needs --run RUN_DIR"),
              (("scripted:push", "seed:patient"), "a snap:<id> or seed:<name> player needs --run RUN_DIR"),
              (("scripted:push", f"checkpoint:{tmp_path / 'absent'}"), "absent: no such checkpoint directory"),
-             (("scripted:push", f"checkpoint:{bare}"), "000000000001/manifest.json is missing: not a checkpoint")]
+             (("scripted:push", f"checkpoint:{bare}"),
+              "000000000001/manifest.json is missing: not a checkpoint")]
     for (blue, red), want in cases:
         code, out, err = run_main("play", "--blue", blue, "--red", red)
         assert code == 2 and want in err and err.count("\n") == 1 and out == "", (blue, red, err)
     (tmp_path / "other").mkdir()
-    code, _, err = run_main("play", "--blue", f"checkpoint:{bare}", "--red", "scripted:push", "--run", str(tmp_path / "other"))
+    code, _, err = run_main("play", "--blue", f"checkpoint:{bare}", "--red", "scripted:push", "--run",
+                            str(tmp_path / "other"))
     assert code == 2 and "manifest.json is missing" in err
     code, _, err = run_main("play", "--blue", "scripted:push", "--red", "scripted:push", "--every", "0")
     assert code == 2 and "--every 0" in err
@@ -439,8 +471,9 @@ def saved_battle(smoke_run, tmp_path_factory):
     folder = tmp_path_factory.mktemp("play")
     runs = []
     for name in ("a.json", "b.json"):
-        runs.append(run_main("play", "--blue", "scripted:push", "--red", f"snap:{sid}", "--run", str(smoke_run),
-                             "--seed", "3", "--every", "10", "--save", str(folder / name)))
+        runs.append(run_main("play", "--blue", "scripted:push", "--red", f"snap:{sid}",
+                             "--run", str(smoke_run), "--seed", "3", "--every", "10",
+                             "--save", str(folder / name)))
     return runs, folder / "a.json", folder / "b.json", sid
 
 
@@ -452,16 +485,23 @@ def test_play_shows_a_full_battle_saves_it_and_replay_matches(saved_battle, smok
     saved = checks.read_saved_battle(a)
     blue, red = saved.records
     assert (blue.policy_id, red.policy_id, blue.seat, red.seat) == ("scripted:push", f"snap:{sid}", 0, 1)
-    assert blue.winner in (0, 1, 2) and blue.played == red.played and blue.played   # a full battle, both seats acted
+    assert blue.winner in (0, 1, 2) and blue.played == red.played   # one battle, recorded once per seat
+    seats = [seat for _, seat, _ in blue.played]
+    assert set(seats) == {0, 1}, seats                # a full battle, both seats acted
+    for seat, rec in enumerate((blue, red)):          # each card played or refused was a non-no-op action
+        assert seats.count(seat) >= rec.cards_played + rec.illegal_commands, (seat, seats.count(seat), rec)
     env, _ = checks.ladder.read_run_env(smoke_run)
     assert saved.env == checks.ladder.eval_env_spec(env) and not saved.env.truncation
     views = re.findall(r"^step (\d+) \((\d+) decisions\), \d+:\d\d\.\d of battle$", out, re.M)
     assert [int(n) for _, n in views] == list(range(10, blue.episode_steps, 10))
-    assert len(re.findall(r"^  blue elixir +\d+\.\d  crowns \d  towers king \d+ left \d+ right \d+ ", out, re.M)) == len(views)
+    assert len(re.findall(r"^  blue elixir +\d+\.\d  crowns \d  towers king \d+ left \d+ right \d+ ",
+                          out, re.M)) == len(views)
     first = blue.played[0]
-    assert re.search(rf"^    {checks.SEATS[first[1]]} played: s{first[0]} \w+ at tile \(\d+, \d+\)", out, re.M)
+    assert re.search(rf"^    {checks.SEATS[first[1]]} played: s{first[0]} \w+ at tile \(\d+, \d+\)",
+                     out, re.M)
     who = {0: "blue wins", 1: "red wins", 2: "draw"}[blue.winner]
-    assert f"result: {who} (scripted:push blue, snap:{sid} red); crowns blue {blue.own_crowns} red {blue.enemy_crowns}" in out
+    assert (f"result: {who} (scripted:push blue, snap:{sid} red); "
+            f"crowns blue {blue.own_crowns} red {blue.enemy_crowns}") in out
     assert f"{blue.episode_steps} decisions" in out
     assert a.read_bytes() == b.read_bytes()           # same seed, same players: the same battle
     code, out, _ = run_main("replay", str(a))
@@ -470,7 +510,8 @@ def test_play_shows_a_full_battle_saves_it_and_replay_matches(saved_battle, smok
     code, out, _ = run_main("replay", str(a), "--episode", "1")
     assert code == 0 and "seat 1 (red)" in out and out.splitlines()[-1] == "1 of 1 records match"
     code, out, _ = run_main("replay", str(a), "--episode", "1", "--trace", str(a.with_suffix(".msgpack")))
-    assert code == 0 and "verify_trace: identical on a fresh engine" in out and a.with_suffix(".msgpack").stat().st_size
+    assert code == 0 and "verify_trace: identical on a fresh engine" in out and \
+        a.with_suffix(".msgpack").stat().st_size
     code, _, err = run_main("replay", str(a), "--trace", str(a.with_suffix(".msgpack")))
     assert code == 2 and "give --episode 0 (blue's record) or 1 (red's)" in err
 
@@ -482,7 +523,8 @@ def test_play_trace_writes_the_battle_it_played_verified(tmp_path):
     code, out, err = run_main("play", "--blue", "scripted:push", "--red", "scripted:patient", "--seed", "5",
                               "--save", str(tmp_path / "b.json"), "--trace", str(tmp_path / "b.msgpack"))
     assert code == 0 and "verify_trace: identical on a fresh engine" in out, out + err
-    assert "replayed from blue's record: every field and the trajectory digest match" in out and "MATCH" not in out
+    assert "replayed from blue's record: every field and the trajectory digest match" in out and \
+        "MATCH" not in out
     blue = checks.read_saved_battle(tmp_path / "b.json").records[0]
     trace = load_trace(tmp_path / "b.msgpack")
     assert len(trace.steps) == blue.episode_steps and trace.result.winner == blue.winner
@@ -498,8 +540,10 @@ def test_replay_of_an_edited_saved_battle_fails_naming_the_step(saved_battle, tm
     doc = json.loads(a.read_text())
     played = doc["records"][0]["played"]
     assert len(played) >= 2
-    cases = [("changed", change, f"DIVERGES at step {played[1][0]}: played[1]: record {[*played[1][:2], played[1][2] + 1]}"),
-             ("removed", remove, f"DIVERGES at step {played[0][0]}: played[0]: record '<absent>', replay '{played[0]}")]
+    cases = [("changed", change,
+              f"DIVERGES at step {played[1][0]}: played[1]: record {[*played[1][:2], played[1][2] + 1]}"),
+             ("removed", remove,
+              f"DIVERGES at step {played[0][0]}: played[0]: record '<absent>', replay '{played[0]}")]
     for name, edit, want in cases:
         edited = json.loads(a.read_text())
         edit(edited["records"][0])
@@ -518,9 +562,12 @@ def test_replay_of_an_edited_saved_battle_fails_naming_the_step(saved_battle, tm
 def test_play_refuses_a_missing_or_stacked_snapshot_and_plays_a_checkpoint(smoke_run, tmp_path):
     """A snapshot id the run lacks, and a frame_stack 2 snapshot (which the ladder refuses too),
     exit 2 in one line; a checkpoint: player implies its run and plays."""
-    code, _, err = run_main("play", "--blue", "snap:0123456789abcdef", "--red", "scripted:push", "--run", str(smoke_run))
-    assert code == 2 and "snapshot 0123456789abcdef: no " in err and "known snapshots" in err and err.count("\n") == 1
-    code, _, err = run_main("play", "--blue", "seed:patient", "--red", "scripted:push", "--run", str(smoke_run))
+    code, _, err = run_main("play", "--blue", "snap:0123456789abcdef", "--red", "scripted:push",
+                            "--run", str(smoke_run))
+    assert code == 2 and "snapshot 0123456789abcdef: no " in err and "known snapshots" in err and \
+        err.count("\n") == 1
+    code, _, err = run_main("play", "--blue", "seed:patient", "--red", "scripted:push",
+                            "--run", str(smoke_run))
     assert code == 2 and "seed:patient: no such seed snapshot in this run's pool (its seeds: none)" in err
     assert err.count("\n") == 1
     run = tmp_path / smoke_run.name
@@ -532,9 +579,11 @@ def test_play_refuses_a_missing_or_stacked_snapshot_and_plays_a_checkpoint(smoke
     code, _, err = run_main("play", "--blue", "scripted:push", "--red", f"snap:{stacked}", "--run", str(run))
     assert code == 2 and f"snap:{stacked}: frame_stack is 2" in err and err.count("\n") == 1
     (ck,) = (smoke_run / "checkpoints").iterdir()
-    code, out, err = run_main("play", "--blue", f"checkpoint:{ck}", "--red", "scripted:noop", "--every", "1000")
+    code, out, err = run_main("play", "--blue", f"checkpoint:{ck}", "--red", "scripted:noop",
+                              "--every", "1000")
     assert code == 0, err
-    assert f"env {smoke_run / 'ladder' / 'eval_env.json'}" in out and out.splitlines()[-1].startswith("result: ")
+    assert f"env {smoke_run / 'ladder' / 'eval_env.json'}" in out and \
+        out.splitlines()[-1].startswith("result: ")
 
 
 @pytest.mark.slow
@@ -543,15 +592,19 @@ def test_play_viewer_streams_when_royalegym_has_one_and_says_so_when_not(monkeyp
     streamed (an ephemeral port here: nobody attached, so no pacing); without it, one line says
     so and how to get it, and the battle is still played."""
     monkeypatch.setenv("ROYALEVISER", "127.0.0.1:0")
-    code, out, err = run_main("play", "--blue", "scripted:push", "--red", "scripted:defend", "--every", "1000", "--viewer")
+    code, out, err = run_main("play", "--blue", "scripted:push", "--red", "scripted:defend",
+                              "--every", "1000", "--viewer")
     assert code == 0, err
-    assert re.search(r"^--viewer: streaming to 127\.0\.0\.1:\d+; watch with python -m royaleviser --stream", out, re.M)
-    assert "farm.default_env_spec() (no run)" in out.splitlines()[0] and out.splitlines()[-1].startswith("result: ")
+    assert re.search(r"^--viewer: streaming to 127\.0\.0\.1:\d+; watch with python -m royaleviser --stream",
+                     out, re.M)
+    assert "farm.default_env_spec() (no run)" in out.splitlines()[0] and \
+        out.splitlines()[-1].startswith("result: ")
     monkeypatch.setitem(sys.modules, "royalegym.viser", None)   # an import of it now fails
-    code, out2, _ = run_main("play", "--blue", "scripted:push", "--red", "scripted:defend", "--every", "1000", "--viewer")
+    code, out2, _ = run_main("play", "--blue", "scripted:push", "--red", "scripted:defend",
+                             "--every", "1000", "--viewer")
     lines = [x for x in out2.splitlines() if x.startswith("--viewer")]
-    assert code == 0 and lines == ["--viewer: this royalegym has no viewer (royalegym.viser); get one with pip install "
-                                   "-U 'royalegym[viser]'. Playing without it."]
+    assert code == 0 and lines == ["--viewer: this royalegym has no viewer (royalegym.viser); "
+                                   "get one with pip install -U 'royalegym[viser]'. Playing without it."]
     assert out2.splitlines()[-1] == out.splitlines()[-1]   # the same battle, watched or not
 
 
@@ -579,15 +632,17 @@ def test_bench_on_smoke_prints_every_part_and_writes_the_table_dated(tmp_path, m
     assert code == 0, err
     table = [line for line in out.splitlines() if line.startswith("| ")]
     parts = [line.split(" | ")[0].lstrip("| ") for line in table[1:]]
-    assert parts == ["engine, one process, nothing else", "process farm (1 worker(s) x 1 shard(s))", "farm / raw loop",
-                     "codec.pack", "inference", "critic pass", "PPO update", "iteration, predicted by the parts",
-                     "iteration, measured", "measured / predicted"]
+    assert parts == ["engine, one process, nothing else", "process farm (1 worker(s) x 1 shard(s))",
+                     "farm / raw loop", "codec.pack", "inference", "critic pass", "PPO update",
+                     "iteration, predicted by the parts", "iteration, measured", "measured / predicted"]
     for line in table[1:8]:                      # every part: REPEATS positive runs, the median among them
         cells = line.split(" | ")
         runs = [float(x) for x in cells[3].split()]
-        assert len(runs) == checks.REPEATS and min(runs) > 0 and float(cells[1]) == pytest.approx(sorted(runs)[1], rel=1e-3)
+        assert len(runs) == checks.REPEATS and min(runs) > 0 and \
+            float(cells[1]) == pytest.approx(sorted(runs)[1], rel=1e-3)
     written = doc.read_text()
-    assert written.startswith("# throughput\n\n### bench, ") and "`python checks.py bench --profile smoke`" in written
+    assert written.startswith("# throughput\n\n### bench, ") and \
+        "`python checks.py bench --profile smoke`" in written
     assert all(line in written for line in table)
     assert run_main("bench", "--iterations", "1")[0] == 2
 
@@ -595,8 +650,8 @@ def test_bench_on_smoke_prints_every_part_and_writes_the_table_dated(tmp_path, m
 # --- learn (docs/learning.md) and a snapshot folder played without its run ------------------------
 
 def _rung_row(rung: str, score: float, lower: float, seeds: int = 50) -> dict[str, Any]:
-    return {"snapshot": "snap:x", "rung": rung, "score": score, "lower": lower, "upper": min(1.0, score + 0.1),
-            "seeds": seeds, "battles": 2 * seeds, "master_seed": 1}
+    return {"snapshot": "snap:x", "rung": rung, "score": score, "lower": lower,
+            "upper": min(1.0, score + 0.1), "seeds": seeds, "battles": 2 * seeds, "master_seed": 1}
 
 
 def test_the_bar_is_judged_rung_by_rung():
@@ -656,15 +711,17 @@ def test_learn_refuses_a_budget_or_seed_count_it_cannot_honour_before_training(t
 
 
 @pytest.mark.slow
-def test_learn_stops_resumes_then_measures_and_a_shipped_folder_is_measured_and_played_without_its_run(tmp_path, capsys):
+def test_learn_stops_resumes_then_measures_and_a_shipped_folder_is_measured_and_played_without_its_run(
+        tmp_path, capsys):
     """`checks.py learn` on smoke for two iterations, stopped after the first (exit 1, nothing
     measured, the command that continues it); the same command again is refused (the run exists),
     --resume without the run's change is refused by field, with it the run finishes: the yardstick's
     table, a row a rung, v0 (never displaced at this budget) measured once, its games appended to the
     run's log. Its snapshot folder copied out as a shipped model (spec.json, actor.safetensors, the
-    run's eval_env.json) is then measured by `ladder.py yardstick --snapshot <folder> --master-seed 5 --json` with no run (one
-    JSON object a rung, on master seed 5's seeds, recorded nowhere), compared by `ladder.py eval --a
-    <folder> --master-seed 5` (printed, recorded nowhere) and played by `checks.py play`."""
+    run's eval_env.json) is then measured by `ladder.py yardstick --snapshot <folder> --master-seed 5
+    --json` with no run (one JSON object a rung, on master seed 5's seeds, recorded nowhere),
+    compared by `ladder.py eval --a <folder> --master-seed 5` (printed, recorded nowhere) and played
+    by `checks.py play`."""
     import ladder
     change = tmp_path / "change.json"    # an experiment's one change, merged over the profile
     change.write_text('{"ppo": {"lr_critic": 0.0004}}')
@@ -676,19 +733,23 @@ def test_learn_stops_resumes_then_measures_and_a_shipped_folder_is_measured_and_
         code, out, err = run_main(*flags)
     (run,) = (tmp_path / "runs").iterdir()
     assert code == 1 and "| scripted:" not in out, err[-3000:]
-    assert (f"stopped after iteration 1 of 2, so nothing was measured; continue it with python checks.py learn "
-            f"--profile smoke --game-steps 344 --seeds 1 --config {change} --quiet --resume {run}") in out
+    assert (f"stopped after iteration 1 of 2, so nothing was measured; continue it with "
+            f"python checks.py learn --profile smoke --game-steps 344 --seeds 1 --config {change} "
+            f"--quiet --resume {run}") in out
     code, out, err = run_main(*flags)                        # the same command again: not trained over
     assert code == 2 and f"{run} exists: this benchmark was started before; continue it with" in err
     code, out, err = run_main(*flags[:-2], "--resume", str(run))   # without the change: refused by field
-    assert code == 2 and "this command's config differs from the run's (ppo.lr_critic: 0.0004 -> 0.0005)" in err
+    assert code == 2 and \
+        "this command's config differs from the run's (ppo.lr_critic: 0.0004 -> 0.0005)" in err
     saved = checks.P.latest_checkpoint(run).name
     code, out, err = run_main(*flags, "--resume", str(run))
     assert code == 0, err[-3000:]
-    assert f"continuing {run} from {saved}" in out and len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert f"continuing {run} from {saved}" in out and \
+        len((run / "metrics.jsonl").read_text().splitlines()) == 2
     assert json.loads((run / "config.json").read_text())["ppo"]["lr_critic"] == 0.0004
     assert f'the change, --config {change}: {{"ppo":{{"lr_critic":0.0004}}}}' in out
-    assert f"from both sides; run {run.name};" in out     # the run's id: a committed entry names no machine's path
+    # the run's id: a committed entry names no machine's path
+    assert f"from both sides; run {run.name};" in out
     table = [x for x in out.splitlines() if x.startswith("| scripted:")]
     assert [x.split()[1] for x in table] == [f"scripted:{n}" for n in farm.SCRIPTED_NAMES]
     assert "v0 was never displaced" in out and "2 iterations" in out and "The bar (the champion):" in out
@@ -699,7 +760,8 @@ def test_learn_stops_resumes_then_measures_and_a_shipped_folder_is_measured_and_
     shutil.copytree(run / "ladder" / "snapshots" / v0.removeprefix("snap:"), model)
     shutil.copy(run / "ladder" / "eval_env.json", model)
     capsys.readouterr()
-    assert ladder.main(["yardstick", "--snapshot", str(model), "--master-seed", "5", "--seeds", "1", "--json"]) == 0
+    assert ladder.main(["yardstick", "--snapshot", str(model), "--master-seed", "5", "--seeds", "1",
+                        "--json"]) == 0
     got = capsys.readouterr()
     objs = [json.loads(x) for x in got.out.splitlines()]
     assert [o["rung"] for o in objs] == [f"scripted:{n}" for n in farm.SCRIPTED_NAMES]
@@ -707,7 +769,8 @@ def test_learn_stops_resumes_then_measures_and_a_shipped_folder_is_measured_and_
                o["lower"] <= o["score"] <= o["upper"] for o in objs)
     assert f"evaluation env from {model / 'eval_env.json'}" in got.err and "recorded nowhere" in got.err
     assert len((run / "ladder" / "games.jsonl").read_text().splitlines()) == len(games)
-    assert ladder.main(["eval", "--a", str(model), "--b", "scripted:noop", "--master-seed", "5", "--seeds", "2"]) == 0
+    assert ladder.main(["eval", "--a", str(model), "--b", "scripted:noop", "--master-seed", "5",
+                        "--seeds", "2"]) == 0
     got = capsys.readouterr().out
     assert f"{v0} vs scripted:noop: score " in got and "over 2 seeds (4 battles)" in got, got
     assert "played 4 battles" in got and "on master seed 5's seed set; recorded nowhere" in got, got

@@ -316,7 +316,8 @@ def test_packing_never_imports_torch():
         import codec
         from royalegym import ClashSelfPlayVecEnv, RustEngine, SpatialObsBuilder
         from royalegym.env import EnvFactory
-        vec = ClashSelfPlayVecEnv(1, EnvFactory(engine=RustEngine, obs_builder=(SpatialObsBuilder, {})), viser=None)
+        vec = ClashSelfPlayVecEnv(1, EnvFactory(engine=RustEngine, obs_builder=(SpatialObsBuilder, {})),
+                                  viser=None)
         obs, _ = vec.reset(seed=1)
         t = codec.decide_table(vec.single_observation_space, vec.envs[0].obs_builder.spatial_layout(), obs)
         out = np.zeros((2, t.row_bytes), np.uint8)
@@ -325,6 +326,7 @@ def test_packing_never_imports_torch():
         print("torch" in sys.modules, int(out.any()))
         """
     )
-    res = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["False", "1"]

@@ -4,6 +4,7 @@ against InlineFarm byte for byte plus worker hygiene. Geometry is kept tiny: few
 StepLimit truncation, so episodes end inside an iteration."""
 from __future__ import annotations
 
+import collections
 import os
 import re
 import struct
@@ -140,7 +141,7 @@ def test_env_value_digest_hashes_by_value():
 def test_component_allow_list_refuses_other_modules():
     with pytest.raises(ValueError, match="'os.system' is not on the allow-list"):
         farm.resolve_class("os.system")
-    assert farm.resolve_class("collections.OrderedDict", ["collections"]) is not None
+    assert farm.resolve_class("collections.OrderedDict", ["collections"]) is collections.OrderedDict
     bad = msgspec.structs.replace(farm.default_env_spec(),
                                   reward_fn=farm.ComponentSpec("subprocess.Popen"))
     with pytest.raises(ValueError, match="subprocess.Popen"):
@@ -255,7 +256,8 @@ def _loudness(elixir: float, steps: int = 60) -> tuple[dict, dict, dict]:
     """One seat's step_abs after `steps` random legal decisions of both seats, then the same
     right after a reset (still the ended episode's) and after the next episode's first step."""
     from royalegym.action import NOOP
-    spec = farm.default_env_spec(reward=farm.ComponentSpec("farm.default_potential_reward", {"elixir": elixir}))
+    spec = farm.default_env_spec(reward=farm.ComponentSpec("farm.default_potential_reward",
+                                                           {"elixir": elixir}))
     env = farm.env_factory(spec)()
     farm.set_env_gamma(env, 0.99)
     rng = np.random.default_rng(3)
@@ -317,9 +319,9 @@ def test_the_trajectory_digest_chains_every_decisions_engine_state_and_is_kept_p
     h = hashlib.blake2b(digest_size=8)
     for x in hashes:
         h.update(x.to_bytes(8, "little"))
-    assert len(hashes) > 50 and digest == h.hexdigest() and kept == digest      # readable after the autoreset
-    assert _digested_battle(21)[0] == digest                                     # a function of the battle
-    assert _digested_battle(21, change_first_play=True)[0] != digest             # one tile moved: another chain
+    assert len(hashes) > 50 and digest == h.hexdigest() and kept == digest    # readable after the autoreset
+    assert _digested_battle(21)[0] == digest                                   # a function of the battle
+    assert _digested_battle(21, change_first_play=True)[0] != digest           # one tile moved: another chain
 
 
 # --- 4. the byte layout (design 3.4) ----------------------------------------------------------
@@ -441,7 +443,7 @@ def test_a_battle_played_to_game_over_reports_its_result():
     f = farm.InlineFarm(cfg, table, A)
     try:
         f.begin_iteration(farm.SlotPlan(0, 1, 2, (A(0, 0),), ()))
-        for c in range(cfg.cycles):
+        for _ in range(cfg.cycles):
             rnd = f.next_round(30)
             if rnd.episodes:
                 break
@@ -464,7 +466,8 @@ def test_a_battle_played_to_game_over_reports_its_result():
         assert e.reward_terms_step_abs["terminal"] == 1.0
         assert sorted(e.reward_terms_step_abs) == sorted(e.reward_terms)
         assert all(e.reward_terms_step_abs[k] >= abs(v) for k, v in e.reward_terms.items())
-    assert red.reward_terms_step_abs["CommittedElixirPotential"] > abs(red.reward_terms["CommittedElixirPotential"])
+    assert (red.reward_terms_step_abs["CommittedElixirPotential"]
+            > abs(red.reward_terms["CommittedElixirPotential"]))
     assert blue.undiscounted_return == -red.undiscounted_return
     assert blue.episode_steps == row + 1 and blue.cards_played == 0 and red.cards_played > 0
     assert (row, 1) not in f.finals            # a terminated transition needs no bootstrap
@@ -485,7 +488,8 @@ def test_a_battle_s_assignment_changes_only_after_its_episode_ended(inline_run):
             last_group[s] = g
     # the mixture really did reassign: scripted seats moved with learner_seat
     assert any(int(g) == farm.GROUP_SCRIPTED for rnd in log for g in rnd.group)
-    changes = sum(1 for a, b in zip(log, log[cfg.n_shards:]) if not np.array_equal(a.group, b.group))
+    changes = sum(1 for a, b in zip(log, log[cfg.n_shards:], strict=False)
+                  if not np.array_equal(a.group, b.group))
     assert changes > 0
 
 
@@ -517,7 +521,7 @@ def test_deals_replace_each_battles_dealer_and_deal_every_episode(short_env):
         assert vec.episode_ordinals == (2, 2)       # the 20-decision episodes ended: a second deal each
         # a hand is drawn from its deck: the mirror battle holds the deck on both seats, the other
         # the deck on red and the field deck on blue (a random deck would not fit in either)
-        assert [h <= set(d) for h, d in zip(hands, (deck, deck, field, deck))] == [True] * 4
+        assert [h <= set(d) for h, d in zip(hands, (deck, deck, field, deck), strict=True)] == [True] * 4
         assert all(len(h) >= 5 for h in hands)      # more than an opening hand of 4 was seen
     finally:
         f.close()
@@ -626,6 +630,23 @@ def test_an_episode_re_simulates_from_its_record(short_env, inline_run):
     assert info["blue"]["own_tower_hp_frac"] == e.own_tower_hp_frac
 
 
+def stack_valid(first_obs: np.ndarray, k: int) -> np.ndarray:
+    """The frame-liveness rule farm.first_obs states, written out as the tests' reference. bool
+    (rows - k + 1, R, k): for the observation at rect row q = t + k - 1 (cycle t), which of its k
+    frames (oldest..newest, rows q-k+1..q) belong to its own episode. Frame q-i is live iff none
+    of rows q-i+1..q starts an episode; the newest frame is always live."""
+    rows, R = first_obs.shape
+    n = rows - k + 1
+    out = np.ones((n, R, k), bool)
+    for t in range(n):
+        q = t + k - 1
+        live = np.ones(R, bool)
+        for i in range(1, k):                    # frame q - i, walking back
+            live &= ~first_obs[q - i + 1]
+            out[t, :, k - 1 - i] = live
+    return out
+
+
 def test_frame_liveness_is_read_at_the_observation_s_own_row(inline_run):
     cfg, _, res, log = inline_run
     # every battle's episode 1 starts at run cycle 20 (iteration 0, cycle 20): with k = 2 the
@@ -635,7 +656,7 @@ def test_frame_liveness_is_read_at_the_observation_s_own_row(inline_run):
     for rnd in log[: (cfg.cycles + 1) * cfg.n_shards]:
         first[rnd.cycle + k - 1, rnd.slots] = rnd.new_episode
     assert np.array_equal(first, res[0]["first_obs"])
-    sv = farm.stack_valid(first, k)
+    sv = stack_valid(first, k)
     assert sv.shape == (cfg.cycles + 1, cfg.n_slots, k)
     assert not sv[20, :, 0].any() and sv[20, :, 1].all()
     assert sv[21].all() and sv[19].all()
@@ -659,7 +680,8 @@ def test_ordinals_restore_the_episode_stream(short_env, inline_run):
         f.close()
 
 
-@pytest.mark.parametrize("kind, split", [("inline", 2), ("inline", 3), pytest.param("process", 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind, split", [("inline", 2), ("inline", 3),
+                                         pytest.param("process", 2, marks=pytest.mark.slow)])
 def test_a_farm_resumed_mid_episode_plays_what_the_unbroken_farm_played(short_env, kind, split):
     """Design 3.9: iterations of 7 cycles against episodes of 20 decisions. The boundary after 2
     iterations finds every battle 14 decisions into its episode; after 3, 1 decision into its next
@@ -695,8 +717,8 @@ def test_a_farm_resumed_mid_episode_plays_what_the_unbroken_farm_played(short_en
     finally:
         g.close()
     k = cfg.frame_stack
-    for a, b in zip(straight, resumed):
-        live = farm.stack_valid(a["first_obs"], k)          # (T + 1, R, k): frame i of cycle t
+    for a, b in zip(straight, resumed, strict=True):
+        live = stack_valid(a["first_obs"], k)          # (T + 1, R, k): frame i of cycle t
         assert np.array_equal(a["first_obs"][k - 1:], b["first_obs"][k - 1:])
         for t in range(cfg.cycles + 1):
             for i in range(k):
@@ -765,7 +787,7 @@ def test_process_farm_matches_inline_byte_for_byte(short_env):
     finally:
         proc.close()
         proc.close()                                   # idempotent
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert x["rect"].tobytes() == y["rect"].tobytes()
         assert x["scalars"].tobytes() == y["scalars"].tobytes()
         assert x["finals"].keys() == y["finals"].keys()
@@ -799,7 +821,7 @@ def test_worker_hygiene_failure_restart_and_idle(short_env):
         time.sleep(1.5)
         assert (_cpu_seconds(pid) - c0) / (time.monotonic() - t0) < 0.10
         # the planted exception (third step) arrives as a WorkerFailure with the traceback
-        for c in range(cfg.cycles):
+        for _ in range(cfg.cycles):
             f.submit(np.zeros(len(rnd.slots), np.int64), 0.99)
             rnd = f.next_round(30)
         fails = f.drain_failures()
@@ -833,7 +855,8 @@ def test_the_restart_limit_counts_over_the_run_a_resume_included(short_env):
         assert f.stats()["worker_restarts"] == 2.0
         f.restart(0)
         assert f.generation == [3] and f.stats()["worker_restarts"] == 3.0
-        with pytest.raises(farm.FarmError, match=r"worker 0 has been restarted 3 times; max_restarts_per_worker=3"):
+        with pytest.raises(farm.FarmError,
+                           match=r"worker 0 has been restarted 3 times; max_restarts_per_worker=3"):
             f.restart(0)
     finally:
         f.close()
@@ -895,7 +918,8 @@ def _farm_child(tmp_path):
     import sys
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(farm.__file__))}
     with open(tmp_path / "child.err", "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-c", FARM_CHILD], stdout=subprocess.PIPE, stderr=err, env=env)
+        proc = subprocess.Popen([sys.executable, "-c", FARM_CHILD], stdout=subprocess.PIPE, stderr=err,
+                                env=env)
     line = proc.stdout.readline()
     if not line:
         proc.kill()
@@ -968,7 +992,8 @@ def test_a_new_farm_removes_the_segments_a_dead_process_left_and_leaves_a_live_o
             with open(f"/dev/shm/{n}", "wb") as fh:
                 fh.write(b"\0" * 64)
         spec, env_spec, table = short_env
-        cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, games_per_worker=1, cycles=2, viewer=False)
+        cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, games_per_worker=1, cycles=2,
+                              viewer=False)
         f = farm.ProcessFarm(cfg, table, farm.mirror_assignment, env_spec=env_spec)
         f.close()
         assert not [n for n in info["segments"] if os.path.exists(f"/dev/shm/{n}")]
@@ -1049,7 +1074,8 @@ def test_a_hung_worker_is_killed_and_failed_in_training_and_raises_in_evaluation
         assert (fail.worker, fail.cycle, fail.kind) == (0, 1, "timeout")
         assert re.search(r"worker 0 shard 0 .* cycle 1 within 1.5 s .*killed", fail.message, re.S)
         # asked before it was killed, the worker said where it hung: the planted sleep
-        assert "the worker was killed; where it stood (its main thread's stack, innermost last):\n" in fail.message
+        assert ("the worker was killed; where it stood (its main thread's stack, innermost last):\n"
+                in fail.message)
         assert "in _planted_fault\n    time.sleep(3600)" in fail.message, fail.message
     finally:
         t0 = time.monotonic()
@@ -1152,7 +1178,8 @@ def test_eval_mode_plays_each_planned_episode_once_whatever_the_number_of_battle
     for key in a:
         x, y = a[key], b[key]
         assert (x.episode_seed, x.episode_seed_path) == (plan[key[0]].seed, plan[key[0]].seed_path)
-        assert (x.policy_id, x.opponent_id) == (plan[key[0]].players[key[1]], plan[key[0]].players[1 - key[1]])
+        assert (x.policy_id, x.opponent_id) == (plan[key[0]].players[key[1]],
+                                                plan[key[0]].players[1 - key[1]])
         assert (x.played, x.winner, x.episode_steps, x.undiscounted_return) == \
                (y.played, y.winner, y.episode_steps, y.undiscounted_return), key
     assert any(seat == 0 for _, seat, _ in a[(0, 0)].played) and \
@@ -1210,14 +1237,17 @@ def test_stats_count_time_bytes_clips_and_the_dead_worker_s_rows(short_env):
         f._runners[1].packer.clipped += 5          # as if worker 1 had clipped five values
         dead_cells = 0
         for c in range(cfg.cycles + 1):
-            for j in range(cfg.n_shards):
+            for _ in range(cfg.n_shards):
                 rnd = f.next_round(30)
                 if rnd.row >= 0 and (rnd.group == farm.GROUP_DEAD).all() and not rnd.valid.any():
                     dead_cells += len(rnd.slots)
                 if c < cfg.cycles:
                     f.submit(np.zeros(len(rnd.slots), np.int64), 0.99)
         st = f.stats()                              # callable, and a dict: f.stats["env_ms"]
-        assert st == f.stats
+        assert isinstance(st, dict) and callable(st) and st() is st   # a call answers the same dict
+        assert sorted(st) == sorted(["env_ms", "wait_ms", "codec_ms", "parent_wait_frac", "bytes_out",
+                                     "rows_dropped_dead_worker", "worker_restarts", "obs_codec_clipped",
+                                     "obs_codec_rounded"])   # the metrics _FarmStats.snapshot names
         assert [x.worker for x in f.drain_failures()] == [0]
         assert dead_cells == 2 * (cfg.cycles - 2) and st["rows_dropped_dead_worker"] == dead_cells
         assert st["env_ms"] > 0 and st["codec_ms"] > 0 and st["wait_ms"] >= 0
@@ -1273,7 +1303,7 @@ def test_scripted_seats_built_mask_only_leave_the_learner_s_bytes_unchanged(shor
     k, T = cfg.frame_stack, cfg.cycles
     a0, a1 = table.offsets["mask"]
     skipped = 0
-    for x, y in zip(res, res2):
+    for x, y in zip(res, res2, strict=True):
         assert x["scalars"].tobytes() == y["scalars"].tobytes()
         assert msgspec.json.encode(x["episodes"]) == msgspec.json.encode(y["episodes"])
         assert x["finals"].keys() == y["finals"].keys()

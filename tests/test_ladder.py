@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -31,13 +30,17 @@ TRUE = {"scripted:noop": 0.0, "p1": -150.0, "p2": 80.0, "p3": 200.0, "p4": 350.0
 def sim_counts(rng, n_per_pair, true=TRUE, nu=0.3) -> L.PairCounts:
     """Round-robin counts drawn from the Davidson model itself."""
     ids = sorted(true)
-    I, J, W, T, Lo = [], [], [], [], []
+    Is, J, W, T, Lo = [], [], [], [], []
     for i in range(len(ids)):
         for j in range(i + 1, len(ids)):
             pw, pd, pl, _ = L._outcome_probs((true[ids[i]] - true[ids[j]]) * L.C, nu)
-            w, t, l = rng.multinomial(n_per_pair, [pw, pd, pl])
-            I.append(i); J.append(j); W.append(int(w)); T.append(int(t)); Lo.append(int(l))
-    return L.PairCounts(ids=ids, i=I, j=J, wins_i=W, draws=T, wins_j=Lo)
+            w, t, lo = rng.multinomial(n_per_pair, [pw, pd, pl])
+            Is.append(i)
+            J.append(j)
+            W.append(int(w))
+            T.append(int(t))
+            Lo.append(int(lo))
+    return L.PairCounts(ids=ids, i=Is, j=J, wins_i=W, draws=T, wins_j=Lo)
 
 
 def game(a, b, s, seed=0, side="blue", ctx="ctx0", kind="eval"):
@@ -359,7 +362,7 @@ def gate_setup(champ_rate=0.56, noop=(1.0, 1.0), rl=(0.7, 0.7), pool_rate=0.6, p
     history = record("K", "scripted:noop", noop[1]) + record("K", "scripted:random_legal", rl[1])
     # the fit: K rated 0 vs the members at -70 Elo, so the champion's predicted mean is 0.6 [A]
     games = []
-    for i, m in enumerate(members):
+    for _, m in enumerate(members):
         games += [game("K", m, 1.0 if k < 60 else 0.0, seed=k // 2, side=L.SIDES[k % 2]) for k in range(100)]
     games += [game("K", "scripted:noop", 1.0, seed=k // 2, side=L.SIDES[k % 2]) for k in range(10)]
     table = L.fit_ratings(games) if games else None
@@ -446,12 +449,14 @@ def test_a_seeded_first_gate_predicts_the_champion_against_a_seed_from_the_gate_
     only sampled member. The seed is linked to the champion through the candidate's games, so the
     champion's predicted mean is the fit of every game the gate played (it used to raise)."""
     gate, run, _, _, _ = gate_setup(pool=False, champ_rate=0.6)
-    run.rates.update({("K", "scripted:noop"): 1.0, ("K", "scripted:random_legal"): 0.7, ("C", "seed:s"): 0.55})
+    run.rates.update({("K", "scripted:noop"): 1.0, ("K", "scripted:random_legal"): 0.7,
+                      ("C", "seed:s"): 0.55})
     d, played = gate.evaluate("C", "K", ["seed:s"], None, run, history=[])
     c = d.conditions["pool"]
     assert not c.skipped and c.members == ["seed:s"] and c.n == 100 and c.observed == pytest.approx(0.55)
     t = L.fit_ratings(played)
-    assert c.reference == pytest.approx(t.predict("K", "seed:s")) and c.reference < 0.55   # C beat K: K is weaker
+    # C beat K: K is weaker
+    assert c.reference == pytest.approx(t.predict("K", "seed:s")) and c.reference < 0.55
 
 
 def test_stratified_sample_spans_the_rating_range():
@@ -506,7 +511,8 @@ def test_snapshot_round_trip_fp16_and_refusals_name_the_field(tmp_path):
         store.load(sid, expect)
 
 
-def test_a_seed_snapshot_is_checked_against_its_pinned_hash_and_the_runs_digests_then_copied_byte_for_byte(tmp_path):
+def test_a_seed_snapshot_is_checked_against_its_pinned_hash_and_the_runs_digests_then_copied_byte_for_byte(
+        tmp_path):
     outside = L.SnapshotStore(tmp_path / "elsewhere")
     sid = outside.save(tensors(), snap_spec())
     folder = outside.root / sid
@@ -514,10 +520,12 @@ def test_a_seed_snapshot_is_checked_against_its_pinned_hash_and_the_runs_digests
     pinned = outside.spec(sid).actor_sha256
     label = "ladder.seed_snapshots[0] (seed:p)"
     assert L.check_seed(label, folder, pinned, expect).step == 4000
-    with pytest.raises(L.SnapshotMismatch, match=rf"seed:p\): .*actor.safetensors has sha256 {pinned}, the config pins 0{{64}}"):
+    with pytest.raises(L.SnapshotMismatch,
+                       match=rf"seed:p\): .*actor.safetensors has sha256 {pinned}, the config pins 0{{64}}"):
         L.check_seed(label, folder, "0" * 64, expect)
     for field in L.DIGEST_FIELDS:
-        with pytest.raises(L.SnapshotMismatch, match=rf"seed:p\): snapshot {sid}: {field} is .* this run's {field} is x"):
+        with pytest.raises(L.SnapshotMismatch,
+                           match=rf"seed:p\): snapshot {sid}: {field} is .* this run's {field} is x"):
             L.check_seed(label, folder, pinned, {**expect, field: "x"})
     with pytest.raises(L.SnapshotMismatch, match=r"seed:p\): .*nowhere: not a snapshot folder"):
         L.check_seed(label, tmp_path / "nowhere", pinned, expect)
@@ -544,7 +552,7 @@ def test_a_seed_is_drawn_by_its_weight_times_pfsp_and_resolved_by_the_runs_pool(
     assert pool.snapshot_id("snap:v1") == "v1"
     mm = L.Matchmaker(master_seed=1, n_battles=8, cfg=L.MatchConfig(max_resident_opponents=3))
     mm.plan(0, [0] * 8, pool, table)
-    w = dict(zip(mm.residents, mm.weights))
+    w = dict(zip(mm.residents, mm.weights, strict=True))
     # the stand-in is v1 (the newest non-seed); the seed is unrated (p = 0.5), as v1 itself is
     base = L.pfsp_weights([table.predict("snap:v1", "snap:v0"), 0.5, 0.5])
     assert w == pytest.approx({"snap:v0": base[0], "snap:v1": base[1], "seed:p": 3.0 * base[2]})
@@ -560,7 +568,8 @@ def test_a_seed_is_drawn_by_its_weight_times_pfsp_and_resolved_by_the_runs_pool(
     built = []
     with runner(tmp_path, policy_builder=lambda sid: built.append(sid) or legal_from_uniforms) as r:
         assert r.players.act("seed:p") is legal_from_uniforms and built == ["abc"]
-        with pytest.raises(ValueError, match=r"seed:q: no such seed snapshot in this run's pool \(its seeds: \['seed:p'\]\)"):
+        with pytest.raises(ValueError, match=r"seed:q: no such seed snapshot in this run's pool "
+                                             r"\(its seeds: \['seed:p'\]\)"):
             r.players.act("seed:q")
 
 
@@ -641,7 +650,8 @@ def test_role_layout_within_one_battle_of_the_mixture_over_seeds_and_geometries(
         for n in GEOMETRIES:
             counts = L.role_counts(mix, n)
             assert sum(counts) == n
-            assert all(abs(c - m * n) <= 1.0 + 1e-9 for c, m in zip(counts, mix)), (mix, n, counts)
+            assert all(abs(c - m * n) <= 1.0 + 1e-9 for c, m in zip(counts, mix, strict=True)), \
+                (mix, n, counts)
             layouts = set()
             for seed in range(30):
                 roles = L.role_layout(seed, n, mix)
@@ -738,7 +748,7 @@ def test_pfsp_uses_the_newest_admitted_snapshot_as_the_learners_stand_in():
     mm = L.Matchmaker(master_seed=1, n_battles=8, cfg=L.MatchConfig(max_resident_opponents=5))
     mm.plan(0, [0] * 8, pool, table)
     assert mm.pfsp_effective == 1 and mm.pfsp_learner_step == 4000
-    w = dict(zip(mm.residents, mm.weights))
+    w = dict(zip(mm.residents, mm.weights, strict=True))
     # v4 is the strongest, so the weakest (v0) is the easiest and weighs least; v4 itself is 0.5
     assert w["snap:v0"] == min(w.values()) and w["snap:v4"] == max(w.values())
     mm.plan(1, [0] * 8, pool, None)                               # no fit yet: uniform, flagged
@@ -781,6 +791,26 @@ def test_rate_cli_runs_without_torch_and_prints_the_table(tmp_path):
     row = next(line for line in out.splitlines() if line.startswith("p4 "))
     assert float(row.split()[1]) == pytest.approx(t.rating["p4"], abs=0.05)
     assert f"nu={t.draw_nu:.4f}" in out and "transitivity residual:" in out
+
+
+def test_rate_cli_prints_the_champion_s_lead_over_v0_with_the_difference_s_own_error(tmp_path):
+    """With a pool, `rate` adds the champion's lead over v0 and its error from the 2x2 covariance
+    block (se_diff), which is smaller than the marginals summed when the two share games."""
+    log = L.ResultLog(tmp_path)
+    log.append(sim_games(np.random.default_rng(3), 60))
+    pool = L.Pool()
+    for pid, promote in (("p1", True), ("p4", True)):
+        pool.admit(L.PoolMember(id=pid, step=1), promote=promote)
+    L.write_pool(tmp_path, pool)
+    r = run_cli("rate", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    t = L.fit_ratings(log.read().games)
+    d, se = t.rating["p4"] - t.rating["p1"], t.se_diff("p4", "p1")
+    assert se < math.hypot(t.se["p4"], t.se["p1"])
+    want = f"champion p4 above v0 p1: {d:.1f} +- {se:.1f} (95% [{d - L.Z95 * se:.1f}, {d + L.Z95 * se:.1f}])"
+    assert want in r.stdout.splitlines(), r.stdout
+    L.write_pool(tmp_path, L.Pool())        # no champion: no line
+    assert "above v0" not in run_cli("rate", str(tmp_path)).stdout
 
 
 def test_rate_cli_on_an_empty_run_says_so_in_one_line_and_exits_1(tmp_path):
@@ -1018,7 +1048,8 @@ def test_eval_runner_plays_snapshots_through_the_builder_and_refuses_mismatches_
         games = r.play(f"snap:{good}", f"snap:{good2}", 2)
         assert len(games) == 2 and sorted(built) == sorted([good, good2])
         for field in ("codec_table_digest", "action_digest", "codec_version"):
-            other = _save_snap(store, r.obs_digest, step=3, **{field: 7 if field == "codec_version" else "zz"})
+            other = _save_snap(store, r.obs_digest, step=3,
+                               **{field: 7 if field == "codec_version" else "zz"})
             with pytest.raises(L.SnapshotMismatch, match=rf"{good} vs snap:{other} refused: {field} differs"):
                 r.play(f"snap:{good}", f"snap:{other}", 2)
         wrong_obs = _save_snap(store, "another-obs", step=4)
@@ -1074,16 +1105,19 @@ def test_eval_cli_without_torch_appends_games_and_rate_ranks_random_legal_above_
     assert r.returncode == 2 and "needs ppo_clash.py and torch" in r.stderr
 
 
-def test_eval_and_yardstick_refuse_a_seed_count_they_cannot_play_in_one_line_before_any_battle(tmp_path, capsys):
+def test_eval_and_yardstick_refuse_a_seed_count_they_cannot_play_in_one_line_before_any_battle(
+        tmp_path, capsys):
     """--seeds below 1 (0 once meant the default) or above the run's frozen set (it was clipped
     to the set) is refused by name; a --master-seed set is drawn to the size asked."""
     (tmp_path / "config.json").write_text(json.dumps({"master_seed": 5, "ladder": {"eval_seed_count": 8}}))
     pair = ["--run", str(tmp_path), "--a", "scripted:random_legal", "--b", "scripted:noop"]
-    for argv, want in ((["eval", *pair, "--seeds", "0"], "--seeds 0: must be at least 1 (each seed is played from both sides)"),
+    for argv, want in ((["eval", *pair, "--seeds", "0"],
+                        "--seeds 0: must be at least 1 (each seed is played from both sides)"),
                        (["eval", *pair, "--seeds", "9"], "--seeds 9: the run's frozen set holds 8 seeds "
-                        "(ladder.eval_seed_count); pass at most 8, or --master-seed S, which draws a set of any size"),
-                       (["yardstick", "--snapshot", str(ROOT / "models" / "cpu-pointer"), "--master-seed", "1",
-                         "--seeds", "-1"], "--seeds -1: must be at least 1")):
+                        "(ladder.eval_seed_count); pass at most 8, or --master-seed S, "
+                        "which draws a set of any size"),
+                       (["yardstick", "--snapshot", str(ROOT / "models" / "cpu-pointer"),
+                         "--master-seed", "1", "--seeds", "-1"], "--seeds -1: must be at least 1")):
         assert L.main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith(f"ladder.py {argv[0]}: ") and want in err[-1], err
@@ -1208,8 +1242,9 @@ def planted_strength_run(run: Path) -> dict[str, str]:
             candidate=ids[p], champion=ids["p1"], outcome=outcome, admit=outcome != "discard",
             promote=outcome == "admit+promote", cycle=outcome == "admit-as-cycle", failed=[], conditions=cond,
             eval_seed_set_sha="x", wall_seconds=1.0, wall="2026-12-01T00:00:00Z"))
-    rows = [{"run/iteration": i, "run/cumulative_env_steps": 500 * i, "ppo/kl": 0.01 / i, "ppo/clip_fraction": 0.1,
-             "ppo/entropy_normalised": 0.9, "ppo/explained_variance": 0.1 * i, "policy/cards_per_match": 10 + i,
+    rows = [{"run/iteration": i, "run/cumulative_env_steps": 500 * i, "ppo/kl": 0.01 / i,
+             "ppo/clip_fraction": 0.1, "ppo/entropy_normalised": 0.9, "ppo/explained_variance": 0.1 * i,
+             "policy/cards_per_match": 10 + i,
              **{k: v for r in ("scripted:noop", "scripted:push") if i % 2 == 0 for k, v in (
                  (f"ladder/score_vs/{r}", 0.5), (f"ladder/score_vs_ci95_lo/{r}", 0.4),
                  (f"ladder/score_vs_ci95_hi/{r}", 0.6), (f"ladder/score_vs_n/{r}", 20))}}
@@ -1268,13 +1303,19 @@ def test_plot_of_several_runs_draws_their_signals_in_one_picture_and_refuses_wha
     assert pixels_near(out, "#1f77b4") > 500 and pixels_near(out, "#ff7f0e") > 10
     assert not (a / "strength.png").exists() and not (b / "strength.png").exists()
     for argv, message in (
-            ((str(a), str(b)), "2 runs are drawn into one picture, which belongs to none of them: name it with --out FILE.png"),
-            ((str(a), str(b), "--out", str(out), "--labels", "S0"), "--labels: 1 labels for 2 runs (one each, in the runs' order)"),
-            ((str(a), "--labels", "S0"), "--labels names the lines of several runs; one run's picture has none"),
-            ((str(a), str(tmp_path / "nope"), "--out", str(out)), f"{tmp_path / 'nope'}: no such directory (pass a run directory, runs/<id>)"),
-            ((), "name a run directory, runs/<id> (or several, to draw their learning signals side by side)")):
+            ((str(a), str(b)),
+             "2 runs are drawn into one picture, which belongs to none of them: name it with --out FILE.png"),
+            ((str(a), str(b), "--out", str(out), "--labels", "S0"),
+             "--labels: 1 labels for 2 runs (one each, in the runs' order)"),
+            ((str(a), "--labels", "S0"),
+             "--labels names the lines of several runs; one run's picture has none"),
+            ((str(a), str(tmp_path / "nope"), "--out", str(out)),
+             f"{tmp_path / 'nope'}: no such directory (pass a run directory, runs/<id>)"),
+            ((),
+             "name a run directory, runs/<id> (or several, to draw their learning signals side by side)")):
         r = run_cli("plot", *argv)
-        assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"ladder.py plot: {message}"], (argv, r.stderr)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"ladder.py plot: {message}"], \
+            (argv, r.stderr)
 
 
 def test_a_signal_panel_keeps_each_run_in_its_colour_even_when_a_run_lacks_the_key():
@@ -1283,10 +1324,12 @@ def test_a_signal_panel_keeps_each_run_in_its_colour_even_when_a_run_lacks_the_k
     import matplotlib.pyplot as plt
     rows = [{"run/cumulative_env_steps": 10 * i, "ppo/kl": 0.1 * i} for i in range(1, 4)]
     fig, ax = plt.subplots()
-    L._draw_signal(ax, "ppo/kl", "kl", [("a", rows), ("b", [{"run/cumulative_env_steps": 5}]), ("c", rows[:2])], 9)
+    L._draw_signal(ax, "ppo/kl", "kl",
+                   [("a", rows), ("b", [{"run/cumulative_env_steps": 5}]), ("c", rows[:2])], 9)
     assert [line.get_label() for line in ax.lines] == ["a", "b", "c"]
     assert [line.get_color() for line in ax.lines] == ["C0", "C1", "C2"]
-    assert list(ax.lines[0].get_xdata()) == [10, 20, 30] and list(ax.lines[0].get_ydata()) == [0.1, 0.2, 0.30000000000000004]
+    assert list(ax.lines[0].get_xdata()) == [10, 20, 30] and \
+        list(ax.lines[0].get_ydata()) == [0.1, 0.2, 0.30000000000000004]
     assert len(ax.lines[1].get_xdata()) == 0 and list(ax.lines[2].get_xdata()) == [10, 20]
     plt.close(fig)
 
@@ -1298,11 +1341,12 @@ def test_rung_labels_a_few_elo_apart_are_stacked_and_a_rung_off_the_axis_is_name
               "first-affordable": 613.0, "push": 675.3}
     on, off = L.level_labels(levels, 400.0, 800.0)
     assert off == [("noop", 0.0)]
-    assert [n for n, _, _ in on] == ["random_legal", "defend", "random", "patient", "first-affordable", "push"]
+    assert [n for n, _, _ in on] == ["random_legal", "defend", "random", "patient", "first-affordable",
+                                     "push"]
     assert all(y == levels[n] for n, y, _ in on)                       # the lines stay at the ratings
     ys = [yl for _, _, yl in on]
     assert ys[0] == 536.7 and ys[-1] == 675.3                           # a label with room stays put
-    assert all(b - a >= 0.035 * 400 - 1e-9 for a, b in zip(ys, ys[1:]))  # 14 Elo apart at least
+    assert all(b - a >= 0.035 * 400 - 1e-9 for a, b in zip(ys, ys[1:], strict=False))  # 14 Elo apart at least
     assert L.level_labels({}, 0.0, 1.0) == ([], [])
 
 
@@ -1321,18 +1365,22 @@ def test_plot_of_a_run_without_games_says_so_and_without_matplotlib_says_how_to_
     empty.mkdir()
     r = run_cli("plot", str(empty))
     assert r.returncode == 1 and r.stdout.strip().splitlines() == [
-        f"{empty}: nothing to draw: no metric rows (metrics.jsonl; a run writes its first when iteration 1 ends) "
-        "and no evaluation games"] and list(empty.iterdir()) == []
+        f"{empty}: nothing to draw: no metric rows (metrics.jsonl; a run writes its first when "
+        "iteration 1 ends) and no evaluation games"] and list(empty.iterdir()) == []
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"run/iteration": 1, "run/cumulative_env_steps": 10,
-                                                         "ppo/kl": 0.01}) + "\n" + '{"run/iteration": 2, "run/cumul')
-    assert [r["run/iteration"] for r in L.read_metric_rows(tmp_path)] == [1]   # a live run's unfinished row: left out
+                                                         "ppo/kl": 0.01})
+                                             + "\n" + '{"run/iteration": 2, "run/cumul')
+    # a live run's unfinished row: left out
+    assert [r["run/iteration"] for r in L.read_metric_rows(tmp_path)] == [1]
     r = run_cli("plot", str(tmp_path), str(empty), "--out", str(tmp_path / "both.png"))
     assert r.returncode == 1 and r.stdout.strip().splitlines() == [
-        f"{empty}: nothing to draw: no metric rows (metrics.jsonl; a run writes its first when iteration 1 ends)"]
+        f"{empty}: nothing to draw: no metric rows (metrics.jsonl; a run writes its first when "
+        "iteration 1 ends)"]
     assert not (tmp_path / "both.png").exists()
     r = run_cli("plot", str(tmp_path))
     lines = r.stdout.strip().splitlines()
-    assert r.returncode == 0 and len(lines) == 2 and lines[0].startswith(f"{tmp_path}: no evaluation games yet")
+    assert r.returncode == 0 and len(lines) == 2 and \
+        lines[0].startswith(f"{tmp_path}: no evaluation games yet")
     assert png_size(tmp_path / "strength.png") == (1260, 900)
     blocked = NO_TORCH.replace("name == 'torch' or name.startswith('torch.')",
                                "name.split('.')[0] in ('torch', 'matplotlib')")
@@ -1340,7 +1388,8 @@ def test_plot_of_a_run_without_games_says_so_and_without_matplotlib_says_how_to_
                        text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "ladder.py plot: plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)"]
-    (tmp_path / "metrics.jsonl").write_text('{"run/iteration": 1\n{"run/iteration": 2}\n')   # not the last line
+    (tmp_path / "metrics.jsonl").write_text('{"run/iteration": 1\n'   # not the last line
+                                            '{"run/iteration": 2}\n')
     r = run_cli("plot", str(tmp_path))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and \
         f"ladder.py plot: {tmp_path / 'metrics.jsonl'}: line 1 is not a metric row" in r.stderr, r.stderr
@@ -1359,9 +1408,11 @@ def test_eval_of_snapshot_folders_refuses_what_it_cannot_compare_in_one_line(tmp
         (f / "eval_env.json").write_text(f'{{"env": "{name}"}}')
         folders.append(str(f))
     for argv, want in ((["eval", "--a", folders[0], "--b", "scripted:push"],
-                        "pass --run RUN (its players on its frozen seeds), or --master-seed S with snapshot folders"),
+                        "pass --run RUN (its players on its frozen seeds), "
+                        "or --master-seed S with snapshot folders"),
                        (["eval", "--a", "snap:0123abcd", "--b", folders[0], "--master-seed", "1"],
-                        "snap:0123abcd: a run's snapshot needs --run RUN; without one, pass a snapshot folder"),
+                        "snap:0123abcd: a run's snapshot needs --run RUN; "
+                        "without one, pass a snapshot folder"),
                        (["eval", "--a", str(tmp_path / "nope"), "--b", "scripted:push", "--master-seed", "1"],
                         "nope: not a snapshot folder (it needs spec.json and actor.safetensors)"),
                        (["eval", "--a", folders[0], "--b", folders[1], "--master-seed", "1"],
@@ -1381,17 +1432,21 @@ def test_yardstick_refuses_what_it_cannot_measure_in_one_line(tmp_path, capsys):
     damaged = tmp_path / "models" / "damaged"      # a truncated spec.json hashes to a new id, so it is read
     shutil.copytree(folder, damaged)
     (damaged / "spec.json").write_text('{"step": 3')
-    for argv, want in ((["yardstick", "--snapshot", str(folder)], "without --run has no frozen seed set: pass --master-seed S"),
+    for argv, want in ((["yardstick", "--snapshot", str(folder)],
+                        "without --run has no frozen seed set: pass --master-seed S"),
                        (["yardstick", "--snapshot", str(damaged), "--master-seed", "1"],
-                        f"{damaged / 'spec.json'} is not a snapshot spec (Input data was truncated); the folder is damaged"),
+                        f"{damaged / 'spec.json'} is not a snapshot spec (Input data was truncated); "
+                        "the folder is damaged"),
                        (["yardstick", "--snapshot", str(tmp_path / "nope"), "--master-seed", "1"],
                         "nope: not a snapshot folder (it needs spec.json and actor.safetensors)"),
-                       (["yardstick"], "pass --run RUN (its champion, or --snapshot snap:<id>) or --snapshot <folder>")):
+                       (["yardstick"],
+                        "pass --run RUN (its champion, or --snapshot snap:<id>) or --snapshot <folder>")):
         assert L.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("ladder.py yardstick: ") and want in err and err.count("\n") == 1, err
     store = L.SnapshotStore(None)
     sid = store.add_folder(damaged)
     for read in (store.spec, store.load):       # what eval, yardstick and play read a folder by
-        with pytest.raises(L.SnapshotMismatch, match=re.escape(f"snapshot {sid}: {damaged / 'spec.json'} is not a snapshot spec")):
+        with pytest.raises(L.SnapshotMismatch, match=re.escape(f"snapshot {sid}: {damaged / 'spec.json'} "
+                                                               "is not a snapshot spec")):
             read(sid)
