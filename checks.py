@@ -1195,7 +1195,7 @@ def real_iterations(args: P.Args, env: P.Env, figs: dict[str, BenchFigure], lear
     before = loadavg()
     run = P.train(dataclasses.replace(args, runs_dir=str(work)), max_iterations=n, quiet=True)
     rows = read_jsonl(run / "metrics.jsonl")[1:]
-    med = lambda k: float(np.median([r[k] for r in rows]))   # noqa: E731
+    med = lambda k: float(np.median([r[k] for r in rows]))
     measured = {k: med(f"time/{k}") for k in ("iteration", "collection", "inference", "critic_pass", "update",
                                                 "residual")}
     return Whole(predict(env, figs, learner_rows), measured, [r["time/iteration"] for r in rows],

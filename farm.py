@@ -700,6 +700,17 @@ def episode_step_abs(env: Any, seat: int) -> dict[str, float]:
     return dict(sums.get(AGENT_TEAM[AGENTS[seat]], {})) if sums is not None else {}
 
 
+# The cards whose elixir royalegym's count of a bar (obs.py MatchMemory, the observation's
+# enemy_elixir slot) does not follow: it pays each play at the catalogue's CardInfo.elixir and
+# regenerates, and the engine also pays the opponent 1 / 0.5 / 0.5 as each Elixir Golem piece dies
+# (ManaOnDeathForOpponent), pays an Elixir Collector's owner 1 every 13 s (ManaCollectAmount; its
+# data also has ManaOnDeath), and charges a Merge Maiden played under 6 elixir 3, not 6
+# (spell.variant). A battle holding one goes inexact for good once the card acts (royalegym
+# 0.1.25 on royalesim 0.1.42, two cpu runs: 1573 of 2314 built seat-episodes with one went
+# inexact, 0 of 5175 without one; docs/running.md, elixir_count_inexact). By CardInfo.name.
+ELIXIR_UNCOUNTABLE = frozenset({"ElixirGolem", "Elixir Collector", "MergeMaiden"})
+
+
 class TrajectoryDigest:
     """A royalegym recorder (the env's duck-typed `recorder` hook) that keeps no frames: a chain
     hash of the engine's state_hash at the episode's reset and after each decision, read as
@@ -708,17 +719,26 @@ class TrajectoryDigest:
     statistics still moves a state on its way, so replay compares the chain (checks.py). About
     4 us of engine hashing a decision [M: RustEngine.state_hash, this 2-core machine]. It asks for
     no per-tick frames, so the env keeps its one-call step; a recorder of those (a trace) beside
-    it is checks.py's Recorders."""
+    it is checks.py's Recorders. It also notes at the reset whether either deck holds a card of
+    ELIXIR_UNCOUNTABLE, read as `elixir_uncountable` beside `digest` (an EpisodeRecord field)."""
     frame_every_tick = False
 
     def __init__(self) -> None:
         self.digest = ""
+        self.elixir_uncountable = False
         self._engine: Any = None
         self._h: Any = None
+        self._uncountable_ids: frozenset[int] | None = None
+        self._uncountable_now = False
 
     def begin(self, engine: Any, seed: int, init: Any) -> None:
         self._engine, self._h = engine, hashlib.blake2b(digest_size=8)
         self._h.update(int(engine.state_hash()).to_bytes(8, "little"))
+        if self._uncountable_ids is None:
+            self._uncountable_ids = frozenset(c.card_id for c in engine.cards()
+                                              if c.name in ELIXIR_UNCOUNTABLE)
+        held = self._uncountable_ids
+        self._uncountable_now = any(c in held for p in engine.state().players for c in p.deck)
 
     def record_frame(self, engine: Any) -> None:
         pass   # once per tick or per decision depending on who watches; record_step is once per decision
@@ -728,6 +748,7 @@ class TrajectoryDigest:
 
     def end(self, engine: Any) -> None:
         self.digest = self._h.hexdigest()
+        self.elixir_uncountable = self._uncountable_now
 
 
 def set_env_gamma(env: Any, gamma: float) -> None:
@@ -1142,6 +1163,7 @@ class EpisodeRecord(msgspec.Struct, frozen=True):
     reward_terms_step_abs: dict[str, float] = {}   # each term's sum |F_t| ({}: a reward keeping none)
     trajectory_digest: str = ""             # TrajectoryDigest: the engine's states, chained
                                             # ("": older record)
+    elixir_uncountable: bool = False        # a deck held an ELIXIR_UNCOUNTABLE card (False: older record)
 
 
 class WorkerFailure(msgspec.Struct, frozen=True):
@@ -1364,6 +1386,7 @@ class RunningEpisodes:
             "reward_terms": terms, "played": self.played[g], "eval_index": ev,
             "reward_terms_step_abs": episode_step_abs(envs[g], i % 2),
             "trajectory_digest": envs[g].recorder.digest,
+            "elixir_uncountable": envs[g].recorder.elixir_uncountable,
         }
         self.cards[i] = self.illegal[i] = 0
         self.ret[i] = 0.0
@@ -2762,8 +2785,7 @@ def _worker_entry(cfg_json: bytes, table_json: bytes, w: int, gen: int, ordinals
             # sleep only on the shard whose command is due next; glance at the others
             for s in [due] + [x for x in range(S) if x != due]:
                 io = ios[s]
-                def new(io=io, s=s):
-                    return int(io.control["cmd_seq"][0]) != seen[s]
+                new = (lambda io=io, s=s: int(io.control["cmd_seq"][0]) != seen[s])
                 if s == due:
                     if not _wait_word(new, act_sems[s], spin_s, SLEEP_S):
                         continue
@@ -2998,8 +3020,7 @@ class ProcessFarm(_FarmCore):
         ctl = self._ios[j].control
         deadline = time.monotonic() + timeout_s
         spin_s = self.cfg.spin_us * 1e-6
-        def new():
-            return int(ctl["pub_seq"][0]) == self._seq[j] or int(ctl["state"][0]) == ST_FAILED
+        new = lambda: int(ctl["pub_seq"][0]) == self._seq[j] or int(ctl["state"][0]) == ST_FAILED
         while not _wait_word(new, self._obs_sems[j], spin_s, SLEEP_S):
             p = self._procs[w]
             if not p.is_alive():

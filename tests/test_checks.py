@@ -615,7 +615,7 @@ def test_bench_predicts_an_iteration_from_its_parts_by_plain_arithmetic():
     """[A] T=10 cycles, 4 battles, 2 shards, R=8: env 40 game-steps at 100/s = 0.4 s; 20 rounds at
     5 ms = 0.1 s; 88 critic rows at 0.5 ms = 0.044 s; 30 learner rows at 2 ms = 0.06 s."""
     env = type("E", (), {"T": 10, "n_battles": 4, "n_shards": 2, "R": 8})()
-    fig = lambda part, x: checks.BenchFigure(part, "u", [x - 1, x, x + 1], (0.0, 0.0))   # noqa: E731
+    fig = lambda part, x: checks.BenchFigure(part, "u", [x - 1, x, x + 1], (0.0, 0.0))
     figs = {f.part: f for f in (fig("process farm (1 worker(s) x 2 shard(s))", 100.0), fig("inference", 5.0),
                                 fig("critic pass", 0.5), fig("PPO update", 2.0))}
     p = checks.predict(env, figs, learner_rows=30)

@@ -160,7 +160,7 @@ def test_float16_parts_within_2_to_the_minus_10_relative(played):
     _, _, _, sample, table = played
     _, out = _pack_all(table, sample)
     dec = _unpack_all(table, sample, out)
-    tol = lambda x: 2.0**-10 * np.abs(x) + 2.0**-24  # noqa: E731 -- fp16 subnormal spacing near 0
+    tol = lambda x: 2.0**-10 * np.abs(x) + 2.0**-24  # fp16 subnormal spacing near 0
     f16 = list(table.f16_index)
     sp = _cat(sample, "spatial")[:, f16]
     assert np.any(sp != 0), "the hit-point planes should carry values"

@@ -324,6 +324,23 @@ def test_the_trajectory_digest_chains_every_decisions_engine_state_and_is_kept_p
     assert _digested_battle(21, change_first_play=True)[0] != digest           # one tile moved: another chain
 
 
+def test_the_trajectory_digest_says_whether_a_deck_holds_a_card_the_elixir_count_cannot_follow():
+    """Noted at the reset from the engine's decks, published at the episode's end, kept past the next
+    reset like the digest; every name in ELIXIR_UNCOUNTABLE is a card of the catalogue."""
+    env = farm.env_factory(farm.default_env_spec())()
+    env.recorder = farm.TrajectoryDigest()
+    ids = {c.card_id for c in env.engine.cards() if c.name in farm.ELIXIR_UNCOUNTABLE}
+    assert len(ids) == len(farm.ELIXIR_UNCOUNTABLE)
+    seen = set()
+    for seed in range(40):
+        env.reset(seed=seed)
+        held = any(c in ids for p in env.battle_state.players for c in p.deck)
+        env.recorder.end(env.engine)
+        assert env.recorder.elixir_uncountable == held
+        seen.add(held)
+    assert seen == {True, False}
+
+
 # --- 4. the byte layout (design 3.4) ----------------------------------------------------------
 
 def test_layout_golden_record():
@@ -439,7 +456,7 @@ def test_a_battle_played_to_game_over_reports_its_result():
     _, table = farm.preflight(spec, master_seed=1, sample_steps=2)
     cfg = farm.FarmConfig(env=spec, master_seed=1, workers=1, games_per_worker=1, cycles=400,
                           viewer=False)
-    A = lambda b, k: farm.scripted_assignment(b, k, "push", learner_seat=0)  # noqa: E731
+    A = lambda b, k: farm.scripted_assignment(b, k, "push", learner_seat=0)
     f = farm.InlineFarm(cfg, table, A)
     try:
         f.begin_iteration(farm.SlotPlan(0, 1, 2, (A(0, 0),), ()))
@@ -697,7 +714,7 @@ def test_a_farm_resumed_mid_episode_plays_what_the_unbroken_farm_played(short_en
     Farm = farm.InlineFarm if kind == "inline" else farm.ProcessFarm
     cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, shards_per_worker=2,
                           games_per_worker=4, cycles=7, frame_stack=2, viewer=False)
-    gamma = lambda it: (0.99, 0.95, 0.9, 0.85, 0.85)[it]   # noqa: E731 -- a schedule: the log must carry it
+    gamma = lambda it: (0.99, 0.95, 0.9, 0.85, 0.85)[it]   # a schedule: the log must carry it
     f = farm.InlineFarm(cfg, table, mixed_assign)
     try:
         drive(f, cfg, table, split, gamma=gamma)
