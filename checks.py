@@ -18,15 +18,18 @@ that farm.py builds from a run's config.
     python checks.py learn [--profile P] [--game-steps G] [--seeds N] [--config F] [--write]
                           [--resume RUN]  the learning benchmark: train, then the yardstick on v0
                           and the champion; --resume RUN continues a stopped one; docs/learning.md
+    python checks.py export --checkpoint runs/<id>/checkpoints/<step> --out models/experiments/<name>
+                          a checkpoint's actor as a snapshot folder, as the gate writes one
 
 
 Reads:  a run directory: config.json, identity.json, metrics.jsonl, episodes.jsonl,
         ladder/games.jsonl, ladder/eval_env.json, ladder/snapshots/, checkpoints/*/manifest.json
         (play reads a checkpoint's files too). verify-resume trains into a scratch folder of its
         own (--work-dir; removed afterwards unless --keep).
-Writes: nothing in any run directory it is pointed at; `play --save F` writes F; `learn` trains a
+Writes: nothing in any run directory it is pointed at, but `export`'s snapshot into its run's
+        archive (ladder/snapshots/, which only grows); `play --save F` writes F; `learn` trains a
         new run under --runs-dir, or continues one (--resume); the yardstick's games go to its log;
-        with --write it appends to docs/learning.md.
+        with --write it appends to docs/learning.md; `export` writes --out.
 Exit codes: 0 pass, 1 a check failed (a divergence, a differing field), 2 bad input (a missing
 run directory, an episode index out of range, a corrupt file), one line naming the thing, no
 traceback.
@@ -41,7 +44,8 @@ dataclasses and main() are at the bottom.
   6. play                 one battle between two players, watched and saved (design 7.5, 2.2)
   7. bench                the profile's parts timed alone, beside its real iterations (design 1.2)
   8. learn                the learning benchmark: a budget of training, then the yardstick
-  9. CLI
+  9. export               a checkpoint's actor as a snapshot folder, as the gate writes one
+ 10. CLI
 """
 from __future__ import annotations
 
@@ -843,7 +847,7 @@ def open_play(cmd: "Play") -> PlaySetup:
     runner: Any = None
 
     def build(sid: str) -> Any:   # the snapshot builder, on the table the runner decided
-        return P.snapshot_policy_builder(run, device=cmd.device, table=runner.table, store=store)(sid)
+        return ladder.snapshot_builder(run, cmd.device, table=runner.table, store=store)(sid)
     runner = ladder.EvalRunner(spec, ladder.EvalSeedSet(master_seed=table_seed, path=PLAY_BATTLE,
                                                         seeds=[], sha256=""),
                                run_dir=run, policy_builder=build, store=store)
@@ -1152,7 +1156,9 @@ def timed_update(s: P.Setup, roll: P.Rollout, crit: P.Critic, adv: P.Advantages,
     """Seconds of one update from the weights that collected the rectangle: each repeat starts
     from the same learner state (the ratio invariant holds the update to it, design 6.4)."""
     before = s.learner.files(args.master_seed)
-    seconds = P.update(s.learner, s.view, roll, crit, adv, sched, args)["time/update"]
+    rows = P.update_rows(s.view, roll, crit, adv)
+    seconds = P.ppo_update(s.learner.model, s.learner.opt_a, s.learner.opt_c, rows, args.ppo,
+                           **s.learner.update_knobs(sched, args))["time/update"]
     s.learner.restore(before)
     return seconds
 
@@ -1436,7 +1442,51 @@ def cmd_learn(cmd: "Learn") -> int:
     return 0
 
 
-# --- 9. CLI ---------------------------------------------------------------------------------------
+# --- 9. export: a checkpoint's actor as a snapshot folder -----------------------------------------
+# A run whose budget ends between two gates has final weights no gate snapshotted; a learning claim
+# rests on weights kept in the repository (models/experiments/<name>/), so they are written as the
+# gate writes a candidate (ppo_clash.write_snapshot): the same weights at the same step are the same
+# id, and the folder plays wherever a shipped model does (ladder.py eval and yardstick, play, Bot).
+
+def export_snapshot(ckpt: Path, out: Path) -> str:
+    """Write the checkpoint's actor into its run's snapshot archive, then copy it, with the run's
+    evaluation env, to `out` (a new or empty folder). Returns the snapshot's player id."""
+    run = ckpt.parent.parent
+    if not (ckpt / "manifest.json").is_file():
+        raise CheckError(f"--checkpoint {ckpt}: no manifest.json there; give runs/<id>/checkpoints/<step>")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckError(f"--out {out}: exists and is not an empty folder; export writes a new one")
+    if not (ladder.ladder_dir(run) / "eval_env.json").is_file():
+        raise CheckError(f"{run}: no ladder/eval_env.json, so no evaluation env to name the snapshot by; "
+                         f"give a checkpoint of a run that opened its ladder")
+    trained_by = sorted(set(P.read_manifest(ckpt).identity.get("user_code") or {})
+                        - {"codec.py", "farm.py", "ladder.py"})
+    if "ppo_clash.py" not in trained_by:
+        raise CheckError(f"{ckpt}: its run was trained by {', '.join(trained_by) or 'no script named'}, not "
+                         f"ppo_clash.py; export rebuilds ppo_clash.py's network, so it cannot write a fork's "
+                         f"snapshot (the fork's own gate snapshots play as they are)")
+    model, man = P.actor_from_checkpoint(ckpt)
+    env, _ = ladder.read_run_env(run)
+    obs_digest, context = ladder.eval_digests(env, int(man.config["master_seed"]))
+    pid = P.write_snapshot(run, model, obs_digest=obs_digest, action_digest=man.identity["action_digest"],
+                           codec_table_digest=man.identity["codec_table_digest"],
+                           step=man.cumulative_env_steps, context=context, run_id_=man.run_id)
+    folder = ladder.ladder_dir(run) / "snapshots" / pid.removeprefix("snap:")
+    out.mkdir(parents=True, exist_ok=True)
+    for src in (folder / "spec.json", folder / "actor.safetensors", ladder.ladder_dir(run) / "eval_env.json"):
+        shutil.copyfile(src, out / src.name)
+    return pid
+
+
+def cmd_export(cmd: "Export") -> int:
+    ckpt, out = Path(cmd.checkpoint), Path(cmd.out)
+    pid = export_snapshot(ckpt, out)
+    print(f"{pid}: {ckpt}'s actor, written to {ckpt.parent.parent / 'ladder' / 'snapshots'} and copied "
+          f"to {out}")
+    return 0
+
+
+# --- 10. CLI --------------------------------------------------------------------------------------
 # The commands as tyro dataclasses, as in ladder.py: each field's docstring is its --help.
 
 
@@ -1564,18 +1614,30 @@ class Learn:
     checkpoint, then measure it; the rest of the command must be the one that started it"""
 
 
+@dataclasses.dataclass(kw_only=True)
+class Export:
+    """A checkpoint's actor as a snapshot folder (spec.json, actor.safetensors, eval_env.json),
+    written as the gate writes a candidate: final weights that no gate snapshotted, kept."""
+    checkpoint: str
+    """runs/<id>/checkpoints/<step> (its run is the directory two levels up)"""
+    out: str
+    """the folder to write, new or empty: models/experiments/<name> for a learning claim"""
+
+
 COMMANDS: dict[type, Callable[[Any], int]] = {Doctor: cmd_doctor, Identity: cmd_identity,
                                               VerifyResume: cmd_verify_resume, Replay: cmd_replay,
-                                              Play: cmd_play, Bench: cmd_bench, Learn: cmd_learn}
+                                              Play: cmd_play, Bench: cmd_bench, Learn: cmd_learn,
+                                              Export: cmd_export}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cmd = tyro.cli(Union[Doctor, Identity, VerifyResume, Replay, Play, Bench, Learn], args=argv,   # type: ignore[arg-type]
+    cmd = tyro.cli(Union[Doctor, Identity, VerifyResume, Replay, Play, Bench, Learn, Export], args=argv,   # type: ignore[arg-type]
                    prog="checks.py", description="Checks of a clash-ppo run: doctor, identity, "
-                   "verify-resume, replay, play, bench, learn.")
+                   "verify-resume, replay, play, bench, learn, export.")
     try:
         return COMMANDS[type(cmd)](cmd)
-    except (CheckError, P.ConfigError, P.CheckpointFormatError, P.ArchMismatch, P.IdentityMismatch) as exc:
+    except (CheckError, P.ConfigError, ladder.LadderSetupChanged, ladder.SnapshotMismatch,
+            P.CheckpointFormatError, P.ArchMismatch, P.IdentityMismatch) as exc:
         name = "".join("-" + c.lower() if c.isupper() else c for c in type(cmd).__name__).lstrip("-")
         print(f"checks.py {name}: {exc}", file=sys.stderr)
         return 2

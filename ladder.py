@@ -31,16 +31,17 @@ strips the training env's truncation, builds its own farm per comparison (farm.p
 mode: InlineFarm, or a ProcessFarm of `workers` processes) and closes it after, plays each frozen
 seed from both sides and appends kind="eval" (or "probe") GameResults; it is the gate's
 `play(a, b, n_battles) -> list[GameResult]`.
-The training loop (ppo_clash.py's LadderLoop) drives all of this: the matchmaker's plan, the gate
-on the candidate cadence, floor admits, refits and the probe.
+The training loop drives all of this through LadderLoop (section 12): the matchmaker's plan, the
+gate on the candidate cadence, floor admits, refits and the probe.
 
 Import rule: codec <- farm <- ladder. This module never imports torch, so
 `python ladder.py rate runs/<id>` and a scripted-vs-scripted `eval` work on a machine without it
-(tests/test_ladder.py runs them with torch made unimportable). A network is built by a callable
-the caller passes in (policy_builder); only the CLI's snapshot hook (_snapshot_builder) imports
-ppo_clash, lazily, for snap: players.
+(tests/test_ladder.py runs them with torch made unimportable). A network is built by what the
+caller passes in (policy_builder; LadderLoop's LearnerNets), never by an import of a script above
+this one. The CLI plays a snap: player with the script its snapshot names as its builder
+(ppo_clash.py, or a fork), loaded from beside this file as a plugin is (snapshot_builder).
 
-CLI (section 12):
+CLI (section 13):
     python ladder.py rate runs/<id> [--context CTX]          the fitted table (torch-free)
     python ladder.py plot runs/<id> [--out FILE.png]         strength over training (section 11;
                                                              matplotlib, the [plot] extra)
@@ -61,6 +62,7 @@ import dataclasses
 import datetime
 import functools
 import hashlib
+import importlib.util
 import math
 import os
 import sys
@@ -970,6 +972,17 @@ class SnapshotSpec(msgspec.Struct, frozen=True):
     run_id: str
     arch: dict[str, Any] = {}          # the network builder's arguments
     actor_sha256: str = ""             # sha256 of actor.safetensors; filled by save()
+    # the training script whose network plays it, when it is not DEFAULT_BUILDER: a fork's own
+    # (_builder_script). Unset for ppo_clash.py, and an unset field is not written, so its
+    # snapshots' bytes, and so their ids, are what they were before the field existed
+    builder: Union[str, msgspec.UnsetType] = msgspec.UNSET
+
+    def script(self) -> str:
+        """The file name of the script whose network plays this snapshot."""
+        return DEFAULT_BUILDER if self.builder is msgspec.UNSET else self.builder
+
+
+DEFAULT_BUILDER = "ppo_clash.py"
 
 
 class SnapshotMismatch(ValueError):
@@ -1537,6 +1550,13 @@ def eval_context(env_value: str, obs_digest: str, engine_build_digest: str,
     frame_stack 1, because frame stacking is a property of a network, not of the game."""
     return hashlib.sha256((env_value + obs_digest + deck_protocol + engine_build_digest)
                           .encode()).hexdigest()[:16]
+
+
+def eval_digests(env: EnvFactorySpec, master_seed: int) -> tuple[str, str]:
+    """What a snapshot's spec.json records of the env it will be played on: the evaluation env's
+    observation digest (at frame_stack 1) and its context (eval_context)."""
+    es, _, _ = _eval_preflight(msgspec.json.encode(eval_env_spec(env)), master_seed)
+    return es.obs_digest, eval_context(es.env_value_digest, es.obs_digest, es.engine_build_digest)
 
 
 @functools.lru_cache(maxsize=4)
@@ -2175,7 +2195,296 @@ def cmd_plot(args: Any) -> int:
     return 0
 
 
-# --- 12. CLI --------------------------------------------------------------------------------------
+# --- 12. The training loop's ladder (design 10.1) -------------------------------------------------------
+# What one iteration of training asks of the ladder, in one object the training script drives. The
+# script owns torch and its networks, so it hands them in (LearnerNets); this file never imports it.
+
+
+class LearnerNets(NamedTuple):
+    """The training script's network functions, as LadderLoop calls them (ppo_clash.NETS; a fork's
+    own, so its snapshots are built and played by its own network)."""
+    load: Callable[..., Any]      # (spec, tensors, device) -> a network that acts on the device
+    write: Callable[..., str]     # (run, network, *, obs_digest, action_digest, codec_table_digest,
+    #                               step, context, run_id_) -> "snap:<sha16>"
+    players: Callable[..., PolicyBuilder]   # (run, device, *, table, release_mode) -> PolicyBuilder
+    act: Callable[..., ActFn]     # (network, table, device, release_mode) -> ActFn, for the probe
+    decode: Callable[..., Any]    # (mode, field) -> how a resident opponent picks its action
+
+
+class LadderSetupChanged(ValueError):
+    """A resume that would change what the ladder fixed at the run's start (its seats' deck, its
+    seed snapshots): refused in one line, whatever --allow-identity-drift says."""
+
+
+def refuse_changed_setup(L: Any, cfg: MatchConfig, pool: Pool) -> None:
+    """What a run fixed at its start cannot change at a resume, not even under
+    --allow-identity-drift: the seats the battles deal the deck to (the checkpoint's battles and
+    its matchmaker's seats, cfg, hold them) and the seeds its pool admitted. L: the ladder arguments
+    the run resumes with."""
+    if cfg.fixed_seats != bool(L.seat_decks.deck):
+        started = "with" if cfg.fixed_seats else "without"
+        raise LadderSetupChanged(f"ladder.seat_decks.deck: the checkpoint's run was started {started} "
+                                 "one; a run cannot take or drop its deck at a resume (start a new run)")
+    held = sorted(pool.seeds())
+    if held != sorted(f"seed:{sd.name}" for sd in L.seed_snapshots):
+        raise LadderSetupChanged(f"ladder.seed_snapshots: the checkpoint's pool holds {held or 'none'}; "
+                                 "seeds are admitted at a run's start only (start a new run)")
+
+
+def match_config(L: Any) -> MatchConfig:
+    """The matchmaker's configuration, from the run's ladder arguments."""
+    return MatchConfig(mix=tuple(L.mix), max_resident_opponents=L.max_resident_opponents,
+                       pfsp_power=L.pfsp_power, pfsp_uniform_floor=L.pfsp_uniform_floor,
+                       scripted_opponents=tuple(L.scripted_opponents),
+                       fixed_seats=bool(L.seat_decks.deck))
+
+
+class LadderLoop:
+    """The ladder's side of the training loop (design 10.1): the matchmaker and the pool, the stable
+    table of resident snapshots the farm's group ids index, the gate on its cadence, floor admits,
+    refits, eviction, the probe, the kind="train" results and the ladder/* keys of the row.
+
+    Why a stable resident table: an Assignment carries its opponent's GROUP id for the whole
+    episode, and an episode spans iteration boundaries, while Matchmaker.plan redraws the resident
+    set every iteration. So group g means self.slots[g] for the run, a slot is reused only once no
+    live assignment points at it, and SlotPlan.resident_snapshots is this table (bare sha16 ids,
+    a seed's its copy's: the farm names the seat by the assignment's opponent id)."""
+
+    def __init__(self, args: Any, nets: LearnerNets, run: Path, rid: str, seed: int, n_battles: int,
+                 env_spec: Any, table: Any, device: Any, match_seed: int | None = None,
+                 voice: bool = True) -> None:
+        """seed: the run's master seed (the frozen eval seeds, the gate's draws); match_seed: this
+        rank's (Env.seed). voice False: a torchrun rank other than 0, which plans its own battles
+        against the pool rank 0 shares after each ladder step (follow) and writes nothing."""
+        self.args, self.run, self.rid, self.seed, self.device, self.table = \
+            args, run, rid, seed, device, table
+        self.env_spec, self.voice, self.nets = env_spec, voice, nets
+        L = args.ladder
+        self.mm = Matchmaker(seed if match_seed is None else match_seed, n_battles, match_config(L))
+        self.pool = Pool()
+        self.ratings: RatingTable | None = None
+        self.slots: list[str] = []
+        self.gate_attempts = self.gate_passes = self.evictions = 0
+        self.last_gate: GateDecision | None = None
+        self.last_candidate_step = self.last_floor_step = 0
+        self.seconds_gate = self.seconds_probe = 0.0
+        self.gate_discards_in_a_row = 0
+        # design 7.2 layer 1: a sequential Elo over the kind="train" games, for the dashboard between
+        # refits. The learner is one player ("learner"), whatever its step; order = episode order
+        self.elo = EloReadout()
+        # frozen per run: a resumed run keeps its set even under --allow-identity-drift of the seed
+        self.seeds = (read_run_seeds(run) if (ladder_dir(run) / "eval_seeds.json").exists()
+                      else load_or_create_eval_seeds(run, seed, L.eval_seed_count))
+        if voice:
+            write_eval_env(run, env_spec)
+        self.eval_obs_digest, self.context = eval_digests(env_spec, seed)
+        self.log = ResultLog(run)
+        self.store = SnapshotStore(run)
+        self.cache = LoadedPolicyCache(
+            self.store, lambda spec, t: nets.load(spec, t, device), L.max_resident_opponents + 2,
+            {"obs_digest": self.eval_obs_digest, "codec_table_digest": table.digest()})
+        self.opponent_decode = nets.decode(L.opponent_mode, "ladder.opponent_mode")
+        self.gate_cfg = GateConfig(**{k: v for k, v in dataclasses.asdict(L.gate).items()
+                                      if k in GateConfig.__struct_fields__})
+
+    # -- snapshots and the pool --
+    def snapshot(self, model: Any, step: int, action_digest: str) -> str:
+        return self.nets.write(self.run, model, obs_digest=self.eval_obs_digest, action_digest=action_digest,
+                               codec_table_digest=self.table.digest(), step=step, context=self.context,
+                               run_id_=self.rid)
+
+    def admit(self, pid: str, step: int, promote: bool, cycle: bool = False, sample: bool = True) -> None:
+        self.pool.admit(PoolMember(id=pid, step=int(step), cycle=cycle), promote=promote,
+                        sample=sample)
+        self.evictions += len(hall_of_fame_evict(self.pool, self.ratings,
+                                                 self.args.ladder.pool_working_size))
+        write_pool(self.run, self.pool)
+
+    def admit_seeds(self, specs: Sequence[Any]) -> None:
+        """The seed snapshots, copied byte for byte into the run's archive (so a seed plays from
+        the run, whatever becomes of its folder) and admitted as seed:<name>, never promoted."""
+        for sd, spec in zip(self.args.ladder.seed_snapshots, specs, strict=True):
+            self.pool.admit(PoolMember(id=f"seed:{sd.name}", step=spec.step, seed=True,
+                                       snapshot=self.store.copy_in(sd.path), weight=sd.weight),
+                            promote=False)
+        write_pool(self.run, self.pool)
+
+    # -- the plan --
+    def _slot(self, pid: str, live: set[int]) -> int:
+        sid = self.pool.snapshot_id(pid)
+        if sid in self.slots:
+            return self.slots.index(sid)
+        resident = {self.pool.snapshot_id(r) for r in self.mm.residents}
+        for g, s in enumerate(self.slots):   # reuse a slot nobody resident or playing points at
+            if g not in live and s not in resident:
+                self.slots[g] = sid
+                return g
+        if len(self.slots) >= 127:
+            raise RuntimeError("resident table is full (127 int8 group ids are live); this cannot happen "
+                               f"with max_resident_opponents={self.args.ladder.max_resident_opponents}")
+        self.slots.append(sid)
+        return len(self.slots) - 1
+
+    def remap(self, a: Any) -> Any:
+        """The matchmaker's Assignment with its resident index turned into this table's slot."""
+        if a.group[0] >= 0 or a.group[1] >= 0:
+            g = self.slots.index(self.pool.snapshot_id(a.opponent_id))
+            a = msgspec.structs.replace(a, group=tuple(g if x >= 0 else x for x in a.group))
+        return a
+
+    def assign(self, battle: int, ordinal: int) -> Any:
+        return self.remap(self.mm.assign(battle, ordinal))
+
+    def plan(self, iteration: int, ordinals: Sequence[int], current: Sequence[Any] | None) -> Any:
+        """The iteration's SlotPlan: the matchmaker draws this iteration's residents and weights;
+        a battle mid-episode keeps its current assignment (design 3.6), so the table is `current`
+        when the farm has one, else the matchmaker's opening table."""
+        p = self.mm.plan(iteration, ordinals, self.pool, self.ratings)
+        live = {int(g) for a in (current or ()) if a is not None for g in a.group if g >= 0}
+        for pid in self.mm.residents:
+            self._slot(pid, live)
+        table = tuple(current) if current is not None and all(a is not None for a in current) else \
+            tuple(self.remap(a) for a in p.assignment)
+        return farm.SlotPlan(iteration=iteration, n_battles=p.n_battles, n_slots=p.n_slots, assignment=table,
+                             resident_snapshots=tuple(self.slots))
+
+    def policy(self, g: int) -> Any:
+        return self.cache.get(self.slots[g])
+
+    # -- results, cadences, metrics --
+    def record_train(self, episodes: Sequence[Any], iteration: int, env_steps: int) -> None:
+        """kind="train" (never fitted): one result per learner seat of a non-mirror episode."""
+        wall = utc_now()
+        games = [GameResult(a=f"learner@{env_steps}", b=e.opponent_id,
+                            score_a=WINNER_SCORE[int(e.outcome)], seed_index=-1,
+                            side_a=SIDES[e.seat], context=self.context, kind="train",
+                            run_id=self.rid, iteration=iteration, wall=wall)
+                 for e in episodes if e.policy_id == "learner" and e.bucket != "mirror"]
+        for gm in games:
+            self.elo.update("learner", gm.b, gm.score_a)
+        if games:
+            self.log.append(games)
+
+    def refit(self) -> None:
+        _, view = eval_view(self.log.read().games, self.context)
+        self.ratings = fit_ratings(view) if view else None
+        if self.ratings is not None:
+            write_ratings(self.run, self.ratings)
+
+    def _runner(self, iteration: int) -> Any:
+        r = self.args.rollout
+        return EvalRunner(self.env_spec, self.seeds, run_dir=self.run, run_id=self.rid,
+                          policy_builder=self.nets.players(
+                              self.run, str(self.device), table=self.table,
+                              release_mode=self.args.ladder.release_mode),
+                          battles_at_once=r.eval_workers * r.eval_games_per_worker,
+                          iteration=iteration, workers=r.eval_workers, table=self.table)
+
+    def gate(self, model: Any, iteration: int, env_steps: int, action_digest: str) -> Any:
+        """design 7.4: snapshot the learner, play the WilsonGate on its own farm, apply the outcome."""
+        t0 = time.perf_counter()
+        cand = self.snapshot(model, env_steps, action_digest)
+        self.refit()   # condition 3 reads the champion's fitted rating
+        with self._runner(iteration) as r:
+            r.comparison_prefix = f"gate/{cand}/"
+            _, history = eval_view(self.log.read().games, r.context)
+            dec, _ = WilsonGate(self.gate_cfg, self.seed, self.seeds.sha256).evaluate(
+                cand, self.pool.champion, list(self.pool.sampler), self.ratings, r, history)
+        write_gate_decision(self.run, dec)
+        self.gate_attempts += 1
+        self.last_gate = dec
+        self.gate_discards_in_a_row = 0 if dec.admit else self.gate_discards_in_a_row + 1
+        if dec.admit:
+            self.gate_passes += 1
+            self.admit(cand, env_steps, promote=dec.promote, cycle=dec.cycle)
+        self.last_candidate_step = env_steps
+        self.refit()
+        self.seconds_gate += time.perf_counter() - t0
+        return dec
+
+    def floor(self, model: Any, env_steps: int, action_digest: str) -> None:
+        """A plateau cannot starve the pool: a snapshot admitted without the gate (never champion)."""
+        pid = self.snapshot(model, env_steps, action_digest)
+        if all(m.id != pid for m in self.pool.members):
+            self.admit(pid, env_steps, promote=False)
+        self.last_floor_step = env_steps
+
+    def probe(self, model: Any, iteration: int, env_steps: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        with self._runner(iteration) as r:
+            _, m = run_probe(r, self.nets.act(model, self.table, self.device,
+                                              self.args.ladder.release_mode), env_steps,
+                             rungs=self.args.ladder.probe_opponents,
+                             probe_games=self.args.ladder.probe_games,
+                             resamples=self.args.ladder.gate.bootstrap_resamples)
+        self.seconds_probe += time.perf_counter() - t0
+        return m
+
+    def keys(self, wall: float) -> dict[str, Any]:
+        """The row's ladder/* keys: what ladder.ladder_metrics reads off the pool and the fit, and what
+        only the loop knows (the gate's and probe's share of the wall clock, the Elo readout, the
+        champion's lead over v0)."""
+        m = ladder_metrics(self.ratings, self.pool, self.mm, self.last_gate, self.gate_attempts,
+                           self.gate_passes, self.evictions)
+        m["ladder/gate_seconds_frac"] = self.seconds_gate / max(wall, 1e-9)
+        m["ladder/probe_seconds_frac"] = self.seconds_probe / max(wall, 1e-9)
+        m["ladder/gate_consecutive_discards"] = self.gate_discards_in_a_row
+        if "learner" in self.elo.rating:
+            m["ladder/elo_readout"] = self.elo.rating["learner"]
+        champ, v0 = self.pool.champion, self.pool.v0
+        if self.ratings is not None and champ in self.ratings.rating and v0 in self.ratings.rating:
+            m["ladder/rating_above_v0"] = self.ratings.rating[champ] - self.ratings.rating[v0]
+        return m
+
+    def join(self, comm: Any) -> None:
+        """job_roles: every rank's battle roles in rank order, as every_episode numbers the battles,
+        which rank 0's role counts read (one process: its own)."""
+        self.job_roles = np.concatenate([np.asarray(r) for r in comm.everyone(self.mm.roles)])
+
+    def shared(self) -> tuple[Any, Any]:
+        """What rank 0's ladder step decided that every rank's matchmaker reads: pool and ratings."""
+        return self.pool, self.ratings
+
+    def follow(self, shared: tuple[Any, Any]) -> None:
+        self.pool, self.ratings = shared
+
+    # -- the checkpoint --
+    def state(self, assignment: Sequence[Any]) -> dict[str, Any]:
+        return {"matchmaker": msgspec.to_builtins(self.mm.state()), "pool": msgspec.to_builtins(self.pool),
+                "ratings": msgspec.to_builtins(self.ratings) if self.ratings is not None else None,
+                "slots": list(self.slots), "assignment": [msgspec.to_builtins(a) for a in assignment],
+                "gate_attempts": self.gate_attempts, "gate_passes": self.gate_passes,
+                "evictions": self.evictions,
+                "last_gate": msgspec.to_builtins(self.last_gate) if self.last_gate is not None else None,
+                "last_candidate_step": self.last_candidate_step, "last_floor_step": self.last_floor_step,
+                "seconds_gate": self.seconds_gate, "seconds_probe": self.seconds_probe,
+                "gate_discards_in_a_row": self.gate_discards_in_a_row,
+                "elo": dict(sorted(self.elo.rating.items()))}
+
+    def load(self, st: dict[str, Any]) -> list[Any]:
+        """Restore; returns the saved assignment table (the resumed farm's opening plan)."""
+        self.mm = Matchmaker.from_state(msgspec.convert(st["matchmaker"], MatchmakerState))
+        self.pool = msgspec.convert(st["pool"], Pool)
+        refuse_changed_setup(self.args.ladder, self.mm.cfg, self.pool)
+        if self.voice:
+            # pool.json follows the checkpoint, not admits made after it
+            write_pool(self.run, self.pool)
+        self.ratings = (msgspec.convert(st["ratings"], RatingTable) if st["ratings"] is not None
+                        else None)
+        self.slots = list(st["slots"])
+        self.gate_attempts, self.gate_passes, self.evictions = \
+            st["gate_attempts"], st["gate_passes"], st["evictions"]
+        self.last_gate = (msgspec.convert(st["last_gate"], GateDecision) if st["last_gate"] is not None
+                          else None)
+        self.last_candidate_step, self.last_floor_step = st["last_candidate_step"], st["last_floor_step"]
+        self.seconds_gate, self.seconds_probe = st["seconds_gate"], st["seconds_probe"]
+        # absent from older checkpoints
+        self.gate_discards_in_a_row = int(st.get("gate_discards_in_a_row", 0))
+        self.elo.rating = {k: float(v) for k, v in st.get("elo", {}).items()}
+        return [msgspec.convert(a, farm.Assignment) for a in st["assignment"]]
+
+
+# --- 13. CLI --------------------------------------------------------------------------------------
 
 def _format_table(run_dir: str, t: RatingTable, torn: bool, pool: Pool | None = None) -> str:
     lines = [f"run {run_dir}  context {t.context}  eval games {t.n_total}  "
@@ -2303,20 +2612,51 @@ def _run_id(run: Path) -> str:
     return run.resolve().name
 
 
-def _snapshot_builder(run: Path | None, device: str, **kw: Any) -> PolicyBuilder:
-    """The network builder, imported lazily: only a command that plays a snapshot needs torch.
-    kw: snapshot_policy_builder's table, store and release_mode."""
-    try:
-        import ppo_clash
-    except ImportError as exc:
-        raise CliError(f"playing a snap: player needs ppo_clash.py and torch ({exc}); scripted players "
-                       f"need neither") from None
-    fn = getattr(ppo_clash, "snapshot_policy_builder", None)
-    if fn is None:
-        raise CliError("ppo_clash.py has no snapshot_policy_builder(run_dir, device='cpu') -> "
-                       "(snapshot_id -> act(obs_batch, uniforms) -> actions); snap: players cannot be "
-                       "played until it exists (scripted players can)")
-    return fn(run, device=device, **kw)
+def snapshot_builder(run: Path | None, device: str, **kw: Any) -> PolicyBuilder:
+    """snap: players for a command (this CLI, checks.py play), each built by the script that
+    trained it, its spec's builder: that script's snapshot_policy_builder, so a fork's snapshot
+    plays with the fork's network. This file imports no script above it; a snapshot names one, as
+    a decode mode names its plugin. Only a command that plays a snapshot loads one, and torch with
+    it. kw: snapshot_policy_builder's table, store and release_mode."""
+    store = kw.get("store") or SnapshotStore(run)
+    made: dict[str, PolicyBuilder] = {}
+
+    def build(snapshot_id: str) -> ActFn:
+        name = store.spec(snapshot_id).script()
+        if name not in made:
+            made[name] = _builder_script(name).snapshot_policy_builder(run, device=device,
+                                                                       **{**kw, "store": store})
+        return made[name](snapshot_id)
+    return build
+
+
+def _builder_script(name: str) -> Any:
+    """The training script a snapshot names, from this file's folder, loaded once as the module of
+    its name (a script already imported, as in a training run's own process, is the one used)."""
+    path = Path(__file__).resolve().parent / name
+    if Path(name).name != name or path.suffix != ".py":
+        raise CliError(f"a snapshot names its builder {name!r}, not a script's file name")
+    mod = sys.modules.get(path.stem)
+    if mod is None:
+        if not path.is_file():
+            raise CliError(f"a snapshot was trained by {name}, which is not beside ladder.py in "
+                           f"{path.parent}: put the script there to play it (scripted players need none)")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = mod
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException as exc:   # no half-made module stays behind under the script's name
+            del sys.modules[path.stem]
+            if isinstance(exc, ImportError):
+                raise CliError(f"playing a snapshot of {name} needs what it imports ({exc}); scripted "
+                               f"players need neither") from None
+            raise
+    if not callable(getattr(mod, "snapshot_policy_builder", None)):
+        raise CliError(f"{name} has no snapshot_policy_builder(run_dir, device='cpu', ...) -> "
+                       f"(snapshot_id -> act(obs_batch, uniforms) -> actions): its snapshots cannot be "
+                       f"played")
+    return mod
 
 
 def _open_runner(args: Any, players: Sequence[str]) -> EvalRunner:
@@ -2326,7 +2666,7 @@ def _open_runner(args: Any, players: Sequence[str]) -> EvalRunner:
     env, where = read_run_env(run)
     print(f"evaluation env from {where}", file=sys.stderr)
     seeds = read_run_seeds(run)
-    builder = (_snapshot_builder(run, args.device) if any(p.startswith(SNAPSHOT_PLAYERS) for p in players)
+    builder = (snapshot_builder(run, args.device) if any(p.startswith(SNAPSHOT_PLAYERS) for p in players)
                else None)
     return EvalRunner(env, seeds, run_dir=run, run_id=_run_id(run), policy_builder=builder,
                       battles_at_once=args.battles_at_once, workers=_eval_workers(args, run))
@@ -2551,7 +2891,7 @@ def _runner_for(args: Any, run: Path | None, players: Sequence[str], store: Snap
     pool = read_pool(run) if run is not None else None
     r.players.seeds = pool.seeds() if pool is not None else {}
     if any(p.startswith(SNAPSHOT_PLAYERS) for p in players):
-        r.players.policy_builder = _snapshot_builder(run, args.device, table=r.table, store=store,
+        r.players.policy_builder = snapshot_builder(run, args.device, table=r.table, store=store,
                                                      release_mode=release_mode)
     return r
 

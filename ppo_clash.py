@@ -21,21 +21,27 @@ Writes: <runs_dir>/<run_name>-<run_id>/: config.json, identity.json, metrics.jso
         pickled. Section references ("design 6.3") are to docs/design.md.
 
 How to read it. Sections 1-7 are the method and section 8 is the loop that runs it; a reader who
-stops after the loop has read the whole method. Sections 9-12 are the run's bookkeeping.
+stops after the loop has read the whole method. Below one marked line, sections 9-12 are the run's
+machinery, which a fork of the method need not touch (the update sums over torchrun's ranks
+through Comm, section 9; one process sums nothing).
   1. Arguments and profiles        what can be set, and the presets (start with Args)
   2. Geometry, read off the env    every width the network needs, never a literal
   3. The masked distribution       where a mask meets a logit; the factored head's three stages
   4. Networks                      two trunks, a policy head (pointer or factored), a value head
   5. GAE and return scaling        advantages over the rectangle in one backward scan
-  6. The PPO update                minibatches, forced rows, the ratio invariant
+  6. The PPO update                ppo_update, the loop's one call: epochs, batches, minibatches;
+                                   minibatch_loss, the loss in one place; forced rows, the ratio
+                                   invariant
   7. Iteration invariants          what must hold before a batch is trained on
   8. The loop                      train(): plan and collect -> critic pass -> advantages ->
                                    update -> ladder step -> record
-  9. The run                       run_id and why a resume may refuse; the start-up gates; the
-                                   run directory and what is written into it
+  9. The run                       the arguments read and checked (--config, the command line,
+                                   the rules); torchrun's ranks (Comm); run_id and why a resume
+                                   may refuse; the start-up gates; the run directory
  10. Checkpoints                   atomic, hashed, resumable byte for byte
  11. Metrics, alarms and sinks     the row's schema, the alarm table, the console
- 12. Snapshots and the ladder      the ladder's side of the loop
+ 12. Snapshots and the ladder      snapshots written and played; NETS, the networks handed to
+                                   ladder.LadderLoop, the ladder's side of the loop
 
 To fork for an ablation: copy this file to a new name (cp ppo_clash.py ppo_myidea.py) and edit the
 copy; codec.py, farm.py and ladder.py stay shared. The usual places:
@@ -43,7 +49,7 @@ copy; codec.py, farm.py and ladder.py stay shared. The usual places:
   head          PointerHead / FactoredHead and HEADS (section 4); the mask meets the logits in
                 MaskedCategorical (section 3)
   trunk         Trunk and ResBlock (section 4)
-  loss          clipped_surrogate and accumulate_batch (section 6)
+  loss          minibatch_loss (section 6), the one function the loop's ppo_update calls for it
   a new metric  put the key in the row (metric_row, section 11, or the update's dict) and give it
                 a SCHEMA entry (section 11): the run refuses a key without one at its first row
   a new setting a field in the Args tree (section 1); every ppo, advantage and net field is in
@@ -98,7 +104,8 @@ SCRIPT = Path(__file__).name
 # One tyro dataclass tree; each field's docstring is its --help and says why the default is what
 # it is. Defaults are the laptop column of design 1.2; the other profiles are functions that change
 # only numbers. `--profile` picks one, every field stays overridable, `--config run.json` loads
-# one, and a misspelt key or flag is refused naming the nearest valid one.
+# one, and a misspelt key or flag is refused naming the nearest valid one (read and checked in
+# section 9).
 
 
 class ConfigError(ValueError):
@@ -548,6 +555,16 @@ def _set(args: Args, path: str, value: Any) -> None:
     setattr(obj, last, value)
 
 
+def _nearest(key: str, valid: Sequence[str]) -> str:
+    m = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    return f" (did you mean {m[0]!r}?)" if m else ""
+
+
+def flag(path: str) -> str:
+    """A field as the command line spells it: ppo.lr_backoff.kl_threshold -> --ppo.lr-backoff.kl-threshold."""
+    return "--" + path.replace("_", "-")
+
+
 def profile_args(name: str) -> Args:
     """The presets. Only numbers change between them (design 1.2)."""
     a = Args(profile=name)
@@ -624,440 +641,6 @@ def profile_args(name: str) -> Args:
 
 
 PROFILES = ("laptop", "workstation", "many_core", "cpu", "smoke")
-
-
-def _nearest(key: str, valid: Sequence[str]) -> str:
-    m = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
-    return f" (did you mean {m[0]!r}?)" if m else ""
-
-
-def field_paths(cls: type = Args, prefix: str = "") -> list[str]:
-    """Every leaf of the tree as a dotted path, e.g. ppo.lr_backoff.patience."""
-    out = []
-    hints = _hints(cls)
-    for f in dataclasses.fields(cls):
-        t = hints[f.name]
-        if dataclasses.is_dataclass(t) and t is not Schedule:
-            out += field_paths(t, f"{prefix}{f.name}.")
-        else:
-            out.append(prefix + f.name)
-    return out
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    import typing
-    return typing.get_type_hints(cls, globalns=globals())
-
-
-def apply_dict(obj: Any, d: dict[str, Any], where: str = "") -> None:
-    """Merge a JSON object into a dataclass tree in place, refusing an unknown key by name."""
-    hints = _hints(type(obj))
-    names = [f.name for f in dataclasses.fields(obj)]
-    for key, value in d.items():
-        path = f"{where}{key}"
-        if key not in names:
-            raise ConfigError(f"unknown config field {path!r}"
-                              + _nearest(key, names).replace("'", "'" + where, 1)
-                              + f"; valid fields of {where.rstrip('.') or 'the top level'}: "
-                                f"{', '.join(names)}")
-        t = hints[key]
-        if dataclasses.is_dataclass(t):
-            if not isinstance(value, dict):
-                raise ConfigError(f"config field {path!r} must be an object, got {value!r}")
-            apply_dict(getattr(obj, key), value, path + ".")
-        else:
-            try:
-                setattr(obj, key, msgspec.convert(value, type=t, strict=False))
-            except msgspec.ValidationError as e:
-                raise ConfigError(f"config field {path!r}: {e}") from None
-
-
-def config_json(args: Args) -> bytes:
-    """Canonical JSON of the resolved config: what config.json holds and what is hashed."""
-    return canonical_json(args)
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """A --config file's JSON object; anything else is refused naming the file, and for JSON that
-    does not parse, the line and column, so the message is the remedy (design 1.3)."""
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ConfigError(f"--config {path}: cannot be read ({e.strerror}); pass a JSON file such as a run's "
-                          "config.json") from None
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--config {path}: line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}); "
-                          "fix that line (a trailing comma or a comment is the usual cause)") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"--config {path}: holds a JSON {type(d).__name__}, not an object of fields")
-    return d
-
-
-def load_config_file(path: str | Path, base: Args | None = None) -> Args:
-    d = read_config_file(path)
-    prof = d.get("profile", base.profile if base else "laptop")
-    args = base if base is not None else profile_args(prof)
-    try:
-        apply_dict(args, d)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
-    return args
-
-
-CONFIG_FILE_ONLY = {"ladder.seed_snapshots": "a JSON list of {name, path, sha256, weight}"}
-"""Fields a flag cannot spell (a list of records): a --config file sets them."""
-
-
-def _cli_flags() -> dict[str, str]:
-    """--flag spelling -> dotted path, for every leaf (tyro writes underscores as dashes)."""
-    out = {}
-    for p in field_paths():
-        if p in CONFIG_FILE_ONLY:
-            continue
-        leaf_is_schedule = False
-        out["--" + p.replace("_", "-")] = p
-        out["--" + p] = p
-        t: Any = Args
-        for part in p.split("."):
-            t = _hints(t)[part]
-        if t is Schedule:
-            leaf_is_schedule = True
-        if leaf_is_schedule:
-            for f in dataclasses.fields(Schedule):
-                out["--" + (p + "." + f.name).replace("_", "-")] = p + "." + f.name
-                out["--" + p + "." + f.name] = p + "." + f.name
-        if t is bool:
-            out["--" + p.replace("_", "-").rsplit(".", 1)[0] + "." + "no-"
-                + p.rsplit(".", 1)[-1].replace("_", "-")
-                if "." in p else "--no-" + p.replace("_", "-")] = p
-    return out
-
-
-def parse_args(argv: Sequence[str] | None = None) -> Args:
-    """--profile NAME picks the preset, --config FILE merges a JSON over it, then every other
-    flag overrides a field. An unknown flag is refused naming the nearest valid one."""
-    import tyro
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    profile, config = None, None
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        name, eq, val = tok.partition("=")
-        if name in ("--profile", "--config"):
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ConfigError(f"{name} needs a value")
-                val, i = argv[i + 1], i + 1
-            if name == "--profile":
-                profile = val
-            else:
-                config = val
-        else:
-            rest.append(tok)
-        i += 1
-    flags = _cli_flags()
-    for tok in rest:
-        if tok.startswith("--") and tok not in ("--help", "-h"):
-            name = tok.split("=", 1)[0]
-            if name not in flags:
-                for path, shape in CONFIG_FILE_ONLY.items():
-                    if name.startswith(flag(path)) or name.startswith("--" + path):
-                        raise ConfigError(f"{name}: {path} is set in a --config file ({shape}), "
-                                          "not by a flag")
-                raise ConfigError(f"unknown argument {name!r}"
-                                  + _nearest(name, list(flags) + ["--profile", "--config"]))
-    if profile is None:  # a config file names its own profile; the flag wins over it
-        profile = read_config_file(config).get("profile", "laptop") if config else "laptop"
-    base = profile_args(profile)
-    if config is not None:
-        base = load_config_file(config, base)
-        base.profile = profile
-    args = tyro.cli(Args, default=base, args=rest)
-    check_consistency(args)
-    return args
-
-
-def flag(path: str) -> str:
-    """A field as the command line spells it: ppo.lr_backoff.kl_threshold -> --ppo.lr-backoff.kl-threshold."""
-    return "--" + path.replace("_", "-")
-
-
-def field_value(args: Args, path: str) -> Any:
-    obj: Any = args
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def game_rules(args: Args) -> list[tuple[str, bool, str]]:
-    """config_rules' share for the game the learner meets first: the observation, the reward's
-    weights and the warm start."""
-    o, w = args.obs, args.warm
-    return [
-        ("obs.frame_stack", o.frame_stack >= 1, "be >= 1"),
-        ("obs.decision_ms", o.decision_ms >= 1, "be >= 1 (game milliseconds per decision)"),
-        ("obs.reveal", set(o.reveal) <= {"enemy_spell_aim"},
-         "name only enemy_spell_aim (the flag read_env wires)"),
-        ("obs.max_steps", o.max_steps >= 0, "be >= 0 (0 plays whole battles)"),
-        *[(f"reward.{k}", math.isfinite(x) and x >= 0, "be finite and >= 0 (a shaping weight)")
-          for k, x in dataclasses.asdict(args.reward).items()],
-        ("warm.rung", w.rung in ("", *(f"scripted:{x}" for x in farm.SCRIPTED_NAMES)),
-         f"be empty or scripted:<name>, a name of {', '.join(farm.SCRIPTED_NAMES)}"),
-        ("warm.rung", not w.rung or o.frame_stack == 1,
-         "be empty under --obs.frame-stack above 1 (the cloned rows are single frames)"),
-        ("warm.battles", w.battles >= 1, "be >= 1"),
-        ("warm.epochs", w.epochs >= 1, "be >= 1"),
-        ("warm.lr", w.lr > 0, "be > 0"),
-        ("warm.critic_iterations", w.critic_iterations >= 0, "be >= 0"),
-        ("warm.critic_iterations", not w.critic_iterations or bool(w.rung), "be 0 without --warm.rung"),
-        ("warm.teacher_kl.start", w.teacher_kl.start >= 0 and w.teacher_kl.end >= 0,
-         "be >= 0 (start and end)"),
-        ("warm.teacher_kl.start", not teacher_on(w) or bool(w.rung),
-         "be 0 without --warm.rung: the teacher is the clone"),
-        ("warm.teacher_kl.over_env_steps", w.teacher_kl.over_env_steps > 0, "be > 0"),
-    ]
-
-
-def one_folder_name(name: str) -> bool:
-    """The run folder is <runs_dir>/<run_name>-<run_id>: a name must be one path component, so it
-    can neither climb out of --runs-dir nor make a folder the file system refuses (NAME_MAX is 255
-    bytes, less "-<run_id>" and a side folder's suffix: 128 [A]). isprintable first, so that encode
-    cannot raise (an undecodable argv byte is a surrogate, not printable)."""
-    return (name.isprintable() and 0 < len(name.encode()) <= 128
-            and not any(s in name for s in ("/", "\\", "..")))
-
-
-def config_rules(args: Args) -> list[tuple[str, bool, str]]:
-    """Every size, count, fraction and divisibility the code relies on, one rule a line: (field,
-    holds, what it must be). All in one place (the game's share in game_rules) so a bad value stops
-    before a run directory exists (design 1.3); each `holds` guards its own arithmetic, so one bad
-    value never raises in another's."""
-    r, n, p, A, L = args.rollout, args.net, args.ppo, args.advantage, args.ladder
-    battles = r.workers * r.games_per_worker
-    # one cycle's learner seats: every battle's learner seat plus the second seat of a mirror battle
-    seats = battles + ladder.role_counts(L.mix, battles)[0] if mix_ok(L) and battles >= 1 else 1
-    pos, nonneg, frac = "be > 0", "be >= 0", "be in [0, 1]"
-    return [
-        ("run_name", one_folder_name(args.run_name),
-         "be one folder name: 1 to 128 bytes of printable characters, "
-         "without '/', '\\' or '..' (the run folder is <runs_dir>/<run_name>-<run_id>)"),
-        ("master_seed", 0 <= args.master_seed < 2 ** 63, "be in [0, 2**63): every stream derives from it"),
-        ("timestep_limit", args.timestep_limit >= 1, "be >= 1"),
-        ("metrics.image_every", args.metrics.image_every >= 0, "be >= 0 (0: no heatmaps)"),
-        *game_rules(args),
-        ("rollout.workers", r.workers >= 1, "be >= 1"),
-        ("rollout.games_per_worker", r.games_per_worker >= 1, "be >= 1"),
-        ("rollout.shards_per_worker", r.shards_per_worker >= 1, "be >= 1"),
-        ("rollout.games_per_worker", r.shards_per_worker < 1 or r.games_per_worker % r.shards_per_worker == 0,
-         f"be a multiple of --rollout.shards-per-worker = {r.shards_per_worker} "
-         "(each shard holds the same battles)"),
-        ("rollout.spin_us", r.spin_us >= 0, nonneg),
-        ("rollout.round_timeout_s", 0 < r.round_timeout_s < math.inf,
-         "be > 0 and finite (inf: no hang detection)"),
-        ("rollout.max_restarts_per_worker", r.max_restarts_per_worker >= 0, nonneg),
-        ("rollout.launch_delay_s", 0 <= r.launch_delay_s < math.inf, "be >= 0 and finite"),
-        ("rollout.eval_workers", r.eval_workers >= 1, "be >= 1"),
-        ("rollout.eval_games_per_worker", r.eval_games_per_worker >= 1, "be >= 1"),
-        ("net.channels", n.channels >= 1, "be >= 1"),
-        ("net.blocks", n.blocks >= 0, nonneg),
-        ("net.norm_groups", n.norm_groups >= 1 and n.channels % n.norm_groups == 0,
-         f"be >= 1 and divide --net.channels = {n.channels} (GroupNorm splits the channels evenly)"),
-        ("net.vector_embed", n.vector_embed >= 1, "be >= 1"),
-        ("net.value_hidden", n.value_hidden >= 1, "be >= 1"),
-        ("net.noop_bias", math.isfinite(n.noop_bias), "be finite"),
-        ("net.noop_bias", n.policy_head == "pointer" or n.noop_bias == 0,
-         "be 0 under --net.policy-head factored, which has no no-op logit "
-         "(--net.factored-act-init sets its P(act))"),
-        ("net.factored_act_init", 0 < n.factored_act_init < 1, "be in (0, 1): a probability"),
-        ("net.placement_cell", min(n.placement_cell) >= 1,
-         "be two counts >= 1: tile rows and columns a cell"),
-        ("net.device", n.device.split(":")[0] in ("cpu", "cuda", "mps"), "be cpu, cuda, cuda:N or mps"),
-        ("ppo.n_epochs", p.n_epochs >= 1, "be >= 1"),
-        ("ppo.timesteps_per_iteration", p.timesteps_per_iteration >= seats,
-         f"be at least one cycle's learner seats ({seats} from --rollout.workers x "
-         "--rollout.games-per-worker and --ladder.mix): an iteration collects whole cycles"),
-        ("ppo.batch_size", p.batch_size >= 1, "be >= 1"),
-        ("ppo.minibatch_size", 1 <= p.minibatch_size <= p.batch_size,
-         f"be in [1, --ppo.batch-size = {p.batch_size}]"),
-        ("ppo.clip_range", 0 < p.clip_range < 1, "be in (0, 1)"),
-        ("ppo.dual_clip_c", p.dual_clip_c > 1,
-         "be > 1: the floor c * A must lie below the clipped objective"),
-        ("ppo.vf_coef", p.vf_coef > 0, pos),
-        ("ppo.ent_coef.start", p.ent_coef.start >= 0, nonneg),
-        ("ppo.ent_coef.end", p.ent_coef.end >= 0 and (p.ent_coef.kind != "geometric"
-                                                      or min(p.ent_coef.start, p.ent_coef.end) > 0),
-         "be >= 0, and start and end > 0 under a geometric schedule"),
-        ("ppo.ent_coef.over_env_steps", p.ent_coef.over_env_steps > 0, pos),
-        ("ppo.ent_coef_noop.start", p.ent_coef_noop.start >= 0, nonneg),
-        ("ppo.ent_coef_noop.end", p.ent_coef_noop.end >= 0 and (
-            p.ent_coef_noop.kind != "geometric" or min(p.ent_coef_noop.start, p.ent_coef_noop.end) > 0),
-         "be >= 0, and start and end > 0 under a geometric schedule"),
-        ("ppo.ent_coef_noop.over_env_steps", p.ent_coef_noop.over_env_steps > 0, pos),
-        ("ppo.entropy_coef_stages", p.entropy_coef_stages is None or len(p.entropy_coef_stages) == 3 and all(
-            math.isfinite(c) and c >= 0 for c in p.entropy_coef_stages), "be three finite numbers >= 0"),
-        ("ppo.max_grad_norm", p.max_grad_norm > 0, pos),
-        ("ppo.lr_actor", p.lr_actor > 0, pos),
-        ("ppo.lr_critic", p.lr_critic > 0, pos),
-        ("ppo.adam_eps", p.adam_eps > 0, pos),
-        ("ppo.lr_backoff.kl_threshold", p.lr_backoff.kl_threshold > 0, pos),
-        ("ppo.lr_backoff.patience", p.lr_backoff.patience >= 1, "be >= 1"),
-        ("ppo.lr_backoff.factor", 0 < p.lr_backoff.factor <= 1, "be in (0, 1]"),
-        ("ppo.lr_backoff.lr_min", p.lr_backoff.lr_min >= 0, nonneg),
-        ("ppo.critic_chunk", p.critic_chunk >= 1, "be >= 1"),
-        ("ppo.debug_assert_iterations", p.debug_assert_iterations >= 0, nonneg),
-        ("ppo.check_ratio_invariant_every", p.check_ratio_invariant_every >= 1, "be >= 1 (iterations apart)"),
-        ("ppo.ratio_atol_fp32", p.ratio_atol_fp32 > 0, pos),
-        ("ppo.ratio_atol_bf16", p.ratio_atol_bf16 > 0, pos),
-        ("ppo.forced_rows", p.forced_rows == "all" or n.separate_trunks,
-         "be all under --net.no-separate-trunks: one trunk's critic forward IS the actor's (design 6.5)"),
-        ("advantage.gamma.start", 0 < A.gamma.start <= 1, "be in (0, 1]"),
-        ("advantage.gamma.end", 0 < A.gamma.end <= 1, "be in (0, 1]"),
-        ("advantage.gamma.over_env_steps", A.gamma.over_env_steps > 0, pos),
-        ("advantage.gae_lambda", 0 <= A.gae_lambda <= 1, frac),
-        ("advantage.reward_clip", A.reward_clip > 0, pos),
-        *ladder_rules(args),
-        ("checkpoint.every_env_steps", args.checkpoint.every_env_steps >= 1, "be >= 1"),
-        ("checkpoint.keep", args.checkpoint.keep >= 1, "be >= 1"),
-        ("alarms.ev_negative_patience", args.alarms.ev_negative_patience >= 1, "be >= 1"),
-        ("determinism.torch_threads", args.determinism.torch_threads >= 1, "be >= 1"),
-        ("doctor.ram_budget_mb", args.doctor.ram_budget_mb >= 1, "be >= 1"),
-        ("doctor.vram_headroom_mb", args.doctor.vram_headroom_mb >= 0, "be >= 0 (0 turns the gate off)"),
-    ]
-
-
-def mix_ok(L: LadderArgs) -> bool:
-    return len(L.mix) == 3 and min(L.mix) >= 0 and abs(sum(L.mix) - 1.0) <= 1e-9
-
-
-def ladder_rules(args: Args) -> list[tuple[str, bool, str]]:
-    """config_rules' ladder share: the matchmaker's mix and players, the cadences, and the gate's
-    and probe's battle counts, each paired over the frozen eval seeds."""
-    L, G = args.ladder, args.ladder.gate
-    twice = 2 * L.eval_seed_count
-    paired = (f"be even, at least 2 and at most 2 x --ladder.eval-seed-count = {twice} "
-              "(a seed plays from both sides)")
-    nonneg, frac = "be >= 0", "be in [0, 1]"
-    return [
-        ("ladder.mix", len(L.mix) == 3 and min(L.mix) >= 0,
-         "be three shares (mirror pool scripted), each >= 0"),
-        ("ladder.mix", mix_ok(L), "sum to 1"),
-        ("ladder.max_resident_opponents", 0 <= L.max_resident_opponents <= 63,
-         "be in [0, 63]: old and new residents share 127 int8 group ids"),
-        ("ladder.pfsp_power", L.pfsp_power >= 0, nonneg),
-        ("ladder.pfsp_uniform_floor", 0 <= L.pfsp_uniform_floor <= 1, frac),
-        ("ladder.candidate_every_env_steps", L.candidate_every_env_steps >= 1, "be >= 1"),
-        ("ladder.floor_admit_every_env_steps", L.floor_admit_every_env_steps >= 1, "be >= 1"),
-        ("ladder.pool_working_size", L.pool_working_size >= 1, "be >= 1"),
-        ("ladder.eval_seed_count", L.eval_seed_count >= 1, "be >= 1"),
-        ("ladder.refit_every_iterations", L.refit_every_iterations >= 0, "be >= 0 (0 is off)"),
-        ("ladder.probe_every_iterations", L.probe_every_iterations >= 0, "be >= 0 (0 is off)"),
-        ("ladder.probe_games", L.probe_games % 2 == 0 and 2 <= L.probe_games <= twice, paired),
-        ("ladder.scripted_opponents", all(s.startswith("scripted:") and s[9:] in farm.SCRIPTED_NAMES
-                                          for s in L.scripted_opponents),
-         f"name scripted:<name> players, <name> one of {', '.join(farm.SCRIPTED_NAMES)}"),
-        ("ladder.probe_opponents", bool(L.probe_opponents) and all(
-            s.startswith("scripted:") and s[9:] in farm.SCRIPTED_NAMES for s in L.probe_opponents),
-         f"name at least one scripted:<name> rung, <name> one of {', '.join(farm.SCRIPTED_NAMES)}"),
-        ("ladder.scripted_opponents", bool(L.scripted_opponents) or tuple(L.mix) == (1.0, 0.0, 0.0),
-         "name a player unless --ladder.mix is all mirror (a pool battle with nothing resident plays one)"),
-        ("ladder.gate.champion_games", G.champion_games % 2 == 0 and 2 <= G.champion_games <= twice, paired),
-        ("ladder.gate.champion_lower_bound", 0 < G.champion_lower_bound < 1, "be in (0, 1)"),
-        ("ladder.gate.anchor_games", G.anchor_games % 2 == 0 and 2 <= G.anchor_games <= twice, paired),
-        ("ladder.gate.anchor_tolerance_pp", 0 <= G.anchor_tolerance_pp <= 100,
-         "be in [0, 100] percentage points"),
-        ("ladder.gate.stratified_snapshots", G.stratified_snapshots >= 0, nonneg),
-        ("ladder.gate.stratified_games", G.stratified_games % 2 == 0 and 2 <= G.stratified_games <= twice,
-         paired),
-        ("ladder.gate.bootstrap_resamples", G.bootstrap_resamples >= 1, "be >= 1"),
-    ]
-
-
-def check_consistency(args: Args) -> None:
-    """Refuse the first broken rule of config_rules as one line: the field as the command line
-    spells it, its value, and what it must be (the remedy). main turns it into exit 2."""
-    for path, holds, rule in config_rules(args):
-        if not holds:
-            value = field_value(args, path)
-            shown = (" ".join(map(str, value)) or "(none)") if isinstance(value, tuple) else repr(value)
-            raise ConfigError(f"{flag(path)} {shown}: must {rule}")
-    for path in ("ladder.release_mode", "ladder.opponent_mode"):   # a plugin is imported now, not mid-run
-        decode_fn(field_value(args, path), path)
-    check_seed_snapshots(args.ladder.seed_snapshots)
-    check_seat_decks(args.ladder.seat_decks)
-
-
-def check_seat_decks(sd: SeatDecks) -> None:
-    """Each deck DECK_SIZE distinct names (the catalogue is read at start, deal_check); a field
-    or a shuffle needs a deck to go with."""
-    for where, deck in seat_deck_names(sd):
-        if len(deck) != DECK_SIZE or len(set(deck)) != DECK_SIZE:
-            raise ConfigError(f"{where} {' '.join(deck) or '(none)'}: "
-                              f"must be {DECK_SIZE} distinct card names")
-    if not sd.deck and (sd.field or sd.shuffle != "independent"):
-        raise ConfigError("ladder.seat_decks.field and .shuffle: must come with ladder.seat_decks.deck, "
-                          "the deck they are dealt against")
-    if sd.shuffle not in SHUFFLES:
-        raise ConfigError(f"--ladder.seat-decks.shuffle {sd.shuffle!r}: must be one of {', '.join(SHUFFLES)}")
-
-
-def seat_deck_names(sd: SeatDecks) -> list[tuple[str, tuple[str, ...]]]:
-    """(the field's name, the deck) for the deck, if any, and each field deck."""
-    named = [(f"ladder.seat_decks.field[{i}]", d) for i, d in enumerate(sd.field)]
-    return [("ladder.seat_decks.deck", sd.deck), *named] if sd.deck else named
-
-
-def seat_deals(sd: SeatDecks, roles: np.ndarray) -> list[dict[str, Any]] | None:
-    """Per battle, the royalegym DeckCurriculumStateMutator that deals it (farm.FarmConfig.deals):
-    a mirror battle the deck to both seats in one order; any other the deck to the learner's seat,
-    battle % 2 (ladder.MatchConfig.fixed_seats), and a field deck (or a random one) to the other.
-    None without a deck: the env's own dealer."""
-    if not sd.deck:
-        return None
-    field_decks = [list(d) for d in sd.field] or None
-    return [{"deck": list(sd.deck), "p": 1.0, "mirror_p": 1.0} if int(role) == farm.ROLE_MIRROR else
-            {"deck": list(sd.deck), "p": 1.0, "mirror_p": 0.0, "seat": ("blue", "red")[b % 2],
-             "pool": field_decks, "shuffle": int(ShuffleMode[sd.shuffle.upper()])}
-            for b, role in enumerate(roles)]
-
-
-def deal_check(sd: SeatDecks, cards: Sequence[Any]) -> None:
-    """Every name of ladder.seat_decks in the engine's catalogue, before the run exists (royalegym
-    resolves them again at each battle's first reset)."""
-    from royalegym.state_mutator import deck_ids
-    for where, deck in seat_deck_names(sd):
-        try:
-            deck_ids(deck, cards, where)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-
-def check_seed_snapshots(seeds: Sequence[SeedSnapshot]) -> None:
-    """The seeds' own rules (their folders are read later, check_seeds): one line naming the entry."""
-    for i, sd in enumerate(seeds):
-        at = f"ladder.seed_snapshots[{i}]"
-        if re.fullmatch(r"[A-Za-z0-9_.-]+", sd.name) is None:   # a player id, a path segment, a stream name
-            raise ConfigError(f"{at}.name {sd.name!r}: must be letters, digits, '_', '.' or '-' (the pool "
-                              f"calls it seed:<name>)")
-        if sd.name in [x.name for x in seeds[:i]]:
-            raise ConfigError(f"{at}.name {sd.name!r}: must be unique; an earlier entry has it")
-        if re.fullmatch("[0-9a-f]{64}", sd.sha256) is None:
-            raise ConfigError(f"{at}.sha256 {sd.sha256!r}: must be 64 lowercase hex digits (the folder's "
-                              f"spec.json holds it as actor_sha256)")
-        if not (math.isfinite(sd.weight) and sd.weight > 0):
-            raise ConfigError(f"{at}.weight {sd.weight!r}: must be a positive number")
-
-
-def resolve_device(args: Args) -> torch.device:
-    """A profile that wants CUDA on a machine without it stops with a message, not a traceback."""
-    if args.net.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"profile {args.profile!r} wants net.device={args.net.device} but this machine "
-                          "has no CUDA device: run with --profile cpu "
-                          "(or --net.device cpu --net.autocast-dtype float32)")
-    return torch.device(args.net.device)
 
 
 def ratio_atol(args: Args) -> float:
@@ -1779,110 +1362,7 @@ def init_weights(model: ActorCritic, gen: torch.Generator) -> None:
         nn.init.constant_(head.gate.bias, math.log(p / (1 - p)))
 
 
-# NetArgs fields that do not shape the network: the precision belongs to the algorithm (algo_digest),
-# the device to the machine, and the factored gate's initial bias is a starting value.
-NOT_ARCHITECTURE = ("autocast_dtype", "device", "factored_act_init")
-
-
-def arch_description(geo: NetGeometry, net: "NetArgs") -> dict[str, Any]:
-    """What arch_digest covers, read off the network these settings build: the geometry, every
-    NetArgs field that shapes the forward, and every module and tensor by name, class and shape.
-    Nothing is listed by hand, so a fork that adds a block, widens a layer or swaps a module moves
-    the digest (and the snapshot and checkpoint checks that trust it) without an edit here."""
-    return json.loads(_arch_json(canonical_json(geo), canonical_json(dataclasses.asdict(net))))
-
-
-@functools.lru_cache(maxsize=64)
-def _arch_json(geo_json: bytes, net_json: bytes) -> bytes:
-    """arch_description for one (geometry, settings), built once on the meta device: shapes and
-    names only, no memory and no initialisation cost."""
-    geo, net = msgspec.json.decode(geo_json, type=NetGeometry), msgspec.json.decode(net_json, type=NetArgs)
-    with torch.device("meta"):
-        model = ActorCritic(geo, net, 0)
-    return canonical_json({
-        "geometry": msgspec.to_builtins(geo),
-        "net": {k: v for k, v in dataclasses.asdict(net).items() if k not in NOT_ARCHITECTURE},
-        "modules": [f"{name} {type(m).__name__}" for name, m in model.named_modules() if name],
-        "tensors": [f"{name} {list(t.shape)}" for name, t in model.state_dict().items()]})
-
-
-def arch_digest(geo: NetGeometry, net: "NetArgs") -> str:
-    return sha256_hex(canonical_json(arch_description(geo, net)))
-
-
 # --- 5. GAE and reward scaling (design 6.1, 6.2) -------------------------------------------------
-
-
-class Comm:
-    """The ranks of a torchrun job, and what the learner sums over them (design 3.10). Each rank
-    collects its own battles and holds its own rows; every count a loss is divided by, every
-    gradient and every statistic a decision reads is summed over the ranks before it is used, so
-    one optimizer step of N ranks is the step one process would take on their rows together and
-    the weights stay identical on every rank. Rank 0 is the run's one voice. One process (SOLO,
-    no process group) sums nothing and adds no operation: its bytes are what they always were."""
-
-    def __init__(self, device: torch.device | str = "cpu", on: bool = False, rank: int = 0, world: int = 1,
-                 backend: str = "") -> None:
-        self.device, self.on, self.rank, self.world, self.backend = (torch.device(device), on, rank, world,
-                                                                     backend)
-
-    @property
-    def voice(self) -> bool:
-        """Rank 0: the one that writes the run directory, the console and the sinks."""
-        return self.rank == 0
-
-    def sum_(self, x: torch.Tensor) -> torch.Tensor:
-        """x summed over the ranks, in place (float64 stays float64)."""
-        if self.on:
-            import torch.distributed as dist
-            dist.all_reduce(x, op=dist.ReduceOp.SUM)
-        return x
-
-    def counts(self, *n: int) -> list[int]:
-        if not self.on:
-            return list(n)
-        return [int(v) for v in self.sum_(torch.tensor(n, dtype=torch.int64, device=self.device)).tolist()]
-
-    def most(self, x: float) -> float:
-        """The largest x over the ranks (float64; an int comes back exact)."""
-        if not self.on:
-            return x
-        import torch.distributed as dist
-        t = torch.tensor([x], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
-
-    def grads(self, params: Sequence[nn.Parameter]) -> None:
-        """Every parameter's .grad summed over the ranks: one flattened all-reduce a step."""
-        if not self.on:
-            return
-        flat = self.sum_(torch.cat([q.grad.reshape(-1) for q in params]))
-        i = 0
-        for q in params:
-            q.grad.copy_(flat[i:i + q.grad.numel()].view_as(q.grad))
-            i += q.grad.numel()
-
-    def share(self, obj: Any) -> Any:
-        """Rank 0's obj, on every rank (its decisions: the run directory, the pool, stop and save)."""
-        if not self.on:
-            return obj
-        import torch.distributed as dist
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def everyone(self, obj: Any) -> list[Any]:
-        """Every rank's obj, in rank order, on every rank."""
-        if not self.on:
-            return [obj]
-        import torch.distributed as dist
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-
-SOLO = Comm()
-"""The one-process Comm: what every caller outside torchrun gets."""
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, final_values: torch.Tensor, terminated: torch.Tensor,
@@ -2067,74 +1547,53 @@ def obs_rows(obs: Any, sel: torch.Tensor) -> Any:
     return type(obs)._make(None if x is None else x[sel] for x in obs)
 
 
-
-def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_range: float,
-                      dual_clip_c: float) -> torch.Tensor:
-    """Per-sample PPO objective L_i (to be maximised). For A < 0 the plain min does not bound
-    the loss below, and in a masked space of thousands of actions a rarely sampled action's ratio can be
-    enormous, so the dual clip floors it at c * A (design 6.3)."""
-    surr = torch.min(ratio * adv, ratio.clamp(1 - clip_range, 1 + clip_range) * adv)
-    return torch.where(adv < 0, torch.max(surr, dual_clip_c * adv), surr)
-
-
-class RatioInvariantError(AssertionError):
-    """design 6.4 / 3.3: at epoch 0, minibatch 0, before any step, every ratio must be 1."""
-
-
-class StoredActionIllegal(AssertionError):
-    """A stored action is not legal under its stored mask (design 5.3's first assert)."""
-
-
-class NonFiniteLogProb(AssertionError):
-    """A stored or recomputed log-prob is not finite (design 5.3's second assert)."""
-
-
-class MaskCountMismatch(AssertionError):
-    """The stored n_legal column disagrees with the minibatch's unpacked mask (design 6.5)."""
-
-
-class NonFiniteGradient(FloatingPointError):
-    """A loss or gradient went non-finite; the step is refused so the weights stay intact."""
-
-
-class _Acc:
-    """Diagnostics accumulated as device tensors under no_grad; read back once at the end
-    (a per-minibatch .item() would put a device sync between every backward and forward)."""
-
-    def __init__(self, n_epochs: int) -> None:
-        self.s: dict[str, torch.Tensor | float] = {}
-        self.epoch_kl = [0.0] * n_epochs
-        self.epoch_clip = [0.0] * n_epochs
-        self.epoch_n = [0.0] * n_epochs
-        self.ratio_dev = 0.0
-        self.grad_norm_actor: list[torch.Tensor] = []
-        self.grad_norm_critic: list[torch.Tensor] = []
-        self.actor_rows = 0
-        self.actor_forwards = 0
-        self.rows = 0
-        self.choice_rows = 0
-
-    def add(self, key: str, v: torch.Tensor | float) -> None:
-        self.s[key] = self.s.get(key, 0.0) + v
-
-    KEYS = ("value_sq", "kl", "clip", "dual", "entropy", "entropy_norm", "noop_entropy", "policy_obj_choice",
-            "policy_obj_all", "entropy_gate", "entropy_candidate", "entropy_tile", "p_act")
-
-    def reduce(self, comm: Comm) -> None:
-        """The rank-local sums summed over the ranks (rows and choice_rows already are: they are
-        the global batches' counts), so every rank reads the same kl for the lr backoff."""
-        if not comm.on:
-            return
-        n = len(self.epoch_kl)
-        local = [float(self.s.get(k, 0.0)) for k in self.KEYS] + [float(x) for x in self.epoch_kl] + \
-            [float(x) for x in self.epoch_clip] + [float(x) for x in self.epoch_n] + \
-            [self.actor_rows, self.actor_forwards]
-        tot = comm.sum_(torch.tensor(local, dtype=torch.float64, device=comm.device)).tolist()
-        self.s = dict(zip(self.KEYS, tot, strict=False))
-        k = len(self.KEYS)
-        self.epoch_kl, self.epoch_clip, self.epoch_n = (tot[k:k + n], tot[k + n:k + 2 * n],
-                                                        tot[k + 2 * n:k + 3 * n])
-        self.actor_rows, self.actor_forwards = int(tot[-2]), int(tot[-1])
+def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer,
+               data: Any, ppo: "PPOArgs", *, ent_coef: float, ent_coef_noop: float, master_seed: int,
+               iteration: int, debug: bool, check_ratio: bool, ratio_atol: float, comm: Comm | None = None,
+               actor_steps: bool = True, teacher: tuple[ActorCritic, float] | None = None) -> dict[str, Any]:
+    """The update, called by the loop (section 8, step 5): n_epochs passes over data's rows in
+    batches of ppo.batch_size (the last one smaller, never dropped). A batch's gradient is summed
+    minibatch by minibatch from minibatch_loss, then one optimizer step (optimizer_step). Before any
+    step, the ratio invariant (design 6.4). The epoch's permutation is
+    ppo/minibatch/iteration/{i}/epoch/{e} (design 2.2). actor_steps False (WarmArgs.critic_iterations)
+    steps the critic alone; teacher: (the clone, its weight), see minibatch_loss; debug: the mask
+    asserts of design 5.3 on every minibatch. Returns the row's ppo/ keys (UpdateStats.row), with
+    time/update, the ten worst ratios ("outliers", for a halt's bundle) and the update's rows."""
+    t0, comm = time.perf_counter(), SOLO if comm is None else comm
+    stats = UpdateStats(ac, ppo)
+    # every rank runs as many batches as the fullest one, an emptier rank's extra batches adding
+    # zero gradient, so no collective waits on a rank that has stopped calling it
+    n_batches = int(comm.most(-(-data.n // ppo.batch_size)))
+    with unfilled_empty_tensors():
+        for e in range(ppo.n_epochs):
+            perm = derive_generator(master_seed,
+                                    f"ppo/minibatch/iteration/{iteration}/epoch/{e}").permutation(data.n)
+            if e == 0:   # the worst rank's: its alarm halts
+                stats.ratio_dev = comm.most(ratio_invariant(ac, data, perm, ppo.minibatch_size, check_ratio,
+                                                            ratio_atol, stats.outliers))
+            for b in range(n_batches):
+                opt_actor.zero_grad(set_to_none=True)
+                opt_critic.zero_grad(set_to_none=True)
+                order, scale = batch_rows(data, perm[b * ppo.batch_size:(b + 1) * ppo.batch_size], ppo, comm)
+                stats.batch(scale)
+                for s in range(0, len(order), ppo.minibatch_size):
+                    # sorted inside the minibatch (locality for the gather; a sum does not care), so
+                    # data.gather returns rows in idx's order and labels line up with rows
+                    idx = np.sort(order[s:s + ppo.minibatch_size])
+                    m = data.gather(idx)
+                    if debug:
+                        _debug_checks(m, data, idx)
+                    n_choice = int((data.n_legal[idx] > 1).sum())   # counted on the host: no sync
+                    n_actor = len(idx) if ppo.forced_rows == "all" else n_choice
+                    loss, parts = minibatch_loss(ac, m, n_actor, ppo, scale, ent_coef, ent_coef_noop,
+                                                 teacher, debug)
+                    loss.backward()
+                    stats.minibatch(parts, e, n_choice)
+                stats.step(*optimizer_step(ac, opt_actor, opt_critic, ppo, comm, actor_steps,
+                                           f"iteration {iteration} epoch {e} batch {b}"))
+    stats.reduce(comm)
+    return {**stats.row(teacher is not None), "time/update": time.perf_counter() - t0,
+            "outliers": stats.outliers, "update_rows": comm.counts(data.n)[0]}
 
 
 def ratio_invariant(ac: ActorCritic, data: Any, perm0: np.ndarray, minibatch_size: int, check: bool,
@@ -2172,98 +1631,24 @@ def ratio_invariant(ac: ActorCritic, data: Any, perm0: np.ndarray, minibatch_siz
     return worst
 
 
-def accumulate_batch(ac: ActorCritic, data: Any, bidx: np.ndarray, ppo: "PPOArgs", ent_coef: float,
-                     ent_coef_noop: float, acc: _Acc, epoch: int = 0, debug: bool = True, comm: Comm = SOLO,
-                     teacher: tuple[ActorCritic, float] | None = None) -> None:
-    """Forward and backward one batch, minibatch by minibatch; leaves the summed gradient in
-    .grad. Under every value but all the batch's cells are stably partitioned choice rows first,
-    so the actor runs on whole minibatches of choice rows; the critic always runs on every row at
-    weight 1/N. The actor's three terms are sums over its rows divided by N (all, critic_only)
-    or by the batch's choice count (critic_only_choice_mean, smdp) -- design 6.5's table. Under torchrun
-    both counts are the global batch's, every rank's rows together (Comm). teacher: (the clone, its
-    weight): the actor's loss adds weight x KL(clone || actor) on its rows (WarmArgs.teacher_kl)."""
-    mode = ppo.forced_rows
-    n_here = int(len(bidx))
-    nl = data.n_legal[bidx]
-    choice = nl > 1
-    order = bidx if mode == "all" else np.concatenate([bidx[choice], bidx[~choice]])
-    N, n_choice = comm.counts(n_here, int(choice.sum()))
-    d_pol = max(n_choice, 1) if mode in CHOICE_MEAN else N
-    acc.rows += N
-    acc.choice_rows += n_choice
-    for s in range(0, n_here, ppo.minibatch_size):
-        # sorted inside the minibatch (locality for the buffer's gather; a sum does not care), so
-        # data.gather returns rows in idx's order and labels line up with rows
-        idx = np.sort(order[s:s + ppo.minibatch_size])
-        m = data.gather(idx)
-        if debug:
-            _debug_checks(m, data, idx)
-        values = ac.value(m.obs)
-        sq = (values - m.ret) ** 2
-        loss = ppo.vf_coef * sq.sum() / N
-        sel = torch.ones_like(m.n_legal, dtype=torch.bool) if mode == "all" else m.n_legal > 1
-        n_actor = len(idx) if mode == "all" else int((data.n_legal[idx] > 1).sum())
-        with torch.no_grad():
-            acc.add("value_sq", sq.sum())
-        if n_actor:
-            obs_a = m.obs if mode == "all" else obs_rows(m.obs, sel)
-            a, old, adv, nla = (m.action, m.log_prob, m.adv, m.n_legal) if mode == "all" else \
-                (m.action[sel], m.log_prob[sel], m.adv[sel], m.n_legal[sel])
-            dist = ac.dist(obs_a, check_noop=debug)
-            logp = dist.log_prob(a)
-            ratio = torch.exp(logp - old)
-            obj = clipped_surrogate(ratio, adv, ppo.clip_range, ppo.dual_clip_c)
-            ent, ent2 = dist.entropy(), dist.noop_entropy()
-            if ppo.entropy_coef_stages is None:
-                bonus = ent_coef * ent
-            else:
-                stages = dist.entropy_split(ac.geo.hand_size, ac.geo.tiles[0] * ac.geo.tiles[1])
-                bonus = sum(c * h for c, h in zip(ppo.entropy_coef_stages, stages, strict=True))
-            loss = loss + (-obj.sum() - bonus.sum() - ent_coef_noop * ent2.sum()) / d_pol
-            if teacher is not None:
-                kl_t = teacher_kl(teacher[0], obs_a, dist)
-                loss = loss + teacher[1] * kl_t.sum() / d_pol
-            acc.actor_rows += n_actor
-            acc.actor_forwards += 1
-            with torch.no_grad():
-                lr = torch.log(ratio)
-                ch = nla > 1
-                chf = ch.to(torch.float32)
-                surr = torch.min(ratio * adv, ratio.clamp(1 - ppo.clip_range, 1 + ppo.clip_range) * adv)
-                kl = (((ratio - 1) - lr) * chf).sum()
-                clip = (((ratio - 1).abs() > ppo.clip_range) & ch).to(torch.float32).sum()
-                acc.add("kl", kl)
-                acc.add("clip", clip)
-                acc.add("dual", ((adv < 0) & (ppo.dual_clip_c * adv > surr) & ch).to(torch.float32).sum())
-                acc.add("entropy", (ent * chf).sum())
-                acc.add("entropy_norm",
-                        (ent / torch.log(dist.n_legal().clamp_min(2).to(torch.float32)) * chf).sum())
-                acc.add("noop_entropy", (ent2 * chf).sum())
-                if teacher is not None:
-                    acc.add("kl_teacher", (kl_t * chf).sum())
-                if ppo.entropy_coef_stages is not None:
-                    for key, h in zip(("entropy_gate", "entropy_candidate", "entropy_tile"), stages,
-                                      strict=True):
-                        acc.add(key, (h * chf).sum())
-                    acc.add("p_act", ((1.0 - dist.logp[:, 0].exp()) * chf).sum())
-                acc.add("policy_obj_choice", (obj * chf).sum())
-                acc.add("policy_obj_all", obj.sum())
-                acc.epoch_kl[epoch] = acc.epoch_kl[epoch] + kl
-                acc.epoch_clip[epoch] = acc.epoch_clip[epoch] + clip
-        if mode != "all":
-            with torch.no_grad():  # the skipped forced rows' constant surrogate, added back (ratio is 1)
-                acc.add("policy_obj_all", (m.adv * (~sel).to(m.adv.dtype)).sum())
-        acc.epoch_n[epoch] += int((data.n_legal[idx] > 1).sum())
-        loss.backward()
+class Scale(NamedTuple):
+    """A batch's divisors (design 6.5's table): the critic's terms are divided by every row of the
+    batch, the actor's by every row too (all, critic_only) or by the batch's choice rows
+    (critic_only_choice_mean, smdp). Under torchrun both are the global batch's, every rank's rows
+    together (Comm)."""
+    rows: int
+    choice: int
+    actor: int
 
 
-def teacher_kl(teacher: ActorCritic, obs: Any, dist: MaskedCategorical) -> torch.Tensor:
-    """(n,) KL(teacher || actor) over each row's legal actions: the clone's log-probs carry no
-    gradient, the actor's do, so the term pulls the actor toward the clone where the clone is sure
-    and leaves it free where the clone spreads (forward KL, as kickstarting distils a teacher)."""
-    with torch.no_grad():
-        t = teacher.dist(obs, check_noop=False).logp
-    return (t.exp() * torch.where(dist.mask, t - dist.logp, torch.zeros_like(t))).sum(-1)
+def batch_rows(data: Any, bidx: np.ndarray, ppo: "PPOArgs", comm: Comm) -> tuple[np.ndarray, Scale]:
+    """A batch's rows in the order its minibatches take them, and its Scale. Under every value of
+    forced_rows but all the choice rows come first (a stable partition), so the actor runs on whole
+    minibatches of choice rows and skips the forced rows' minibatches."""
+    choice = data.n_legal[bidx] > 1
+    order = bidx if ppo.forced_rows == "all" else np.concatenate([bidx[choice], bidx[~choice]])
+    rows, n_choice = comm.counts(int(len(bidx)), int(choice.sum()))
+    return order, Scale(rows, n_choice, max(n_choice, 1) if ppo.forced_rows in CHOICE_MEAN else rows)
 
 
 def _debug_checks(m: Minibatch, data: Any, idx: np.ndarray) -> None:
@@ -2284,6 +1669,98 @@ def _debug_checks(m: Minibatch, data: Any, idx: np.ndarray) -> None:
                                 f"minibatch gather put one row's count beside another row's observation")
 
 
+class LossParts(NamedTuple):
+    """What a minibatch's loss was made of, kept for UpdateStats (which reads them without grad).
+    The actor's fields are None when the minibatch held no row the actor runs on."""
+    sq: torch.Tensor                  # (n,) the critic's squared errors, every row
+    sel: torch.Tensor | None          # (n,) bool: the actor's rows (None: every row, forced_rows=all)
+    adv_all: torch.Tensor             # (n,) every row's advantage (a forced row's surrogate, ratio 1)
+    dist: MaskedCategorical | None    # the actor's distribution on its rows
+    ratio: torch.Tensor | None        # (a,) pi / pi_old on the actor's rows
+    adv: torch.Tensor | None          # (a,) their advantages
+    n_legal: torch.Tensor | None      # (a,) their legal-action counts
+    obj: torch.Tensor | None          # (a,) the clipped surrogate
+    entropy: torch.Tensor | None      # (a,) the policy's entropy
+    noop_entropy: torch.Tensor | None  # (a,) the play-or-wait entropy
+    stages: tuple[torch.Tensor, ...] | None   # (a,) x 3: entropy by stage (entropy_coef_stages)
+    kl_teacher: torch.Tensor | None   # (a,) KL(clone || actor), when a teacher is kept
+
+
+def minibatch_loss(ac: ActorCritic, m: Minibatch, n_actor: int, ppo: "PPOArgs", scale: Scale,
+                   ent_coef: float, ent_coef_noop: float, teacher: tuple[ActorCritic, float] | None,
+                   check_noop: bool) -> tuple[torch.Tensor, LossParts]:
+    """The PPO loss of one minibatch, the method in one place (design 6.3, 6.5). The critic: the
+    squared error of every row, over scale.rows. The actor, on its n_actor rows (every row under
+    forced_rows=all, else the choice rows; a forced row's ratio is 1 and carries no gradient): the
+    clipped surrogate, the entropy bonus (whole, or by stage) and the play-or-wait entropy bonus,
+    plus teacher's weight x KL(clone || actor) when a clone is kept (WarmArgs.teacher_kl), summed
+    over its rows and divided by scale.actor. Summed over a batch's minibatches the backward calls
+    give the batch's gradient exactly (a test holds it to the whole batch's)."""
+    sq = (ac.value(m.obs) - m.ret) ** 2
+    loss = ppo.vf_coef * sq.sum() / scale.rows
+    sel = None if ppo.forced_rows == "all" else m.n_legal > 1
+    if not n_actor:
+        return loss, LossParts(sq, sel, m.adv, *[None] * 9)
+    rows = (lambda x: x) if sel is None else (lambda x: x[sel])
+    obs = m.obs if sel is None else obs_rows(m.obs, sel)
+    dist = ac.dist(obs, check_noop=check_noop)
+    ratio = torch.exp(dist.log_prob(rows(m.action)) - rows(m.log_prob))
+    obj = clipped_surrogate(ratio, rows(m.adv), ppo.clip_range, ppo.dual_clip_c)
+    entropy, noop_entropy = dist.entropy(), dist.noop_entropy()
+    stages = None
+    if ppo.entropy_coef_stages is None:
+        bonus = ent_coef * entropy
+    else:
+        stages = dist.entropy_split(ac.geo.hand_size, ac.geo.tiles[0] * ac.geo.tiles[1])
+        bonus = sum(c * h for c, h in zip(ppo.entropy_coef_stages, stages, strict=True))
+    loss = loss + (-obj.sum() - bonus.sum() - ent_coef_noop * noop_entropy.sum()) / scale.actor
+    kl_teacher = None
+    if teacher is not None:
+        kl_teacher = teacher_kl(teacher[0], obs, dist)
+        loss = loss + teacher[1] * kl_teacher.sum() / scale.actor
+    return loss, LossParts(sq, sel, m.adv, dist, ratio, rows(m.adv), rows(m.n_legal), obj, entropy,
+                           noop_entropy, stages, kl_teacher)
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_range: float,
+                      dual_clip_c: float) -> torch.Tensor:
+    """Per-sample PPO objective L_i (to be maximised). For A < 0 the plain min does not bound
+    the loss below, and in a masked space of thousands of actions a rarely sampled action's ratio can be
+    enormous, so the dual clip floors it at c * A (design 6.3)."""
+    surr = torch.min(ratio * adv, ratio.clamp(1 - clip_range, 1 + clip_range) * adv)
+    return torch.where(adv < 0, torch.max(surr, dual_clip_c * adv), surr)
+
+
+def teacher_kl(teacher: ActorCritic, obs: Any, dist: MaskedCategorical) -> torch.Tensor:
+    """(n,) KL(teacher || actor) over each row's legal actions: the clone's log-probs carry no
+    gradient, the actor's do, so the term pulls the actor toward the clone where the clone is sure
+    and leaves it free where the clone spreads (forward KL, as kickstarting distils a teacher)."""
+    with torch.no_grad():
+        t = teacher.dist(obs, check_noop=False).logp
+    return (t.exp() * torch.where(dist.mask, t - dist.logp, torch.zeros_like(t))).sum(-1)
+
+
+def optimizer_step(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer,
+                   ppo: "PPOArgs", comm: Comm, actor_steps: bool,
+                   where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step from a batch's summed gradient: summed over the ranks, each optimizer's clipped on
+    its own, refused when not finite (the weights stay intact), then a step of each (the critic's
+    alone when not actor_steps). Returns the pre-clip gradient norms."""
+    pa, pc = ac.actor_parameters(), ac.critic_parameters()
+    _ensure_grads(pa)
+    _ensure_grads(pc)
+    comm.grads(pa + pc)
+    gna = nn.utils.clip_grad_norm_(pa, ppo.max_grad_norm)   # returns the PRE-clip norm
+    gnc = nn.utils.clip_grad_norm_(pc, ppo.max_grad_norm)
+    if not bool(torch.isfinite(gna) & torch.isfinite(gnc)):  # one sync per optimizer step
+        raise NonFiniteGradient(f"non-finite gradient at {where}: actor norm {float(gna)}, "
+                                f"critic norm {float(gnc)}")
+    if actor_steps:
+        opt_actor.step()
+    opt_critic.step()
+    return gna.detach(), gnc.detach()
+
+
 def _ensure_grads(params: Sequence[nn.Parameter]) -> None:
     """A batch with no choice row gives the actor a ZERO gradient rather than none, so Adam takes
     the same momentum step it takes under forced_rows=all (design 6.5)."""
@@ -2292,10 +1769,126 @@ def _ensure_grads(params: Sequence[nn.Parameter]) -> None:
             p.grad = torch.zeros_like(p)
 
 
-def make_optimizers(ac: ActorCritic, ppo: "PPOArgs") -> tuple[torch.optim.Adam, torch.optim.Adam]:
-    """Separate Adam for actor and critic (design 6.3): disjoint parameter sets, own lr each."""
-    return (torch.optim.Adam(ac.actor_parameters(), lr=ppo.lr_actor, eps=ppo.adam_eps),
-            torch.optim.Adam(ac.critic_parameters(), lr=ppo.lr_critic, eps=ppo.adam_eps))
+class UpdateStats:
+    """The update's diagnostics, apart from its loss: summed as device tensors without grad and read
+    back once at the end (a per-minibatch .item() would put a device sync between every backward
+    and the next forward), then made into the row's ppo/ keys (design 9.2's table)."""
+
+    KEYS = ("value_sq", "kl", "clip", "dual", "entropy", "entropy_norm", "noop_entropy", "policy_obj_choice",
+            "policy_obj_all", "entropy_gate", "entropy_candidate", "entropy_tile", "p_act", "kl_teacher")
+
+    def __init__(self, ac: ActorCritic, ppo: "PPOArgs") -> None:
+        self.ppo = ppo
+        self.params = (ac.actor_parameters(), ac.critic_parameters())
+        self.before = tuple(_flat(p) for p in self.params)   # for the update's magnitude
+        self.s: dict[str, torch.Tensor | float] = {}
+        self.epoch_kl = [0.0] * ppo.n_epochs
+        self.epoch_clip = [0.0] * ppo.n_epochs
+        self.epoch_n = [0.0] * ppo.n_epochs
+        self.ratio_dev = 0.0
+        self.outliers: list[dict[str, Any]] = []
+        self.grad_norms: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self.actor_rows = self.actor_forwards = self.rows = self.choice_rows = self.steps = 0
+
+    def add(self, key: str, v: torch.Tensor | float) -> None:
+        self.s[key] = self.s.get(key, 0.0) + v
+
+    def batch(self, scale: Scale) -> None:
+        self.rows += scale.rows
+        self.choice_rows += scale.choice
+
+    @torch.no_grad()
+    def minibatch(self, p: LossParts, epoch: int, n_choice: int) -> None:
+        """One minibatch's sums; the kl, clip and entropy means are over choice rows only."""
+        self.add("value_sq", p.sq.sum())
+        if p.ratio is not None:
+            ppo = self.ppo
+            self.actor_rows += len(p.ratio)
+            self.actor_forwards += 1
+            chf = (p.n_legal > 1).to(torch.float32)
+            surr = torch.min(p.ratio * p.adv, p.ratio.clamp(1 - ppo.clip_range, 1 + ppo.clip_range) * p.adv)
+            kl = (((p.ratio - 1) - torch.log(p.ratio)) * chf).sum()
+            clip = (((p.ratio - 1).abs() > ppo.clip_range) & (p.n_legal > 1)).to(torch.float32).sum()
+            self.add("kl", kl)
+            self.add("clip", clip)
+            self.add("dual", ((p.adv < 0) & (ppo.dual_clip_c * p.adv > surr) & (p.n_legal > 1))
+                     .to(torch.float32).sum())
+            self.add("entropy", (p.entropy * chf).sum())
+            self.add("entropy_norm",
+                     (p.entropy / torch.log(p.dist.n_legal().clamp_min(2).to(torch.float32)) * chf).sum())
+            self.add("noop_entropy", (p.noop_entropy * chf).sum())
+            if p.kl_teacher is not None:
+                self.add("kl_teacher", (p.kl_teacher * chf).sum())
+            if p.stages is not None:
+                for key, h in zip(("entropy_gate", "entropy_candidate", "entropy_tile"), p.stages,
+                                  strict=True):
+                    self.add(key, (h * chf).sum())
+                self.add("p_act", ((1.0 - p.dist.logp[:, 0].exp()) * chf).sum())
+            self.add("policy_obj_choice", (p.obj * chf).sum())
+            self.add("policy_obj_all", p.obj.sum())
+            self.epoch_kl[epoch] = self.epoch_kl[epoch] + kl
+            self.epoch_clip[epoch] = self.epoch_clip[epoch] + clip
+        if p.sel is not None:   # the skipped forced rows' constant surrogate, added back (ratio is 1)
+            self.add("policy_obj_all", (p.adv_all * (~p.sel).to(p.adv_all.dtype)).sum())
+        self.epoch_n[epoch] += n_choice
+
+    def step(self, grad_norm_actor: torch.Tensor, grad_norm_critic: torch.Tensor) -> None:
+        self.grad_norms[0].append(grad_norm_actor)
+        self.grad_norms[1].append(grad_norm_critic)
+        self.steps += 1
+
+    def reduce(self, comm: Comm) -> None:
+        """The rank-local sums summed over the ranks (rows and choice_rows already are: they are
+        the global batches' counts), so every rank reads the same kl for the lr backoff."""
+        if not comm.on:
+            return
+        n = len(self.epoch_kl)
+        local = [float(self.s.get(k, 0.0)) for k in self.KEYS] + [float(x) for x in self.epoch_kl] + \
+            [float(x) for x in self.epoch_clip] + [float(x) for x in self.epoch_n] + \
+            [self.actor_rows, self.actor_forwards]
+        tot = comm.sum_(torch.tensor(local, dtype=torch.float64, device=comm.device)).tolist()
+        self.s = dict(zip(self.KEYS, tot, strict=False))
+        k = len(self.KEYS)
+        self.epoch_kl, self.epoch_clip, self.epoch_n = (tot[k:k + n], tot[k + n:k + 2 * n],
+                                                        tot[k + 2 * n:k + 3 * n])
+        self.actor_rows, self.actor_forwards = int(tot[-2]), int(tot[-1])
+
+    def row(self, teacher: bool) -> dict[str, float]:
+        """The ppo/ keys: losses per row, policy statistics per choice row, counts, norms."""
+        s = {k: float(v) for k, v in self.s.items()}
+        nc, n = max(self.choice_rows, 1), max(self.rows, 1)
+        ga, gc = (torch.stack(g) for g in self.grad_norms)
+        out = {
+            "ppo/policy_loss": -s.get("policy_obj_all", 0.0) / n,
+            "ppo/policy_loss_choice": -s.get("policy_obj_choice", 0.0) / nc,
+            "ppo/value_loss": s.get("value_sq", 0.0) / n,
+            "ppo/entropy": s.get("entropy", 0.0) / nc,
+            "ppo/entropy_normalised": s.get("entropy_norm", 0.0) / nc,
+            "ppo/noop_entropy": s.get("noop_entropy", 0.0) / nc,
+            "ppo/kl": s.get("kl", 0.0) / nc,
+            "ppo/clip_fraction": s.get("clip", 0.0) / nc,
+            "ppo/dual_clip_fraction": s.get("dual", 0.0) / nc,
+            "ppo/forced_frac": 1.0 - self.choice_rows / n,
+            "ppo/actor_rows": float(self.actor_rows),
+            "ppo/actor_forwards": float(self.actor_forwards),
+            "ppo/optimizer_steps": float(self.steps),
+            "ppo/actor_rows_seen": float(self.rows),
+            "ppo/ratio_max_abs_dev": float(self.ratio_dev),
+            "ppo/grad_norm_actor": float(ga.mean()), "ppo/grad_norm_actor_max": float(ga.max()),
+            "ppo/grad_norm_critic": float(gc.mean()), "ppo/grad_norm_critic_max": float(gc.max()),
+            "ppo/update_magnitude_actor": float((_flat(self.params[0]) - self.before[0]).norm()),
+            "ppo/update_magnitude_critic": float((_flat(self.params[1]) - self.before[1]).norm()),
+        }
+        if teacher:
+            out["ppo/kl_teacher"] = s.get("kl_teacher", 0.0) / nc
+        if self.ppo.entropy_coef_stages is not None:   # what the stages' coefficients act on, choice rows
+            out.update({f"ppo/{k}": s.get(k, 0.0) / nc
+                        for k in ("entropy_gate", "entropy_candidate", "entropy_tile", "p_act")})
+        for e in range(self.ppo.n_epochs):
+            ne = max(self.epoch_n[e], 1)
+            out[f"ppo/kl_epoch{e}"] = float(self.epoch_kl[e]) / ne
+            out[f"ppo/clip_fraction_epoch{e}"] = float(self.epoch_clip[e]) / ne
+        return out
 
 
 def _flat(params: Sequence[nn.Parameter]) -> torch.Tensor:
@@ -2316,102 +1909,30 @@ def unfilled_empty_tensors() -> Iterator[None]:
         torch.utils.deterministic.fill_uninitialized_memory = was
 
 
-def _epochs(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer, data: Any,
-            ppo: "PPOArgs", acc: _Acc, perm0: np.ndarray, *, ent_coef: float, ent_coef_noop: float,
-            master_seed: int, iteration: int, debug: bool, comm: Comm, actor_steps: bool,
-            teacher: tuple[ActorCritic, float] | None) -> int:
-    """ppo_update's passes: each batch's summed gradient (summed over the ranks too), clipped per
-    optimizer, then one step of each (of the critic's alone when not actor_steps). Returns the
-    steps taken."""
-    pa, pc = ac.actor_parameters(), ac.critic_parameters()
-    steps = 0
-    # every rank runs as many batches as the fullest one, an emptier rank's extra batches adding
-    # zero gradient, so no collective waits on a rank that has stopped calling it
-    n_batches = int(comm.most(-(-data.n // ppo.batch_size)))
-    for e in range(ppo.n_epochs):
-        perm = perm0 if e == 0 else derive_generator(
-            master_seed, f"ppo/minibatch/iteration/{iteration}/epoch/{e}").permutation(data.n)
-        for start in range(0, n_batches * ppo.batch_size, ppo.batch_size):
-            opt_actor.zero_grad(set_to_none=True)
-            opt_critic.zero_grad(set_to_none=True)
-            accumulate_batch(ac, data, perm[start:start + ppo.batch_size], ppo, ent_coef, ent_coef_noop, acc,
-                             epoch=e, debug=debug, comm=comm, teacher=teacher)
-            _ensure_grads(pa)
-            _ensure_grads(pc)
-            comm.grads(pa + pc)
-            gna = nn.utils.clip_grad_norm_(pa, ppo.max_grad_norm)   # returns the PRE-clip norm
-            gnc = nn.utils.clip_grad_norm_(pc, ppo.max_grad_norm)
-            if not bool(torch.isfinite(gna) & torch.isfinite(gnc)):  # one sync per optimizer step
-                raise NonFiniteGradient(f"non-finite gradient at iteration {iteration} epoch {e} batch "
-                                        f"{start // ppo.batch_size}: actor norm {float(gna)}, "
-                                        f"critic norm {float(gnc)}")
-            acc.grad_norm_actor.append(gna.detach())
-            acc.grad_norm_critic.append(gnc.detach())
-            if actor_steps:
-                opt_actor.step()
-            opt_critic.step()
-            steps += 1
-    return steps
+def make_optimizers(ac: ActorCritic, ppo: "PPOArgs") -> tuple[torch.optim.Adam, torch.optim.Adam]:
+    """Separate Adam for actor and critic (design 6.3): disjoint parameter sets, own lr each."""
+    return (torch.optim.Adam(ac.actor_parameters(), lr=ppo.lr_actor, eps=ppo.adam_eps),
+            torch.optim.Adam(ac.critic_parameters(), lr=ppo.lr_critic, eps=ppo.adam_eps))
 
 
-def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer,
-               data: Any, ppo: "PPOArgs", *, ent_coef: float, ent_coef_noop: float, master_seed: int,
-               iteration: int, debug: bool, check_ratio: bool, ratio_atol: float,
-               ratio_outliers: list[dict[str, Any]] | None = None, comm: Comm = SOLO,
-               actor_steps: bool = True,
-               teacher: tuple[ActorCritic, float] | None = None) -> dict[str, float]:
-    """n_epochs passes over data in batches of ppo.batch_size (the last one smaller, never
-    dropped), one optimizer step per batch, each optimizer's gradient clipped on its own; the
-    actor's optimizer steps only when actor_steps (WarmArgs.critic_iterations); teacher: see
-    accumulate_batch.
-    The permutation comes from ppo/minibatch/iteration/{i}/epoch/{e} (design 2.2). ratio_outliers:
-    see ratio_invariant (filled only when given; nothing of it enters the returned row)."""
-    acc = _Acc(ppo.n_epochs)
-    pa, pc = ac.actor_parameters(), ac.critic_parameters()
-    before_a, before_c = _flat(pa), _flat(pc)
-    perm0 = derive_generator(master_seed, f"ppo/minibatch/iteration/{iteration}/epoch/0").permutation(data.n)
-    with unfilled_empty_tensors():
-        # the worst rank's: its alarm halts
-        acc.ratio_dev = comm.most(ratio_invariant(ac, data, perm0, ppo.minibatch_size, check_ratio,
-                                                  ratio_atol, ratio_outliers))
-        steps = _epochs(ac, opt_actor, opt_critic, data, ppo, acc, perm0, ent_coef=ent_coef,
-                        ent_coef_noop=ent_coef_noop, master_seed=master_seed, iteration=iteration,
-                        debug=debug, comm=comm, actor_steps=actor_steps, teacher=teacher)
-    acc.reduce(comm)
-    s = {k: float(v) for k, v in acc.s.items()}
-    nc = max(acc.choice_rows, 1)
-    ga, gc = torch.stack(acc.grad_norm_actor), torch.stack(acc.grad_norm_critic)
-    out = {
-        "ppo/policy_loss": -s.get("policy_obj_all", 0.0) / max(acc.rows, 1),
-        "ppo/policy_loss_choice": -s.get("policy_obj_choice", 0.0) / nc,
-        "ppo/value_loss": s.get("value_sq", 0.0) / max(acc.rows, 1),
-        "ppo/entropy": s.get("entropy", 0.0) / nc,
-        "ppo/entropy_normalised": s.get("entropy_norm", 0.0) / nc,
-        "ppo/noop_entropy": s.get("noop_entropy", 0.0) / nc,
-        "ppo/kl": s.get("kl", 0.0) / nc,
-        "ppo/clip_fraction": s.get("clip", 0.0) / nc,
-        "ppo/dual_clip_fraction": s.get("dual", 0.0) / nc,
-        "ppo/forced_frac": 1.0 - acc.choice_rows / max(acc.rows, 1),
-        "ppo/actor_rows": float(acc.actor_rows),
-        "ppo/actor_forwards": float(acc.actor_forwards),
-        "ppo/optimizer_steps": float(steps),
-        "ppo/actor_rows_seen": float(acc.rows),
-        "ppo/ratio_max_abs_dev": float(acc.ratio_dev) if acc.ratio_dev is not None else 0.0,
-        "ppo/grad_norm_actor": float(ga.mean()), "ppo/grad_norm_actor_max": float(ga.max()),
-        "ppo/grad_norm_critic": float(gc.mean()), "ppo/grad_norm_critic_max": float(gc.max()),
-        "ppo/update_magnitude_actor": float((_flat(pa) - before_a).norm()),
-        "ppo/update_magnitude_critic": float((_flat(pc) - before_c).norm()),
-    }
-    if teacher is not None:
-        out["ppo/kl_teacher"] = s.get("kl_teacher", 0.0) / nc
-    if ppo.entropy_coef_stages is not None:   # what the stages' coefficients act on, choice rows
-        out.update({f"ppo/{k}": s.get(k, 0.0) / nc
-                    for k in ("entropy_gate", "entropy_candidate", "entropy_tile", "p_act")})
-    for e in range(ppo.n_epochs):
-        n = max(acc.epoch_n[e], 1)
-        out[f"ppo/kl_epoch{e}"] = float(acc.epoch_kl[e]) / n
-        out[f"ppo/clip_fraction_epoch{e}"] = float(acc.epoch_clip[e]) / n
-    return out
+class RatioInvariantError(AssertionError):
+    """design 6.4 / 3.3: at epoch 0, minibatch 0, before any step, every ratio must be 1."""
+
+
+class StoredActionIllegal(AssertionError):
+    """A stored action is not legal under its stored mask (design 5.3's first assert)."""
+
+
+class NonFiniteLogProb(AssertionError):
+    """A stored or recomputed log-prob is not finite (design 5.3's second assert)."""
+
+
+class MaskCountMismatch(AssertionError):
+    """The stored n_legal column disagrees with the minibatch's unpacked mask (design 6.5)."""
+
+
+class NonFiniteGradient(FloatingPointError):
+    """A loss or gradient went non-finite; the step is refused so the weights stay intact."""
 
 
 class LrBackoff:
@@ -2547,7 +2068,8 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
            comm: Comm) -> Path:
     t_start = time.perf_counter()
     # -- set up, once: the env read, the network, the gates, the run directory, the ladder, the farm --
-    env, learner, run, lad, opening, source, view = set_up(args, quiet, resume, allow_drift, t_start, comm)
+    env, learner, run, ladder_loop, opening, source, view = set_up(args, quiet, resume, allow_drift, t_start,
+                                                                    comm)
     first = learner.iteration
     run.announce(env)
     try:
@@ -2555,7 +2077,7 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
                and (max_iterations is None or learner.iteration < max_iterations)):
             iteration, t_it = learner.iteration, time.perf_counter()
             run.iteration = iteration + 1                # as its row will number it, whatever the phase
-            sched = learner.schedule_values(args)        # gamma and entropy coefficients at this env step
+            schedule = learner.schedule_values(args)     # gamma and entropy coefficients at this env step
             # 0. a worker that died since the last round (during the update) is restarted before the
             #    plan, so the iteration does not lose its rows (design 3.7)
             source.check_workers()
@@ -2563,58 +2085,67 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
             # 1. plan and collect. A battle mid-episode keeps its assignment (design 3.6); what the
             #    boundary held is kept so an emergency save can return to it (design 10.3)
             ordinals, in_flight = [int(x) for x in source.ordinals], source.in_flight()
-            plan = lad.plan(iteration, source.ordinals, opening if iteration == first else source.assignment)
+            plan = ladder_loop.plan(iteration, source.ordinals,
+                                    opening if iteration == first else source.assignment)
             view.new_iteration(renumber=iteration > first)
             source.begin_iteration(plan)
-            run.boundary = Boundary(ordinals, lad.state(list(plan.assignment)),
+            run.boundary = Boundary(ordinals, ladder_loop.state(list(plan.assignment)),
                                     [int(g) for g in source.generation], in_flight)
             run.phase = "collect"
-            roll = collect(source, view, learner.model, lad, env, run, iteration, first, sched["gamma"], t_it)
-            roll.failures = found + roll.failures
+            rollout = collect(source, view, learner.model, ladder_loop, env, run, iteration, first,
+                              schedule["gamma"], t_it)
+            rollout.failures = found + rollout.failures
             # 2. each cell's legality, then the critic on the cells the advantages read
-            crit = critic_pass(learner.model, view, source, roll, env, args.ppo, iteration)
+            critic = critic_pass(learner.model, view, source, rollout, env, args.ppo, iteration)
             # 3. judged on what collection wrote, before anything learns from it (design 10.1)
-            check_rollout(roll, crit, env, args)
+            check_rollout(rollout, critic, env, args)
             # 4. advantages: scale the rewards, one GAE scan, standardise once (design 6.1, 6.2)
             run.phase = "learn"   # the scaler, the weights and the optimizers change from here on
-            n_rows = comm.counts(int(roll.trainable.sum()))[0]   # every rank's trainable cells
+            # every rank's trainable cells: the learner's ticks, which timesteps count (smdp too); under
+            # smdp the update trains on fewer rows, the choice cells and the critic's sample (update_rows)
+            n_rows = comm.counts(int(rollout.trainable.sum()))[0]
             if not n_rows:   # every learner cell lost to dead workers (design 3.7)
-                adv, upd = no_update(roll)
+                advantage, update = no_update(rollout)
             else:
-                adv = advantages(learner.scaler, roll, crit, sched["gamma"], args, comm)
-                # 5. the PPO update over the trainable cells, then the kl backoff (design 6.3)
-                upd = update(learner, view, roll, crit, adv, sched, args)
+                advantage = advantages(learner.scaler, rollout, critic, schedule["gamma"], args, comm)
+                # 5. the PPO update over the update's rows (under smdp the choice cells and the
+                #    critic's sample, design 6.6), then the kl backoff (design 6.3)
+                data = update_rows(view, rollout, critic, advantage)
+                update = ppo_update(learner.model, learner.opt_a, learner.opt_c, data, args.ppo,
+                                    **learner.update_knobs(schedule, args))
+                update["run/lr_backoff"] = learner.back_off(update["ppo/kl"])
             # under torchrun every rank now holds the same weights, or the run stops naming the rank;
             # rank 0, the one voice, takes every rank's episodes for the ladder and the row (design 3.10)
             same_weights(comm, learner)
-            roll.episodes = every_episode(comm, roll.episodes, env.n_battles)
-            learner.advance(sched, env, roll, upd)
+            rollout.episodes = every_episode(comm, rollout.episodes, env.n_battles)
+            learner.advance(schedule, env, n_rows, update)
             verdict = Verdict()
             if comm.voice:
                 # 6. the ladder's share: train results, gate, floor admit, refit, probe (design 7)
-                lad_row = ladder_step(lad, learner, roll.episodes, env, args, quiet)
+                ladder_row = ladder_step(ladder_loop, learner, rollout.episodes, env, args, quiet)
                 # 7. record: the row, the episodes, the alarms; then what happens next: a halt saves
                 #    and stops, a checkpoint on its cadence, a stop asked for (design 9, 8)
-                row = metric_row(args, env, learner, run, lad, roll, crit, adv, upd, lad_row)
+                row = metric_row(args, env, learner, run, ladder_loop, rollout, critic, advantage, update,
+                                 ladder_row)
                 run.phase = "boundary"
-                halts = [(a, v) for a, v in run.record(row, roll.episodes) if a.severity == "halt"]
-                save_play_heatmaps(run.path, learner.iteration, roll, env, args.metrics.image_every)
+                halts = [(a, v) for a, v in run.record(row, rollout.episodes) if a.severity == "halt"]
+                save_play_heatmaps(run.path, learner.iteration, rollout, env, args.metrics.image_every)
                 ctl = "" if halts else read_control(run.path, quiet) or run.stop.asked  # Ctrl-C, SIGTERM: "q"
-                verdict = Verdict(halts, checkpoint_due(learner, env, args, ctl, lad_row), ctl == "q",
-                                  lad.shared())
+                verdict = Verdict(halts, checkpoint_due(learner, env, args, ctl, ladder_row), ctl == "q",
+                                  ladder_loop.shared())
             verdict = comm.share(verdict)   # every rank acts on rank 0's decisions
-            lad.follow(verdict.pool)
-            halt_if_asked(run, learner, source, lad, verdict.halts, upd["outliers"])
+            ladder_loop.follow(verdict.pool)
+            halt_if_asked(run, learner, source, ladder_loop, verdict.halts, update["outliers"])
             if verdict.save:
-                run.timed_save(learner, boundary_now(source, lad))
+                run.timed_save(learner, boundary_now(source, ladder_loop))
             if verdict.stop:
                 run.say_stopped(learner)   # where it stopped, and the resume command
                 break
         # the limit: save on the way out unless the last save holds it
         if run.last_saved != learner.env_steps:
-            save_checkpoint(run, learner, boundary_now(source, lad))
+            save_checkpoint(run, learner, boundary_now(source, ladder_loop))
     except (Exception, KeyboardInterrupt) as exc:   # KeyboardInterrupt is named: it is not an Exception
-        saved = emergency_save(run, learner, source, lad, exc)
+        saved = emergency_save(run, learner, source, ladder_loop, exc)
         if isinstance(exc, AlarmHalt):                 # its own row, checkpoint and bundle (design 9.4)
             raise
         raise RunCrashed(crash_line(run, learner, exc, saved), isinstance(exc, KeyboardInterrupt)) from exc
@@ -2638,83 +2169,22 @@ def process_settings_kept() -> Iterator[None]:
         torch.set_num_threads(saved[1])
 
 
-def open_comm(args: Args) -> Comm:
-    """Under torchrun (it sets LOCAL_RANK, RANK, WORLD_SIZE and the rendezvous) join its process
-    group: NCCL on CUDA, gloo on CPU, each rank on one device, cuda:LOCAL_RANK. A plain
-    `python ppo_clash.py` gets SOLO and touches nothing of torch.distributed (design 3.10)."""
-    if "LOCAL_RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return SOLO
-    if args.net.device not in ("cpu", "cuda"):
-        raise ConfigError(f"--net.device {args.net.device}: under torchrun each rank takes its own device; "
-                          "use cuda (rank r gets cuda:LOCAL_RANK) or cpu")
-    import torch.distributed as dist
-    cuda = resolve_device(args).type == "cuda"
-    local = int(os.environ["LOCAL_RANK"])
-    if cuda:
-        torch.cuda.set_device(local)   # "cuda" means this rank's device from here on
-    backend = "nccl" if cuda else "gloo"
-    # the longest any rank waits is rank 0's gate on its evaluation farm (about 4 minutes on the cpu
-    # profile [M: docs/running.md section 6]); NCCL's own default, 10 minutes, would end the job
-    # during a larger profile's gate. A failed rank does not wait this out: torchrun stops the rest.
-    import datetime
-    dist.init_process_group(backend, timeout=datetime.timedelta(hours=1))
-    return Comm(torch.device("cuda", local) if cuda else "cpu", True, dist.get_rank(), dist.get_world_size(),
-                backend)
-
-
-def close_comm(comm: Comm) -> None:
-    if comm.on:
-        import torch.distributed as dist
-        dist.destroy_process_group()
-
-
-class RanksDiverged(RuntimeError):
-    """Two torchrun ranks hold different learners after an update: names the ranks and the iteration."""
-
-
-def same_weights(comm: Comm, learner: Learner) -> None:
-    """Every rank's state_digest (weights, optimizer moments, scaler, positions) equal after the
-    update, checked every iteration: summed gradients and statistics keep them equal, and this
-    says so rather than trusting it (design 3.10)."""
-    if not comm.on:
-        return
-    digests = comm.everyone(learner.digest())
-    bad = [r for r, d in enumerate(digests) if d != digests[0]]
-    if bad:
-        raise RanksDiverged(f"after iteration {learner.iteration + 1}'s update rank(s) {bad} hold "
-                            f"state_digest {[digests[r][:16] for r in bad]}, rank 0 {digests[0][:16]}: "
-                            "the ranks' learners diverged (a reduction missed, or a rank-local decision); "
-                            "the last checkpoint resumes")
-
-
-def every_episode(comm: Comm, episodes: list[Any], n_battles: int) -> list[Any]:
-    """Rank 0 gets every rank's finished episodes, in rank order, each battle numbered in the job
-    (rank r's battle b is battle r x n_battles + b), so episodes.jsonl reads as one farm's; the
-    other ranks keep none (they write nothing)."""
-    if not comm.on:
-        return episodes
-    got = comm.everyone(episodes)
-    if not comm.voice:
-        return []
-    return [msgspec.structs.replace(e, battle=e.battle + r * n_battles)
-            for r, eps in enumerate(got) for e in eps]
-
-
 class Setup(NamedTuple):
     """What train() builds once, before its first iteration, and the loop reads."""
     env: Env
     learner: Learner
     run: Run
-    lad: LadderLoop
+    lad: ladder.LadderLoop
     opening: list[Any] | None    # the farm's opening assignment table (a resume's), else None
     source: Any                  # the farm: farm.ProcessFarm or farm.InlineFarm
     view: RectView
 
 
 def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: bool = False,
-           t_start: float | None = None, comm: Comm = SOLO) -> Setup:
+           t_start: float | None = None, comm: Comm | None = None) -> Setup:
     """Everything train() does once, in order (design 10.1); checks.py bench builds its rig with it.
     Under torchrun rank 0 opens the run and its ladder first; the other ranks then follow it."""
+    comm = SOLO if comm is None else comm
     apply_determinism(args)                   # design 2.1: before the first tensor exists
     stale = farm.stale_segments_line(farm.remove_stale_segments())   # a dead run's shared memory (design 3.7)
     if stale and not quiet and comm.voice:
@@ -2738,14 +2208,14 @@ def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: boo
         if comm.voice:
             if cloned is not None:
                 (run.path / "warm.json").write_bytes(msgspec.json.format(canonical_json(cloned)))
-            lad = LadderLoop(args, run.path, run.rid, args.master_seed, env.n_battles, env.spec, env.table,
-                             env.device, env.seed)
+            lad = ladder.LadderLoop(args, NETS, run.path, run.rid, args.master_seed, env.n_battles, env.spec,
+                                    env.table, env.device, env.seed)
             # v0 and the seeds, or the checkpoint's pool
             opening = start_ladder(lad, run, learner, env, seeds)
             comm.share((str(run.path), run.rid, run.identity, lad.shared()))
         else:
-            lad = LadderLoop(args, run.path, run.rid, args.master_seed, env.n_battles, env.spec, env.table,
-                             env.device, env.seed, voice=False)
+            lad = ladder.LadderLoop(args, NETS, run.path, run.rid, args.master_seed, env.n_battles, env.spec,
+                                    env.table, env.device, env.seed, voice=False)
             opening = lad.load(run.ladder_saved) if run.ladder_saved is not None else None
             lad.follow(shared)
         lad.join(comm)
@@ -2805,13 +2275,14 @@ class Env:
         return self.T * self.n_battles * self.world
 
 
-def read_env(args: Args, comm: Comm = SOLO) -> Env:
+def read_env(args: Args, comm: Comm | None = None) -> Env:
     """Build one env, reset it, and read off it everything the run needs: the codec table, the
     network's geometry, the engine's digests; then size the rectangle (T cycles of R slots) so an
     iteration holds ppo.timesteps_per_iteration learner rows (a rank's: the profile's rollout
     numbers are per rank). Under torchrun rank r's battles, acting uniforms and matchmaking draw
     from master seed derive_int(master_seed, "rank/{r}"): the rank is in every stream's path, so
     no two ranks play the same battle (design 3.10)."""
+    comm = SOLO if comm is None else comm
     device = resolve_device(args)
     k, seed = args.obs.frame_stack, args.master_seed
     spec = farm.default_env_spec(reveal_spell_aim="enemy_spell_aim" in args.obs.reveal,
@@ -2834,7 +2305,7 @@ def read_env(args: Args, comm: Comm = SOLO) -> Env:
     deal_check(args.ladder.seat_decks, cards)
     n_battles = args.rollout.workers * args.rollout.games_per_worker
     # sizing only: the learner's row count follows from the roles, not from the pool
-    mm = ladder.Matchmaker(seed, n_battles, match_config(args.ladder))
+    mm = ladder.Matchmaker(seed, n_battles, ladder.match_config(args.ladder))
     learner_rows = ladder.learner_rows(mm.plan(0, [0] * n_battles, ladder.Pool(), None))
     facts = EnvFacts(engine_build=engine_build_from_config(eng_cfg, "RustEngine"),
                      env_spec_digest=env_spec.env_value_digest, obs_digest=env_spec.obs_digest,
@@ -2947,8 +2418,8 @@ class Learner:
     iterations, game-steps, learner timesteps, optimizer steps, and the schedule values the last
     iteration used (None until an iteration completes in this process)."""
 
-    def __init__(self, args: Args, env: Env, comm: Comm = SOLO) -> None:
-        self.comm = comm    # the ranks the update sums over (design 3.10); SOLO for one process
+    def __init__(self, args: Args, env: Env, comm: Comm | None = None) -> None:
+        self.comm = SOLO if comm is None else comm   # the ranks the update sums over (design 3.10)
         self.model = ActorCritic(env.geo, args.net, args.master_seed).to(env.device)
         self.opt_a, self.opt_c = make_optimizers(self.model, args.ppo)
         self.scaler = WelfordReturnScaler(args.advantage.standardize_rewards, args.advantage.reward_clip)
@@ -2964,11 +2435,30 @@ class Learner:
                 "ent_coef": args.ppo.ent_coef.value(self.env_steps),
                 "ent_coef_noop": args.ppo.ent_coef_noop.value(self.env_steps), **teacher}
 
-    def advance(self, sched: dict[str, float], env: Env, roll: Rollout, upd: dict[str, Any]) -> None:
-        """The positions after an iteration's update."""
+    def update_knobs(self, sched: dict[str, float], args: Args) -> dict[str, Any]:
+        """ppo_update's settings at this iteration: the schedules' coefficients, the mask asserts
+        on the first debug_assert_iterations and the ratio invariant on its cadence (design 6.4),
+        the critic alone for warm.critic_iterations, the teacher at its scheduled weight."""
+        p, it = args.ppo, self.iteration
+        debug = it < p.debug_assert_iterations
+        return dict(ent_coef=sched["ent_coef"], ent_coef_noop=sched["ent_coef_noop"],
+                    master_seed=args.master_seed, iteration=it, debug=debug,
+                    check_ratio=debug or it % p.check_ratio_invariant_every == 0, ratio_atol=ratio_atol(args),
+                    comm=self.comm, actor_steps=it >= args.warm.critic_iterations,
+                    teacher=None if self.teacher is None else (self.teacher, sched["teacher_kl"]))
+
+    def back_off(self, kl: float) -> bool:
+        """The kl backoff after an update (design 6.3): True when it lowered both learning rates."""
+        fired = self.backoff.observe(kl)
+        if fired:
+            self.backoff.apply(self.opt_a, self.opt_c)
+        return fired
+
+    def advance(self, sched: dict[str, float], env: Env, trainable_rows: int, upd: dict[str, Any]) -> None:
+        """The positions after an iteration's update; trainable_rows: every rank's."""
         self.iteration += 1
         self.env_steps += env.game_steps
-        self.timesteps += int(upd["trainable_rows"])   # every rank's rows
+        self.timesteps += trainable_rows
         self.updates += int(upd["ppo/optimizer_steps"])
         self.sched = dict(sched)
 
@@ -3007,13 +2497,13 @@ class Boundary(NamedTuple):
     in_flight: list[Any] | None = None
 
 
-def boundary_now(source: Any, lad: LadderLoop) -> Boundary:
+def boundary_now(source: Any, lad: ladder.LadderLoop) -> Boundary:
     """The boundary the farm and the ladder stand on now (between iterations)."""
     return Boundary([int(x) for x in source.ordinals], lad.state(list(source.assignment)),
                     [int(g) for g in source.generation], source.in_flight())
 
 
-def start_ladder(lad: LadderLoop, run: Run, learner: Learner, env: Env,
+def start_ladder(lad: ladder.LadderLoop, run: Run, learner: Learner, env: Env,
                  seeds: Sequence[Any]) -> list[Any] | None:
     """A resumed run restores the pool and returns the saved assignment table (the farm's opening
     plan). A new run admits v0, the initial actor, as the first champion, so the pool and the
@@ -3185,7 +2675,7 @@ class Rollout:
         return (self.group == farm.GROUP_LEARNER) & self.valid
 
 
-def collect(source: Any, view: RectView, model: ActorCritic, lad: LadderLoop, env: Env, run: Run,
+def collect(source: Any, view: RectView, model: ActorCritic, lad: ladder.LadderLoop, env: Env, run: Run,
             iteration: int, first: int, gamma: float, t_it: float) -> Rollout:
     """T + 1 cycles of rounds (design 3.6). Every round, the parent acts for the seats the workers
     cannot: each resident snapshot's seats, then the learner's, each in one batched forward in
@@ -3259,7 +2749,7 @@ def tend_workers(source: Any, run: Run, failures: list[Any], before_plan: bool =
     return failures
 
 
-def act_round(rnd: Any, t: int, u: torch.Tensor, view: RectView, model: ActorCritic, lad: LadderLoop,
+def act_round(rnd: Any, t: int, u: torch.Tensor, view: RectView, model: ActorCritic, lad: ladder.LadderLoop,
               geo: NetGeometry, roll: Rollout) -> np.ndarray:
     """One shard-round's actions. Pool seats: one forward per resident group, groups ascending,
     not trainable and so no log-prob. Learner seats: sample, and store what the update needs.
@@ -3406,14 +2896,14 @@ class Advantages(NamedTuple):
 
 
 def advantages(scaler: WelfordReturnScaler, roll: Rollout, crit: Critic, gamma: float, args: Args,
-               comm: Comm = SOLO) -> Advantages:
+               comm: Comm | None = None) -> Advantages:
     """Rewards divided by the running std of raw returns (design 6.2), GAE in one backward scan
     over the rectangle (design 6.1; under smdp over decisions, design 6.6), then one
     standardisation over the cells the actor reads: every trainable cell, or under
     critic_only_choice_mean and smdp the choice cells alone (design 6.5). Under torchrun the
     scaler and the standardisation read every rank's cells (design 3.10); the row's statistics
     (explained variance, the choice cells' advantage) are this rank's."""
-    t0 = time.perf_counter()
+    t0, comm = time.perf_counter(), SOLO if comm is None else comm
     T = roll.action.shape[0]
     trainable = roll.trainable
     choice = trainable & (crit.n_legal > 1)
@@ -3456,38 +2946,16 @@ def no_update(roll: Rollout) -> tuple[Advantages, dict[str, Any]]:
                                   "ppo/advantage_mean_choice": None,
                                   "ppo/explained_variance_choice": None}, None, 0.0, 0.0)
     return adv, {"ppo/optimizer_steps": 0.0, "ppo/actor_rows_seen": 0.0, "run/lr_backoff": False,
-                 "time/update": 0.0, "outliers": [], "trainable_rows": 0, "update_rows": 0}
+                 "time/update": 0.0, "outliers": [], "update_rows": 0}
 
 
-def update(learner: Learner, view: RectView, roll: Rollout, crit: Critic, adv: Advantages,
-           sched: dict[str, float], args: Args) -> dict[str, Any]:
-    """ppo_update (section 6) over the trainable cells (under smdp the choice cells and the
-    critic's forced sample, design 6.6), the mask asserts on the first debug_assert_iterations and
-    the ratio invariant on its cadence (design 6.4); then the kl backoff. Returns the update's
-    ppo/ keys plus "outliers" (the ten worst ratios, for a bundle)."""
-    t0 = time.perf_counter()
+def update_rows(view: RectView, roll: Rollout, crit: Critic, adv: Advantages) -> RectData:
+    """The rows ppo_update (section 6) trains on: the trainable cells, or under smdp the choice
+    cells and the critic's sample of the forced ones (design 6.6), with their columns."""
     cells = roll.trainable if crit.sample is None else (roll.trainable & (crit.n_legal > 1)) | crit.sample
     ct, cr = np.nonzero(cells)
-    data = RectData(view, ct, cr, roll.action[ct, cr], roll.log_prob[ct, cr], adv.adv[ct, cr],
+    return RectData(view, ct, cr, roll.action[ct, cr], roll.log_prob[ct, cr], adv.adv[ct, cr],
                     adv.ret[ct, cr], crit.n_legal[ct, cr])
-    it, p = learner.iteration, args.ppo
-    debug = it < p.debug_assert_iterations
-    outliers: list[dict[str, Any]] = []
-    upd: dict[str, Any] = ppo_update(
-        learner.model, learner.opt_a, learner.opt_c, data, p, ent_coef=sched["ent_coef"],
-        ent_coef_noop=sched["ent_coef_noop"], master_seed=args.master_seed, iteration=it, debug=debug,
-        check_ratio=debug or it % p.check_ratio_invariant_every == 0, ratio_atol=ratio_atol(args),
-        ratio_outliers=outliers, comm=learner.comm, actor_steps=it >= args.warm.critic_iterations,
-        teacher=None if learner.teacher is None else (learner.teacher, sched["teacher_kl"]))
-    upd["run/lr_backoff"] = learner.backoff.observe(upd["ppo/kl"])
-    if upd["run/lr_backoff"]:
-        learner.backoff.apply(learner.opt_a, learner.opt_c)
-    upd["time/update"] = time.perf_counter() - t0
-    upd["outliers"] = outliers
-    # every rank's: the learner's ticks (timesteps count them, smdp too) and the update's rows
-    # (actor_rows_seen counts these)
-    upd["trainable_rows"], upd["update_rows"] = learner.comm.counts(int(roll.trainable.sum()), data.n)
-    return upd
 
 
 class RectData:
@@ -3524,7 +2992,7 @@ def crossed(last: int, step: int, every: int) -> bool:
     return step // every > last // every
 
 
-def ladder_step(lad: LadderLoop, learner: Learner, episodes: list[Any], env: Env, args: Args,
+def ladder_step(lad: ladder.LadderLoop, learner: Learner, episodes: list[Any], env: Env, args: Args,
                 quiet: bool) -> dict[str, Any]:
     """The ladder's work after an update, in this order (design 10.1): the kind="train" results,
     the gate on its cadence, a floor admit, a refit, the probe; returns the row's ladder keys that
@@ -3558,15 +3026,15 @@ def ladder_step(lad: LadderLoop, learner: Learner, episodes: list[Any], env: Env
 class Verdict(NamedTuple):
     """What rank 0 decided at the end of an iteration, which every rank then acts on (design 3.10):
     the halting alarms that fired, whether to checkpoint, whether to stop, and the ladder's pool
-    and ratings (LadderLoop.shared). One process decides and acts on it in the same place."""
+    and ratings (ladder.LadderLoop.shared). One process decides and acts on it in the same place."""
     halts: list[tuple[Alarm, float]] = []
     save: bool = False
     stop: bool = False
     pool: Any = None
 
 
-def halt_if_asked(run: Run, learner: Learner, source: Any, lad: LadderLoop, halts: list[tuple[Alarm, float]],
-                  outliers: list[dict[str, Any]]) -> None:
+def halt_if_asked(run: Run, learner: Learner, source: Any, lad: ladder.LadderLoop,
+                  halts: list[tuple[Alarm, float]], outliers: list[dict[str, Any]]) -> None:
     """A halting alarm stops the run after its row is on disk, with a checkpoint of the learner
     the row describes and a diagnostic bundle beside it (design 9.4)."""
     if not halts:
@@ -3622,7 +3090,7 @@ def checkpoint_due(learner: Learner, env: Env, args: Args, ctl: str, lad_row: di
     return step // every > (step - env.game_steps) // every or ctl in ("c", "q") or "time/gate" in lad_row
 
 
-def emergency_save(run: Run, learner: Learner, source: Any, lad: LadderLoop,
+def emergency_save(run: Run, learner: Learner, source: Any, lad: ladder.LadderLoop,
                    exc: BaseException) -> Path | None:
     """On a crash or a second Ctrl-C (design 10.3): only a learner on an iteration boundary can be
     resumed, so save while collecting (the learner is still the last boundary's, and so is the
@@ -3720,7 +3188,580 @@ class StopSignals:
         self.saved = {}
 
 
-# --- 9. The run: its identity, its start-up gates, its directory (design 2.3, 3.8, 9) -------------
+# ======================================================================================================
+# Below this line, the run's machinery: the arguments read and checked, torchrun's ranks, the run's
+# identity and directory, checkpoints, metrics and alarms, snapshots. A fork that changes the method
+# (sections 1-8) need not touch it; what it must know of it is in the header ("To fork").
+# ======================================================================================================
+
+
+# --- 9. The run: its arguments, its ranks, its identity, its start-up gates, its directory (design 1.3,
+#        2.3, 3.8, 3.10, 9) ------------------------------------------------------------------------
+# The arguments, read and checked: a --config file, the command line, the rules between fields.
+
+
+def field_paths(cls: type = Args, prefix: str = "") -> list[str]:
+    """Every leaf of the tree as a dotted path, e.g. ppo.lr_backoff.patience."""
+    out = []
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t) and t is not Schedule:
+            out += field_paths(t, f"{prefix}{f.name}.")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    import typing
+    return typing.get_type_hints(cls, globalns=globals())
+
+
+def apply_dict(obj: Any, d: dict[str, Any], where: str = "") -> None:
+    """Merge a JSON object into a dataclass tree in place, refusing an unknown key by name."""
+    hints = _hints(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    for key, value in d.items():
+        path = f"{where}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config field {path!r}"
+                              + _nearest(key, names).replace("'", "'" + where, 1)
+                              + f"; valid fields of {where.rstrip('.') or 'the top level'}: "
+                                f"{', '.join(names)}")
+        t = hints[key]
+        if dataclasses.is_dataclass(t):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config field {path!r} must be an object, got {value!r}")
+            apply_dict(getattr(obj, key), value, path + ".")
+        else:
+            try:
+                setattr(obj, key, msgspec.convert(value, type=t, strict=False))
+            except msgspec.ValidationError as e:
+                raise ConfigError(f"config field {path!r}: {e}") from None
+
+
+def config_json(args: Args) -> bytes:
+    """Canonical JSON of the resolved config: what config.json holds and what is hashed."""
+    return canonical_json(args)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A --config file's JSON object; anything else is refused naming the file, and for JSON that
+    does not parse, the line and column, so the message is the remedy (design 1.3)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot be read ({e.strerror}); pass a JSON file such as a run's "
+                          "config.json") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--config {path}: line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}); "
+                          "fix that line (a trailing comma or a comment is the usual cause)") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"--config {path}: holds a JSON {type(d).__name__}, not an object of fields")
+    return d
+
+
+def load_config_file(path: str | Path, base: Args | None = None) -> Args:
+    d = read_config_file(path)
+    prof = d.get("profile", base.profile if base else "laptop")
+    args = base if base is not None else profile_args(prof)
+    try:
+        apply_dict(args, d)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return args
+
+
+CONFIG_FILE_ONLY = {"ladder.seed_snapshots": "a JSON list of {name, path, sha256, weight}"}
+"""Fields a flag cannot spell (a list of records): a --config file sets them."""
+
+
+def _cli_flags() -> dict[str, str]:
+    """--flag spelling -> dotted path, for every leaf (tyro writes underscores as dashes)."""
+    out = {}
+    for p in field_paths():
+        if p in CONFIG_FILE_ONLY:
+            continue
+        leaf_is_schedule = False
+        out["--" + p.replace("_", "-")] = p
+        out["--" + p] = p
+        t: Any = Args
+        for part in p.split("."):
+            t = _hints(t)[part]
+        if t is Schedule:
+            leaf_is_schedule = True
+        if leaf_is_schedule:
+            for f in dataclasses.fields(Schedule):
+                out["--" + (p + "." + f.name).replace("_", "-")] = p + "." + f.name
+                out["--" + p + "." + f.name] = p + "." + f.name
+        if t is bool:
+            out["--" + p.replace("_", "-").rsplit(".", 1)[0] + "." + "no-"
+                + p.rsplit(".", 1)[-1].replace("_", "-")
+                if "." in p else "--no-" + p.replace("_", "-")] = p
+    return out
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Args:
+    """--profile NAME picks the preset, --config FILE merges a JSON over it, then every other
+    flag overrides a field. An unknown flag is refused naming the nearest valid one."""
+    import tyro
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    profile, config = None, None
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        name, eq, val = tok.partition("=")
+        if name in ("--profile", "--config"):
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{name} needs a value")
+                val, i = argv[i + 1], i + 1
+            if name == "--profile":
+                profile = val
+            else:
+                config = val
+        else:
+            rest.append(tok)
+        i += 1
+    flags = _cli_flags()
+    for tok in rest:
+        if tok.startswith("--") and tok not in ("--help", "-h"):
+            name = tok.split("=", 1)[0]
+            if name not in flags:
+                for path, shape in CONFIG_FILE_ONLY.items():
+                    if name.startswith(flag(path)) or name.startswith("--" + path):
+                        raise ConfigError(f"{name}: {path} is set in a --config file ({shape}), "
+                                          "not by a flag")
+                raise ConfigError(f"unknown argument {name!r}"
+                                  + _nearest(name, list(flags) + ["--profile", "--config"]))
+    if profile is None:  # a config file names its own profile; the flag wins over it
+        profile = read_config_file(config).get("profile", "laptop") if config else "laptop"
+    base = profile_args(profile)
+    if config is not None:
+        base = load_config_file(config, base)
+        base.profile = profile
+    args = tyro.cli(Args, default=base, args=rest)
+    check_consistency(args)
+    return args
+
+
+def field_value(args: Args, path: str) -> Any:
+    obj: Any = args
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def game_rules(args: Args) -> list[tuple[str, bool, str]]:
+    """config_rules' share for the game the learner meets first: the observation, the reward's
+    weights and the warm start."""
+    o, w = args.obs, args.warm
+    return [
+        ("obs.frame_stack", o.frame_stack >= 1, "be >= 1"),
+        ("obs.decision_ms", o.decision_ms >= 1, "be >= 1 (game milliseconds per decision)"),
+        ("obs.reveal", set(o.reveal) <= {"enemy_spell_aim"},
+         "name only enemy_spell_aim (the flag read_env wires)"),
+        ("obs.max_steps", o.max_steps >= 0, "be >= 0 (0 plays whole battles)"),
+        *[(f"reward.{k}", math.isfinite(x) and x >= 0, "be finite and >= 0 (a shaping weight)")
+          for k, x in dataclasses.asdict(args.reward).items()],
+        ("warm.rung", w.rung in ("", *(f"scripted:{x}" for x in farm.SCRIPTED_NAMES)),
+         f"be empty or scripted:<name>, a name of {', '.join(farm.SCRIPTED_NAMES)}"),
+        ("warm.rung", not w.rung or o.frame_stack == 1,
+         "be empty under --obs.frame-stack above 1 (the cloned rows are single frames)"),
+        ("warm.battles", w.battles >= 1, "be >= 1"),
+        ("warm.epochs", w.epochs >= 1, "be >= 1"),
+        ("warm.lr", w.lr > 0, "be > 0"),
+        ("warm.critic_iterations", w.critic_iterations >= 0, "be >= 0"),
+        ("warm.critic_iterations", not w.critic_iterations or bool(w.rung), "be 0 without --warm.rung"),
+        ("warm.teacher_kl.start", w.teacher_kl.start >= 0 and w.teacher_kl.end >= 0,
+         "be >= 0 (start and end)"),
+        ("warm.teacher_kl.start", not teacher_on(w) or bool(w.rung),
+         "be 0 without --warm.rung: the teacher is the clone"),
+        ("warm.teacher_kl.over_env_steps", w.teacher_kl.over_env_steps > 0, "be > 0"),
+    ]
+
+
+def one_folder_name(name: str) -> bool:
+    """The run folder is <runs_dir>/<run_name>-<run_id>: a name must be one path component, so it
+    can neither climb out of --runs-dir nor make a folder the file system refuses (NAME_MAX is 255
+    bytes, less "-<run_id>" and a side folder's suffix: 128 [A]). isprintable first, so that encode
+    cannot raise (an undecodable argv byte is a surrogate, not printable)."""
+    return (name.isprintable() and 0 < len(name.encode()) <= 128
+            and not any(s in name for s in ("/", "\\", "..")))
+
+
+def config_rules(args: Args) -> list[tuple[str, bool, str]]:
+    """Every size, count, fraction and divisibility the code relies on, one rule a line: (field,
+    holds, what it must be). All in one place (the game's share in game_rules) so a bad value stops
+    before a run directory exists (design 1.3); each `holds` guards its own arithmetic, so one bad
+    value never raises in another's."""
+    r, n, p, A, L = args.rollout, args.net, args.ppo, args.advantage, args.ladder
+    battles = r.workers * r.games_per_worker
+    # one cycle's learner seats: every battle's learner seat plus the second seat of a mirror battle
+    seats = battles + ladder.role_counts(L.mix, battles)[0] if mix_ok(L) and battles >= 1 else 1
+    pos, nonneg, frac = "be > 0", "be >= 0", "be in [0, 1]"
+    return [
+        ("run_name", one_folder_name(args.run_name),
+         "be one folder name: 1 to 128 bytes of printable characters, "
+         "without '/', '\\' or '..' (the run folder is <runs_dir>/<run_name>-<run_id>)"),
+        ("master_seed", 0 <= args.master_seed < 2 ** 63, "be in [0, 2**63): every stream derives from it"),
+        ("timestep_limit", args.timestep_limit >= 1, "be >= 1"),
+        ("metrics.image_every", args.metrics.image_every >= 0, "be >= 0 (0: no heatmaps)"),
+        *game_rules(args),
+        ("rollout.workers", r.workers >= 1, "be >= 1"),
+        ("rollout.games_per_worker", r.games_per_worker >= 1, "be >= 1"),
+        ("rollout.shards_per_worker", r.shards_per_worker >= 1, "be >= 1"),
+        ("rollout.games_per_worker", r.shards_per_worker < 1 or r.games_per_worker % r.shards_per_worker == 0,
+         f"be a multiple of --rollout.shards-per-worker = {r.shards_per_worker} "
+         "(each shard holds the same battles)"),
+        ("rollout.spin_us", r.spin_us >= 0, nonneg),
+        ("rollout.round_timeout_s", 0 < r.round_timeout_s < math.inf,
+         "be > 0 and finite (inf: no hang detection)"),
+        ("rollout.max_restarts_per_worker", r.max_restarts_per_worker >= 0, nonneg),
+        ("rollout.launch_delay_s", 0 <= r.launch_delay_s < math.inf, "be >= 0 and finite"),
+        ("rollout.eval_workers", r.eval_workers >= 1, "be >= 1"),
+        ("rollout.eval_games_per_worker", r.eval_games_per_worker >= 1, "be >= 1"),
+        ("net.channels", n.channels >= 1, "be >= 1"),
+        ("net.blocks", n.blocks >= 0, nonneg),
+        ("net.norm_groups", n.norm_groups >= 1 and n.channels % n.norm_groups == 0,
+         f"be >= 1 and divide --net.channels = {n.channels} (GroupNorm splits the channels evenly)"),
+        ("net.vector_embed", n.vector_embed >= 1, "be >= 1"),
+        ("net.value_hidden", n.value_hidden >= 1, "be >= 1"),
+        ("net.noop_bias", math.isfinite(n.noop_bias), "be finite"),
+        ("net.noop_bias", n.policy_head == "pointer" or n.noop_bias == 0,
+         "be 0 under --net.policy-head factored, which has no no-op logit "
+         "(--net.factored-act-init sets its P(act))"),
+        ("net.factored_act_init", 0 < n.factored_act_init < 1, "be in (0, 1): a probability"),
+        ("net.placement_cell", min(n.placement_cell) >= 1,
+         "be two counts >= 1: tile rows and columns a cell"),
+        ("net.device", n.device.split(":")[0] in ("cpu", "cuda", "mps"), "be cpu, cuda, cuda:N or mps"),
+        ("ppo.n_epochs", p.n_epochs >= 1, "be >= 1"),
+        ("ppo.timesteps_per_iteration", p.timesteps_per_iteration >= seats,
+         f"be at least one cycle's learner seats ({seats} from --rollout.workers x "
+         "--rollout.games-per-worker and --ladder.mix): an iteration collects whole cycles"),
+        ("ppo.batch_size", p.batch_size >= 1, "be >= 1"),
+        ("ppo.minibatch_size", 1 <= p.minibatch_size <= p.batch_size,
+         f"be in [1, --ppo.batch-size = {p.batch_size}]"),
+        ("ppo.clip_range", 0 < p.clip_range < 1, "be in (0, 1)"),
+        ("ppo.dual_clip_c", p.dual_clip_c > 1,
+         "be > 1: the floor c * A must lie below the clipped objective"),
+        ("ppo.vf_coef", p.vf_coef > 0, pos),
+        ("ppo.ent_coef.start", p.ent_coef.start >= 0, nonneg),
+        ("ppo.ent_coef.end", p.ent_coef.end >= 0 and (p.ent_coef.kind != "geometric"
+                                                      or min(p.ent_coef.start, p.ent_coef.end) > 0),
+         "be >= 0, and start and end > 0 under a geometric schedule"),
+        ("ppo.ent_coef.over_env_steps", p.ent_coef.over_env_steps > 0, pos),
+        ("ppo.ent_coef_noop.start", p.ent_coef_noop.start >= 0, nonneg),
+        ("ppo.ent_coef_noop.end", p.ent_coef_noop.end >= 0 and (
+            p.ent_coef_noop.kind != "geometric" or min(p.ent_coef_noop.start, p.ent_coef_noop.end) > 0),
+         "be >= 0, and start and end > 0 under a geometric schedule"),
+        ("ppo.ent_coef_noop.over_env_steps", p.ent_coef_noop.over_env_steps > 0, pos),
+        ("ppo.entropy_coef_stages", p.entropy_coef_stages is None or len(p.entropy_coef_stages) == 3 and all(
+            math.isfinite(c) and c >= 0 for c in p.entropy_coef_stages), "be three finite numbers >= 0"),
+        ("ppo.max_grad_norm", p.max_grad_norm > 0, pos),
+        ("ppo.lr_actor", p.lr_actor > 0, pos),
+        ("ppo.lr_critic", p.lr_critic > 0, pos),
+        ("ppo.adam_eps", p.adam_eps > 0, pos),
+        ("ppo.lr_backoff.kl_threshold", p.lr_backoff.kl_threshold > 0, pos),
+        ("ppo.lr_backoff.patience", p.lr_backoff.patience >= 1, "be >= 1"),
+        ("ppo.lr_backoff.factor", 0 < p.lr_backoff.factor <= 1, "be in (0, 1]"),
+        ("ppo.lr_backoff.lr_min", p.lr_backoff.lr_min >= 0, nonneg),
+        ("ppo.critic_chunk", p.critic_chunk >= 1, "be >= 1"),
+        ("ppo.debug_assert_iterations", p.debug_assert_iterations >= 0, nonneg),
+        ("ppo.check_ratio_invariant_every", p.check_ratio_invariant_every >= 1, "be >= 1 (iterations apart)"),
+        ("ppo.ratio_atol_fp32", p.ratio_atol_fp32 > 0, pos),
+        ("ppo.ratio_atol_bf16", p.ratio_atol_bf16 > 0, pos),
+        ("ppo.forced_rows", p.forced_rows == "all" or n.separate_trunks,
+         "be all under --net.no-separate-trunks: one trunk's critic forward IS the actor's (design 6.5)"),
+        ("advantage.gamma.start", 0 < A.gamma.start <= 1, "be in (0, 1]"),
+        ("advantage.gamma.end", 0 < A.gamma.end <= 1, "be in (0, 1]"),
+        ("advantage.gamma.over_env_steps", A.gamma.over_env_steps > 0, pos),
+        ("advantage.gae_lambda", 0 <= A.gae_lambda <= 1, frac),
+        ("advantage.reward_clip", A.reward_clip > 0, pos),
+        *ladder_rules(args),
+        ("checkpoint.every_env_steps", args.checkpoint.every_env_steps >= 1, "be >= 1"),
+        ("checkpoint.keep", args.checkpoint.keep >= 1, "be >= 1"),
+        ("alarms.ev_negative_patience", args.alarms.ev_negative_patience >= 1, "be >= 1"),
+        ("determinism.torch_threads", args.determinism.torch_threads >= 1, "be >= 1"),
+        ("doctor.ram_budget_mb", args.doctor.ram_budget_mb >= 1, "be >= 1"),
+        ("doctor.vram_headroom_mb", args.doctor.vram_headroom_mb >= 0, "be >= 0 (0 turns the gate off)"),
+    ]
+
+
+def mix_ok(L: LadderArgs) -> bool:
+    return len(L.mix) == 3 and min(L.mix) >= 0 and abs(sum(L.mix) - 1.0) <= 1e-9
+
+
+def ladder_rules(args: Args) -> list[tuple[str, bool, str]]:
+    """config_rules' ladder share: the matchmaker's mix and players, the cadences, and the gate's
+    and probe's battle counts, each paired over the frozen eval seeds."""
+    L, G = args.ladder, args.ladder.gate
+    twice = 2 * L.eval_seed_count
+    paired = (f"be even, at least 2 and at most 2 x --ladder.eval-seed-count = {twice} "
+              "(a seed plays from both sides)")
+    nonneg, frac = "be >= 0", "be in [0, 1]"
+    return [
+        ("ladder.mix", len(L.mix) == 3 and min(L.mix) >= 0,
+         "be three shares (mirror pool scripted), each >= 0"),
+        ("ladder.mix", mix_ok(L), "sum to 1"),
+        ("ladder.max_resident_opponents", 0 <= L.max_resident_opponents <= 63,
+         "be in [0, 63]: old and new residents share 127 int8 group ids"),
+        ("ladder.pfsp_power", L.pfsp_power >= 0, nonneg),
+        ("ladder.pfsp_uniform_floor", 0 <= L.pfsp_uniform_floor <= 1, frac),
+        ("ladder.candidate_every_env_steps", L.candidate_every_env_steps >= 1, "be >= 1"),
+        ("ladder.floor_admit_every_env_steps", L.floor_admit_every_env_steps >= 1, "be >= 1"),
+        ("ladder.pool_working_size", L.pool_working_size >= 1, "be >= 1"),
+        ("ladder.eval_seed_count", L.eval_seed_count >= 1, "be >= 1"),
+        ("ladder.refit_every_iterations", L.refit_every_iterations >= 0, "be >= 0 (0 is off)"),
+        ("ladder.probe_every_iterations", L.probe_every_iterations >= 0, "be >= 0 (0 is off)"),
+        ("ladder.probe_games", L.probe_games % 2 == 0 and 2 <= L.probe_games <= twice, paired),
+        ("ladder.scripted_opponents", all(s.startswith("scripted:") and s[9:] in farm.SCRIPTED_NAMES
+                                          for s in L.scripted_opponents),
+         f"name scripted:<name> players, <name> one of {', '.join(farm.SCRIPTED_NAMES)}"),
+        ("ladder.probe_opponents", bool(L.probe_opponents) and all(
+            s.startswith("scripted:") and s[9:] in farm.SCRIPTED_NAMES for s in L.probe_opponents),
+         f"name at least one scripted:<name> rung, <name> one of {', '.join(farm.SCRIPTED_NAMES)}"),
+        ("ladder.scripted_opponents", bool(L.scripted_opponents) or tuple(L.mix) == (1.0, 0.0, 0.0),
+         "name a player unless --ladder.mix is all mirror (a pool battle with nothing resident plays one)"),
+        ("ladder.gate.champion_games", G.champion_games % 2 == 0 and 2 <= G.champion_games <= twice, paired),
+        ("ladder.gate.champion_lower_bound", 0 < G.champion_lower_bound < 1, "be in (0, 1)"),
+        ("ladder.gate.anchor_games", G.anchor_games % 2 == 0 and 2 <= G.anchor_games <= twice, paired),
+        ("ladder.gate.anchor_tolerance_pp", 0 <= G.anchor_tolerance_pp <= 100,
+         "be in [0, 100] percentage points"),
+        ("ladder.gate.stratified_snapshots", G.stratified_snapshots >= 0, nonneg),
+        ("ladder.gate.stratified_games", G.stratified_games % 2 == 0 and 2 <= G.stratified_games <= twice,
+         paired),
+        ("ladder.gate.bootstrap_resamples", G.bootstrap_resamples >= 1, "be >= 1"),
+    ]
+
+
+def check_consistency(args: Args) -> None:
+    """Refuse the first broken rule of config_rules as one line: the field as the command line
+    spells it, its value, and what it must be (the remedy). main turns it into exit 2."""
+    for path, holds, rule in config_rules(args):
+        if not holds:
+            value = field_value(args, path)
+            shown = (" ".join(map(str, value)) or "(none)") if isinstance(value, tuple) else repr(value)
+            raise ConfigError(f"{flag(path)} {shown}: must {rule}")
+    for path in ("ladder.release_mode", "ladder.opponent_mode"):   # a plugin is imported now, not mid-run
+        decode_fn(field_value(args, path), path)
+    check_seed_snapshots(args.ladder.seed_snapshots)
+    check_seat_decks(args.ladder.seat_decks)
+
+
+def check_seat_decks(sd: SeatDecks) -> None:
+    """Each deck DECK_SIZE distinct names (the catalogue is read at start, deal_check); a field
+    or a shuffle needs a deck to go with."""
+    for where, deck in seat_deck_names(sd):
+        if len(deck) != DECK_SIZE or len(set(deck)) != DECK_SIZE:
+            raise ConfigError(f"{where} {' '.join(deck) or '(none)'}: "
+                              f"must be {DECK_SIZE} distinct card names")
+    if not sd.deck and (sd.field or sd.shuffle != "independent"):
+        raise ConfigError("ladder.seat_decks.field and .shuffle: must come with ladder.seat_decks.deck, "
+                          "the deck they are dealt against")
+    if sd.shuffle not in SHUFFLES:
+        raise ConfigError(f"--ladder.seat-decks.shuffle {sd.shuffle!r}: must be one of {', '.join(SHUFFLES)}")
+
+
+def seat_deck_names(sd: SeatDecks) -> list[tuple[str, tuple[str, ...]]]:
+    """(the field's name, the deck) for the deck, if any, and each field deck."""
+    named = [(f"ladder.seat_decks.field[{i}]", d) for i, d in enumerate(sd.field)]
+    return [("ladder.seat_decks.deck", sd.deck), *named] if sd.deck else named
+
+
+def seat_deals(sd: SeatDecks, roles: np.ndarray) -> list[dict[str, Any]] | None:
+    """Per battle, the royalegym DeckCurriculumStateMutator that deals it (farm.FarmConfig.deals):
+    a mirror battle the deck to both seats in one order; any other the deck to the learner's seat,
+    battle % 2 (ladder.MatchConfig.fixed_seats), and a field deck (or a random one) to the other.
+    None without a deck: the env's own dealer."""
+    if not sd.deck:
+        return None
+    field_decks = [list(d) for d in sd.field] or None
+    return [{"deck": list(sd.deck), "p": 1.0, "mirror_p": 1.0} if int(role) == farm.ROLE_MIRROR else
+            {"deck": list(sd.deck), "p": 1.0, "mirror_p": 0.0, "seat": ("blue", "red")[b % 2],
+             "pool": field_decks, "shuffle": int(ShuffleMode[sd.shuffle.upper()])}
+            for b, role in enumerate(roles)]
+
+
+def deal_check(sd: SeatDecks, cards: Sequence[Any]) -> None:
+    """Every name of ladder.seat_decks in the engine's catalogue, before the run exists (royalegym
+    resolves them again at each battle's first reset)."""
+    from royalegym.state_mutator import deck_ids
+    for where, deck in seat_deck_names(sd):
+        try:
+            deck_ids(deck, cards, where)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def check_seed_snapshots(seeds: Sequence[SeedSnapshot]) -> None:
+    """The seeds' own rules (their folders are read later, check_seeds): one line naming the entry."""
+    for i, sd in enumerate(seeds):
+        at = f"ladder.seed_snapshots[{i}]"
+        if re.fullmatch(r"[A-Za-z0-9_.-]+", sd.name) is None:   # a player id, a path segment, a stream name
+            raise ConfigError(f"{at}.name {sd.name!r}: must be letters, digits, '_', '.' or '-' (the pool "
+                              f"calls it seed:<name>)")
+        if sd.name in [x.name for x in seeds[:i]]:
+            raise ConfigError(f"{at}.name {sd.name!r}: must be unique; an earlier entry has it")
+        if re.fullmatch("[0-9a-f]{64}", sd.sha256) is None:
+            raise ConfigError(f"{at}.sha256 {sd.sha256!r}: must be 64 lowercase hex digits (the folder's "
+                              f"spec.json holds it as actor_sha256)")
+        if not (math.isfinite(sd.weight) and sd.weight > 0):
+            raise ConfigError(f"{at}.weight {sd.weight!r}: must be a positive number")
+
+
+def resolve_device(args: Args) -> torch.device:
+    """A profile that wants CUDA on a machine without it stops with a message, not a traceback."""
+    if args.net.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"profile {args.profile!r} wants net.device={args.net.device} but this machine "
+                          "has no CUDA device: run with --profile cpu "
+                          "(or --net.device cpu --net.autocast-dtype float32)")
+    return torch.device(args.net.device)
+
+
+# torchrun's ranks (design 3.10): what the update sums over, and how the ranks start and stay equal.
+
+
+class Comm:
+    """The ranks of a torchrun job, and what the learner sums over them (design 3.10). Each rank
+    collects its own battles and holds its own rows; every count a loss is divided by, every
+    gradient and every statistic a decision reads is summed over the ranks before it is used, so
+    one optimizer step of N ranks is the step one process would take on their rows together and
+    the weights stay identical on every rank. Rank 0 is the run's one voice. One process (SOLO,
+    no process group) sums nothing and adds no operation: its bytes are what they always were."""
+
+    def __init__(self, device: torch.device | str = "cpu", on: bool = False, rank: int = 0, world: int = 1,
+                 backend: str = "") -> None:
+        self.device, self.on, self.rank, self.world, self.backend = (torch.device(device), on, rank, world,
+                                                                     backend)
+
+    @property
+    def voice(self) -> bool:
+        """Rank 0: the one that writes the run directory, the console and the sinks."""
+        return self.rank == 0
+
+    def sum_(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place (float64 stays float64)."""
+        if self.on:
+            import torch.distributed as dist
+            dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        return x
+
+    def counts(self, *n: int) -> list[int]:
+        if not self.on:
+            return list(n)
+        return [int(v) for v in self.sum_(torch.tensor(n, dtype=torch.int64, device=self.device)).tolist()]
+
+    def most(self, x: float) -> float:
+        """The largest x over the ranks (float64; an int comes back exact)."""
+        if not self.on:
+            return x
+        import torch.distributed as dist
+        t = torch.tensor([x], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    def grads(self, params: Sequence[nn.Parameter]) -> None:
+        """Every parameter's .grad summed over the ranks: one flattened all-reduce a step."""
+        if not self.on:
+            return
+        flat = self.sum_(torch.cat([q.grad.reshape(-1) for q in params]))
+        i = 0
+        for q in params:
+            q.grad.copy_(flat[i:i + q.grad.numel()].view_as(q.grad))
+            i += q.grad.numel()
+
+    def share(self, obj: Any) -> Any:
+        """Rank 0's obj, on every rank (its decisions: the run directory, the pool, stop and save)."""
+        if not self.on:
+            return obj
+        import torch.distributed as dist
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def everyone(self, obj: Any) -> list[Any]:
+        """Every rank's obj, in rank order, on every rank."""
+        if not self.on:
+            return [obj]
+        import torch.distributed as dist
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+
+SOLO = Comm()
+"""The one-process Comm: what every caller outside torchrun gets."""
+
+
+def open_comm(args: Args) -> Comm:
+    """Under torchrun (it sets LOCAL_RANK, RANK, WORLD_SIZE and the rendezvous) join its process
+    group: NCCL on CUDA, gloo on CPU, each rank on one device, cuda:LOCAL_RANK. A plain
+    `python ppo_clash.py` gets SOLO and touches nothing of torch.distributed (design 3.10)."""
+    if "LOCAL_RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return SOLO
+    if args.net.device not in ("cpu", "cuda"):
+        raise ConfigError(f"--net.device {args.net.device}: under torchrun each rank takes its own device; "
+                          "use cuda (rank r gets cuda:LOCAL_RANK) or cpu")
+    import torch.distributed as dist
+    cuda = resolve_device(args).type == "cuda"
+    local = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local)   # "cuda" means this rank's device from here on
+    backend = "nccl" if cuda else "gloo"
+    # the longest any rank waits is rank 0's gate on its evaluation farm (about 4 minutes on the cpu
+    # profile [M: docs/running.md section 6]); NCCL's own default, 10 minutes, would end the job
+    # during a larger profile's gate. A failed rank does not wait this out: torchrun stops the rest.
+    import datetime
+    dist.init_process_group(backend, timeout=datetime.timedelta(hours=1))
+    return Comm(torch.device("cuda", local) if cuda else "cpu", True, dist.get_rank(), dist.get_world_size(),
+                backend)
+
+
+def close_comm(comm: Comm) -> None:
+    if comm.on:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+
+
+class RanksDiverged(RuntimeError):
+    """Two torchrun ranks hold different learners after an update: names the ranks and the iteration."""
+
+
+def same_weights(comm: Comm, learner: Learner) -> None:
+    """Every rank's state_digest (weights, optimizer moments, scaler, positions) equal after the
+    update, checked every iteration: summed gradients and statistics keep them equal, and this
+    says so rather than trusting it (design 3.10)."""
+    if not comm.on:
+        return
+    digests = comm.everyone(learner.digest())
+    bad = [r for r, d in enumerate(digests) if d != digests[0]]
+    if bad:
+        raise RanksDiverged(f"after iteration {learner.iteration + 1}'s update rank(s) {bad} hold "
+                            f"state_digest {[digests[r][:16] for r in bad]}, rank 0 {digests[0][:16]}: "
+                            "the ranks' learners diverged (a reduction missed, or a rank-local decision); "
+                            "the last checkpoint resumes")
+
+
+def every_episode(comm: Comm, episodes: list[Any], n_battles: int) -> list[Any]:
+    """Rank 0 gets every rank's finished episodes, in rank order, each battle numbered in the job
+    (rank r's battle b is battle r x n_battles + b), so episodes.jsonl reads as one farm's; the
+    other ranks keep none (they write nothing)."""
+    if not comm.on:
+        return episodes
+    got = comm.everyone(episodes)
+    if not comm.voice:
+        return []
+    return [msgspec.structs.replace(e, battle=e.battle + r * n_battles)
+            for r, eps in enumerate(got) for e in eps]
+
+
+# The run's identity.
 # run_id = sha256 of the identity's canonical JSON, first 16 hex. Included even though they look
 # cosmetic, because each changes the byte stream: master_seed, workers, games_per_worker,
 # shards_per_worker, timesteps_per_iteration, determinism tier, device kind, and the code itself.
@@ -3877,6 +3918,37 @@ def script_digest(src: bytes, filename: str) -> tuple[str, tuple[str, ...]]:
                  [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
         imported += [n.split(".")[0] for n in names]
     return sha256_hex(code_tokens(src)), tuple(imported)
+
+
+# NetArgs fields that do not shape the network: the precision belongs to the algorithm (algo_digest),
+# the device to the machine, and the factored gate's initial bias is a starting value.
+NOT_ARCHITECTURE = ("autocast_dtype", "device", "factored_act_init")
+
+
+def arch_description(geo: NetGeometry, net: "NetArgs") -> dict[str, Any]:
+    """What arch_digest covers, read off the network these settings build: the geometry, every
+    NetArgs field that shapes the forward, and every module and tensor by name, class and shape.
+    Nothing is listed by hand, so a fork that adds a block, widens a layer or swaps a module moves
+    the digest (and the snapshot and checkpoint checks that trust it) without an edit here."""
+    return json.loads(_arch_json(canonical_json(geo), canonical_json(dataclasses.asdict(net))))
+
+
+@functools.lru_cache(maxsize=64)
+def _arch_json(geo_json: bytes, net_json: bytes) -> bytes:
+    """arch_description for one (geometry, settings), built once on the meta device: shapes and
+    names only, no memory and no initialisation cost."""
+    geo, net = msgspec.json.decode(geo_json, type=NetGeometry), msgspec.json.decode(net_json, type=NetArgs)
+    with torch.device("meta"):
+        model = ActorCritic(geo, net, 0)
+    return canonical_json({
+        "geometry": msgspec.to_builtins(geo),
+        "net": {k: v for k, v in dataclasses.asdict(net).items() if k not in NOT_ARCHITECTURE},
+        "modules": [f"{name} {type(m).__name__}" for name, m in model.named_modules() if name],
+        "tensors": [f"{name} {list(t.shape)}" for name, t in model.state_dict().items()]})
+
+
+def arch_digest(geo: NetGeometry, net: "NetArgs") -> str:
+    return sha256_hex(canonical_json(arch_description(geo, net)))
 
 
 def algo_digest(args: Args) -> str:
@@ -5720,9 +5792,8 @@ def learning_status(row: dict[str, Any], run_name: str) -> dict[str, Any]:
                       "gate": g("ladder/gate_failed_condition") if g("ladder/gate_attempts") else "none yet"}}
 
 
-
-def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: LadderLoop, roll: Rollout, crit: Critic,
-               adv: Advantages, upd: dict[str, Any], lad_row: dict[str, Any]) -> dict[str, Any]:
+def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: ladder.LadderLoop, roll: Rollout,
+               crit: Critic, adv: Advantages, upd: dict[str, Any], lad_row: dict[str, Any]) -> dict[str, Any]:
     """The iteration's one flat row (design 9.2); every key is in SCHEMA. time/iteration runs from
     the previous row to this one, so a checkpoint written after a row is counted in the next."""
     T, trainable, valid, mine = (env.T, roll.trainable, roll.valid,
@@ -5793,25 +5864,8 @@ def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: LadderLoop
         "policy/noop_rate": float((roll.action[trainable] == 0).mean()) if trainable.any() else None,
         "env/win_rate_vs_scripted": mean([e.outcome > 0 for e in mine if e.bucket == "scripted"]),
         **adv.stats, **{k: v for k, v in upd.items() if k.startswith("ppo/")},
-        **ladder_keys(lad, time.perf_counter() - run.t_start), **lad_row,
+        **lad.keys(time.perf_counter() - run.t_start), **lad_row,
     }
-
-
-def ladder_keys(lad: LadderLoop, wall: float) -> dict[str, Any]:
-    """The row's ladder/* keys: what ladder.ladder_metrics reads off the pool and the fit, and what
-    only the loop knows (the gate's and probe's share of the wall clock, the Elo readout, the
-    champion's lead over v0)."""
-    m = ladder.ladder_metrics(lad.ratings, lad.pool, lad.mm, lad.last_gate, lad.gate_attempts,
-                              lad.gate_passes, lad.evictions)
-    m["ladder/gate_seconds_frac"] = lad.seconds_gate / max(wall, 1e-9)
-    m["ladder/probe_seconds_frac"] = lad.seconds_probe / max(wall, 1e-9)
-    m["ladder/gate_consecutive_discards"] = lad.gate_discards_in_a_row
-    if "learner" in lad.elo.rating:
-        m["ladder/elo_readout"] = lad.elo.rating["learner"]
-    champ, v0 = lad.pool.champion, lad.pool.v0
-    if lad.ratings is not None and champ in lad.ratings.rating and v0 in lad.ratings.rating:
-        m["ladder/rating_above_v0"] = lad.ratings.rating[champ] - lad.ratings.rating[v0]
-    return m
 
 
 def progress_line(iteration: int, t: int, T: int, rounds: int, seconds: float) -> str:
@@ -5908,7 +5962,8 @@ def write_snapshot(run: Path, model: ActorCritic, *, obs_digest: str, action_dig
         arch_digest=arch_digest(geo, net), obs_digest=obs_digest, action_digest=action_digest,
         codec_version=codec.CODEC_VERSION, codec_table_digest=codec_table_digest, frame_stack=geo.frame_stack,
         num_cards=geo.card_vocab(), vector_size=geo.vector_size, step=int(step), context=context,
-        run_id=run_id_, arch={"geometry": msgspec.to_builtins(geo), "net": dataclasses.asdict(net)})
+        run_id=run_id_, arch={"geometry": msgspec.to_builtins(geo), "net": dataclasses.asdict(net)},
+        builder=msgspec.UNSET if SCRIPT == ladder.DEFAULT_BUILDER else SCRIPT)
     return ladder.snapshot_player_id(ladder.SnapshotStore(run).save(actor_tensors(model), spec))
 
 
@@ -5920,7 +5975,7 @@ def actor_from_snapshot(spec: Any, tensors: dict[str, np.ndarray], device: torch
     if arch_digest(geo, net) != spec.arch_digest:
         raise ladder.SnapshotMismatch(f"snapshot arch_digest is {spec.arch_digest} but its arch rebuilds to "
                                       f"{arch_digest(geo, net)}: "
-                                      f"ppo_clash.py's network changed since it was saved")
+                                      f"{SCRIPT}'s network changed since it was saved")
     model = ActorCritic(geo, net, 0)
     want = {k for k in model.state_dict() if k.startswith(ACTOR_PREFIXES)}
     if want != set(tensors):
@@ -5998,6 +6053,23 @@ def checkpoint_policy_act(ckpt_dir: str | Path, device: str = "cpu", table: Any 
     env's, read off the run, directory two levels up, when None), and, given `obs_digest`, the
     evaluation env's observation. release_mode: None reads the run's ladder.release_mode."""
     ckpt = Path(ckpt_dir)
+    model, man = actor_from_checkpoint(ckpt)
+    tab = table if table is not None else run_codec_table(ckpt.parent.parent)
+    for name, need in ([("codec_table_digest", tab.digest())]
+                       + ([("obs_digest", obs_digest)] if obs_digest else [])):
+        have = man.identity.get(name)
+        if have != need:
+            raise ladder.SnapshotMismatch(f"{ckpt}: the run trained with {name} {have}, the evaluation env "
+                                          f"has {need}: the actor would see another observation; refused")
+    if release_mode is None:
+        release_mode = str((man.config.get("ladder") or {}).get("release_mode", "stochastic"))
+    return raw_obs_act(model.to(device).eval(), tab, device, release_mode)
+
+
+def actor_from_checkpoint(ckpt: Path) -> tuple[ActorCritic, Manifest]:
+    """A checkpoint's network on the cpu, its actor loaded, and its manifest: every file verified
+    against the manifest (read_checkpoint), the network rebuilt from the saved arch.json and the
+    run's net section and refused by field if they disagree (check_arch), frame_stack 1 only."""
     man, files = read_checkpoint(ckpt)
     arch_path = ckpt / "actor_critic" / "arch.json"
     saved = json.loads(files["actor_critic/arch.json"])
@@ -6015,16 +6087,7 @@ def checkpoint_policy_act(ckpt_dir: str | Path, device: str = "cpu", table: Any 
                                     f"than the actor's (missing {sorted(want - set(actor))[:4]}, unexpected "
                                     f"{sorted(set(actor) - want)[:4]})")
     model.load_state_dict({**model.state_dict(), **actor})
-    tab = table if table is not None else run_codec_table(ckpt.parent.parent)
-    for name, need in ([("codec_table_digest", tab.digest())]
-                       + ([("obs_digest", obs_digest)] if obs_digest else [])):
-        have = man.identity.get(name)
-        if have != need:
-            raise ladder.SnapshotMismatch(f"{ckpt}: the run trained with {name} {have}, the evaluation env "
-                                          f"has {need}: the actor would see another observation; refused")
-    if release_mode is None:
-        release_mode = str((man.config.get("ladder") or {}).get("release_mode", "stochastic"))
-    return raw_obs_act(model.to(device).eval(), tab, device, release_mode)
+    return model, man
 
 
 class Bot:
@@ -6124,259 +6187,10 @@ class Bot:
                     f"on {want[key]} (spec.json arch.geometry): play it on the env of its eval_env.json")
 
 
-def match_config(L: LadderArgs) -> Any:
-    """The matchmaker's configuration, from the run's ladder arguments."""
-    return ladder.MatchConfig(mix=tuple(L.mix), max_resident_opponents=L.max_resident_opponents,
-                              pfsp_power=L.pfsp_power, pfsp_uniform_floor=L.pfsp_uniform_floor,
-                              scripted_opponents=tuple(L.scripted_opponents),
-                              fixed_seats=bool(L.seat_decks.deck))
-
-
-class LadderLoop:
-    """The ladder's side of the training loop (design 10.1): the matchmaker and the pool, the stable
-    table of resident snapshots the farm's group ids index, the gate on its cadence, floor admits,
-    refits, eviction, the probe, the kind="train" results and the ladder/* keys of the row.
-
-    Why a stable resident table: an Assignment carries its opponent's GROUP id for the whole
-    episode, and an episode spans iteration boundaries, while Matchmaker.plan redraws the resident
-    set every iteration. So group g means self.slots[g] for the run, a slot is reused only once no
-    live assignment points at it, and SlotPlan.resident_snapshots is this table (bare sha16 ids,
-    a seed's its copy's: the farm names the seat by the assignment's opponent id)."""
-
-    def __init__(self, args: Args, run: Path, rid: str, seed: int, n_battles: int, env_spec: Any, table: Any,
-                 device: torch.device, match_seed: int | None = None, voice: bool = True) -> None:
-        """seed: the run's master seed (the frozen eval seeds, the gate's draws); match_seed: this
-        rank's (Env.seed). voice False: a torchrun rank other than 0, which plans its own battles
-        against the pool rank 0 shares after each ladder step (follow) and writes nothing."""
-        self.args, self.run, self.rid, self.seed, self.device, self.table = \
-            args, run, rid, seed, device, table
-        self.env_spec, self.voice = env_spec, voice
-        L = args.ladder
-        self.mm = ladder.Matchmaker(seed if match_seed is None else match_seed, n_battles, match_config(L))
-        self.pool = ladder.Pool()
-        self.ratings: ladder.RatingTable | None = None
-        self.slots: list[str] = []
-        self.gate_attempts = self.gate_passes = self.evictions = 0
-        self.last_gate: ladder.GateDecision | None = None
-        self.last_candidate_step = self.last_floor_step = 0
-        self.seconds_gate = self.seconds_probe = 0.0
-        self.gate_discards_in_a_row = 0
-        # design 7.2 layer 1: a sequential Elo over the kind="train" games, for the dashboard between
-        # refits. The learner is one player ("learner"), whatever its step; order = episode order
-        self.elo = ladder.EloReadout()
-        # frozen per run: a resumed run keeps its set even under --allow-identity-drift of the seed
-        self.seeds = (ladder.read_run_seeds(run) if (ladder.ladder_dir(run) / "eval_seeds.json").exists()
-                      else ladder.load_or_create_eval_seeds(run, seed, L.eval_seed_count))
-        if voice:
-            ladder.write_eval_env(run, env_spec)
-        es, _, _ = ladder._eval_preflight(msgspec.json.encode(ladder.eval_env_spec(env_spec)), seed)
-        self.eval_obs_digest = es.obs_digest
-        self.context = ladder.eval_context(es.env_value_digest, es.obs_digest, es.engine_build_digest)
-        self.log = ladder.ResultLog(run)
-        self.store = ladder.SnapshotStore(run)
-        self.cache = ladder.LoadedPolicyCache(
-            self.store, lambda spec, t: actor_from_snapshot(spec, t, device), L.max_resident_opponents + 2,
-            {"obs_digest": self.eval_obs_digest, "codec_table_digest": table.digest()})
-        self.opponent_decode = decode_fn(L.opponent_mode, "ladder.opponent_mode")
-        self.gate_cfg = ladder.GateConfig(**{k: v for k, v in dataclasses.asdict(L.gate).items()
-                                             if k in ladder.GateConfig.__struct_fields__})
-
-    # -- snapshots and the pool --
-    def snapshot(self, model: ActorCritic, step: int, action_digest: str) -> str:
-        return write_snapshot(self.run, model, obs_digest=self.eval_obs_digest, action_digest=action_digest,
-                              codec_table_digest=self.table.digest(), step=step, context=self.context,
-                              run_id_=self.rid)
-
-    def admit(self, pid: str, step: int, promote: bool, cycle: bool = False, sample: bool = True) -> None:
-        self.pool.admit(ladder.PoolMember(id=pid, step=int(step), cycle=cycle), promote=promote,
-                        sample=sample)
-        self.evictions += len(ladder.hall_of_fame_evict(self.pool, self.ratings,
-                                                        self.args.ladder.pool_working_size))
-        ladder.write_pool(self.run, self.pool)
-
-    def admit_seeds(self, specs: Sequence[Any]) -> None:
-        """The seed snapshots, copied byte for byte into the run's archive (so a seed plays from
-        the run, whatever becomes of its folder) and admitted as seed:<name>, never promoted."""
-        for sd, spec in zip(self.args.ladder.seed_snapshots, specs, strict=True):
-            self.pool.admit(ladder.PoolMember(id=f"seed:{sd.name}", step=spec.step, seed=True,
-                                              snapshot=self.store.copy_in(sd.path), weight=sd.weight),
-                            promote=False)
-        ladder.write_pool(self.run, self.pool)
-
-    # -- the plan --
-    def _slot(self, pid: str, live: set[int]) -> int:
-        sid = self.pool.snapshot_id(pid)
-        if sid in self.slots:
-            return self.slots.index(sid)
-        resident = {self.pool.snapshot_id(r) for r in self.mm.residents}
-        for g, s in enumerate(self.slots):   # reuse a slot nobody resident or playing points at
-            if g not in live and s not in resident:
-                self.slots[g] = sid
-                return g
-        if len(self.slots) >= 127:
-            raise RuntimeError("resident table is full (127 int8 group ids are live); this cannot happen "
-                               f"with max_resident_opponents={self.args.ladder.max_resident_opponents}")
-        self.slots.append(sid)
-        return len(self.slots) - 1
-
-    def remap(self, a: Any) -> Any:
-        """The matchmaker's Assignment with its resident index turned into this table's slot."""
-        if a.group[0] >= 0 or a.group[1] >= 0:
-            g = self.slots.index(self.pool.snapshot_id(a.opponent_id))
-            a = msgspec.structs.replace(a, group=tuple(g if x >= 0 else x for x in a.group))
-        return a
-
-    def assign(self, battle: int, ordinal: int) -> Any:
-        return self.remap(self.mm.assign(battle, ordinal))
-
-    def plan(self, iteration: int, ordinals: Sequence[int], current: Sequence[Any] | None) -> Any:
-        """The iteration's SlotPlan: the matchmaker draws this iteration's residents and weights;
-        a battle mid-episode keeps its current assignment (design 3.6), so the table is `current`
-        when the farm has one, else the matchmaker's opening table."""
-        p = self.mm.plan(iteration, ordinals, self.pool, self.ratings)
-        live = {int(g) for a in (current or ()) if a is not None for g in a.group if g >= 0}
-        for pid in self.mm.residents:
-            self._slot(pid, live)
-        table = tuple(current) if current is not None and all(a is not None for a in current) else \
-            tuple(self.remap(a) for a in p.assignment)
-        return farm.SlotPlan(iteration=iteration, n_battles=p.n_battles, n_slots=p.n_slots, assignment=table,
-                             resident_snapshots=tuple(self.slots))
-
-    def policy(self, g: int) -> ActorCritic:
-        return self.cache.get(self.slots[g])
-
-    # -- results, cadences, metrics --
-    def record_train(self, episodes: Sequence[Any], iteration: int, env_steps: int) -> None:
-        """kind="train" (never fitted): one result per learner seat of a non-mirror episode."""
-        wall = ladder.utc_now()
-        games = [ladder.GameResult(a=f"learner@{env_steps}", b=e.opponent_id,
-                                   score_a=ladder.WINNER_SCORE[int(e.outcome)], seed_index=-1,
-                                   side_a=ladder.SIDES[e.seat], context=self.context, kind="train",
-                                   run_id=self.rid, iteration=iteration, wall=wall)
-                 for e in episodes if e.policy_id == "learner" and e.bucket != "mirror"]
-        for gm in games:
-            self.elo.update("learner", gm.b, gm.score_a)
-        if games:
-            self.log.append(games)
-
-    def refit(self) -> None:
-        _, view = ladder.eval_view(self.log.read().games, self.context)
-        self.ratings = ladder.fit_ratings(view) if view else None
-        if self.ratings is not None:
-            ladder.write_ratings(self.run, self.ratings)
-
-    def _runner(self, iteration: int) -> Any:
-        r = self.args.rollout
-        return ladder.EvalRunner(self.env_spec, self.seeds, run_dir=self.run, run_id=self.rid,
-                                 policy_builder=snapshot_policy_builder(
-                                     self.run, str(self.device), table=self.table,
-                                     release_mode=self.args.ladder.release_mode),
-                                 battles_at_once=r.eval_workers * r.eval_games_per_worker,
-                                 iteration=iteration, workers=r.eval_workers, table=self.table)
-
-    def gate(self, model: ActorCritic, iteration: int, env_steps: int, action_digest: str) -> Any:
-        """design 7.4: snapshot the learner, play the WilsonGate on its own farm, apply the outcome."""
-        import time
-        t0 = time.perf_counter()
-        cand = self.snapshot(model, env_steps, action_digest)
-        self.refit()   # condition 3 reads the champion's fitted rating
-        with self._runner(iteration) as r:
-            r.comparison_prefix = f"gate/{cand}/"
-            _, history = ladder.eval_view(self.log.read().games, r.context)
-            dec, _ = ladder.WilsonGate(self.gate_cfg, self.seed, self.seeds.sha256).evaluate(
-                cand, self.pool.champion, list(self.pool.sampler), self.ratings, r, history)
-        ladder.write_gate_decision(self.run, dec)
-        self.gate_attempts += 1
-        self.last_gate = dec
-        self.gate_discards_in_a_row = 0 if dec.admit else self.gate_discards_in_a_row + 1
-        if dec.admit:
-            self.gate_passes += 1
-            self.admit(cand, env_steps, promote=dec.promote, cycle=dec.cycle)
-        self.last_candidate_step = env_steps
-        self.refit()
-        self.seconds_gate += time.perf_counter() - t0
-        return dec
-
-    def floor(self, model: ActorCritic, env_steps: int, action_digest: str) -> None:
-        """A plateau cannot starve the pool: a snapshot admitted without the gate (never champion)."""
-        pid = self.snapshot(model, env_steps, action_digest)
-        if all(m.id != pid for m in self.pool.members):
-            self.admit(pid, env_steps, promote=False)
-        self.last_floor_step = env_steps
-
-    def probe(self, model: ActorCritic, iteration: int, env_steps: int) -> dict[str, Any]:
-        import time
-        t0 = time.perf_counter()
-        with self._runner(iteration) as r:
-            _, m = ladder.run_probe(r, raw_obs_act(model, self.table, self.device,
-                                                   self.args.ladder.release_mode), env_steps,
-                                    rungs=self.args.ladder.probe_opponents,
-                                    probe_games=self.args.ladder.probe_games,
-                                    resamples=self.args.ladder.gate.bootstrap_resamples)
-        self.seconds_probe += time.perf_counter() - t0
-        return m
-
-    def join(self, comm: Comm) -> None:
-        """job_roles: every rank's battle roles in rank order, as every_episode numbers the battles,
-        which rank 0's role counts read (one process: its own)."""
-        self.job_roles = np.concatenate([np.asarray(r) for r in comm.everyone(self.mm.roles)])
-
-    def shared(self) -> tuple[Any, Any]:
-        """What rank 0's ladder step decided that every rank's matchmaker reads: pool and ratings."""
-        return self.pool, self.ratings
-
-    def follow(self, shared: tuple[Any, Any]) -> None:
-        self.pool, self.ratings = shared
-
-    # -- the checkpoint --
-    def state(self, assignment: Sequence[Any]) -> dict[str, Any]:
-        return {"matchmaker": msgspec.to_builtins(self.mm.state()), "pool": msgspec.to_builtins(self.pool),
-                "ratings": msgspec.to_builtins(self.ratings) if self.ratings is not None else None,
-                "slots": list(self.slots), "assignment": [msgspec.to_builtins(a) for a in assignment],
-                "gate_attempts": self.gate_attempts, "gate_passes": self.gate_passes,
-                "evictions": self.evictions,
-                "last_gate": msgspec.to_builtins(self.last_gate) if self.last_gate is not None else None,
-                "last_candidate_step": self.last_candidate_step, "last_floor_step": self.last_floor_step,
-                "seconds_gate": self.seconds_gate, "seconds_probe": self.seconds_probe,
-                "gate_discards_in_a_row": self.gate_discards_in_a_row,
-                "elo": dict(sorted(self.elo.rating.items()))}
-
-    def refuse_changed_setup(self) -> None:
-        """What a run fixed at its start cannot change at a resume, not even under
-        --allow-identity-drift: the seats the battles deal the deck to (the checkpoint's battles
-        and the matchmaker's seats hold them) and the seeds the pool admitted."""
-        L = self.args.ladder
-        if self.mm.cfg.fixed_seats != bool(L.seat_decks.deck):
-            started = "with" if self.mm.cfg.fixed_seats else "without"
-            raise ConfigError(f"ladder.seat_decks.deck: the checkpoint's run was started {started} one; "
-                              "a run cannot take or drop its deck at a resume (start a new run)")
-        held = sorted(self.pool.seeds())
-        if held != sorted(f"seed:{sd.name}" for sd in L.seed_snapshots):
-            raise ConfigError(f"ladder.seed_snapshots: the checkpoint's pool holds {held or 'none'}; "
-                              "seeds are admitted at a run's start only (start a new run)")
-
-    def load(self, st: dict[str, Any]) -> list[Any]:
-        """Restore; returns the saved assignment table (the resumed farm's opening plan)."""
-        self.mm = ladder.Matchmaker.from_state(msgspec.convert(st["matchmaker"], ladder.MatchmakerState))
-        self.pool = msgspec.convert(st["pool"], ladder.Pool)
-        self.refuse_changed_setup()
-        if self.voice:
-            # pool.json follows the checkpoint, not admits made after it
-            ladder.write_pool(self.run, self.pool)
-        self.ratings = (msgspec.convert(st["ratings"], ladder.RatingTable) if st["ratings"] is not None
-                        else None)
-        self.slots = list(st["slots"])
-        self.gate_attempts, self.gate_passes, self.evictions = \
-            st["gate_attempts"], st["gate_passes"], st["evictions"]
-        self.last_gate = (msgspec.convert(st["last_gate"], ladder.GateDecision) if st["last_gate"] is not None
-                          else None)
-        self.last_candidate_step, self.last_floor_step = st["last_candidate_step"], st["last_floor_step"]
-        self.seconds_gate, self.seconds_probe = st["seconds_gate"], st["seconds_probe"]
-        # absent from older checkpoints
-        self.gate_discards_in_a_row = int(st.get("gate_discards_in_a_row", 0))
-        self.elo.rating = {k: float(v) for k, v in st.get("elo", {}).items()}
-        return [msgspec.convert(a, farm.Assignment) for a in st["assignment"]]
-
+# What the ladder's side of the loop (ladder.LadderLoop) asks of this script's networks: it never
+# imports the script (the direction codec <- farm <- ladder <- ppo_clash holds), it is handed these.
+NETS = ladder.LearnerNets(load=actor_from_snapshot, write=write_snapshot, players=snapshot_policy_builder,
+                          act=raw_obs_act, decode=decode_fn)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -6420,7 +6234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = parse_args(rest)
         resolve_device(args)
         train(args, resume=ck, allow_identity_drift=drift)
-    except (ConfigError, IdentityMismatch, CheckpointFormatError, ArchMismatch) as e:
+    except (ConfigError, ladder.LadderSetupChanged, IdentityMismatch, CheckpointFormatError,
+            ArchMismatch) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except AlarmHalt as e:

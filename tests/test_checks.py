@@ -59,7 +59,7 @@ def test_the_cli_lists_exactly_the_built_commands():
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
         checks.main(["--help"])
-    built = ["doctor", "identity", "verify-resume", "replay", "play", "bench", "learn"]
+    built = ["doctor", "identity", "verify-resume", "replay", "play", "bench", "learn", "export"]
     usage = re.match(r"usage: checks\.py \[-h\] \{([a-z,-]+)\}\n", out.getvalue())   # the choices, in order
     assert usage is not None and usage.group(1).split(",") == built, out.getvalue()[:200]
     dispatched = [re.sub(r"(?<!^)(?=[A-Z])", "-", t.__name__).lower() for t in checks.COMMANDS]
@@ -794,3 +794,37 @@ def test_learn_counts_the_warm_start_s_cloning_in_its_budget():
     assert cloned == P.clone_rows(warm, env).game_steps > 0 and n == -(-(2000 - cloned) // per)
     with pytest.raises(checks.CheckError, match="the warm start's cloning alone plays"):
         checks.learn_iterations(checks.Learn(profile="smoke", game_steps=cloned), warm, env)
+
+
+# --- export ------------------------------------------------------------------------------------------
+
+GATE_AT_ONCE = ["--ladder.candidate-every-env-steps", "100", "--ladder.gate.champion-games", "4",
+                "--ladder.gate.anchor-games", "2", "--ladder.gate.bootstrap-resamples", "50"]
+
+
+@pytest.mark.slow
+def test_export_writes_a_checkpoints_actor_as_the_gate_writes_its_candidate(tmp_path):
+    """The final checkpoint of a run whose one iteration gated a candidate: export's folder is that
+    candidate's snapshot byte for byte (so the same id, and no new snapshot in the archive), with the
+    run's evaluation env beside it; a folder that is not empty, and a directory that is not a
+    checkpoint, are one line and exit 2."""
+    run = P.train(P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path / "runs"), *GATE_AT_ONCE]),
+                  quiet=True, max_iterations=1)
+    snaps = run / "ladder" / "snapshots"
+    held = sorted(p.name for p in snaps.iterdir())
+    assert len(held) == 2                                      # v0 and the candidate
+    ckpt = P.latest_checkpoint(run)
+    code, out, err = run_main("export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "m"))
+    assert code == 0, err
+    m = tmp_path / "m"
+    sid = hashlib.sha256((m / "spec.json").read_bytes()).hexdigest()[:16]
+    assert sid in held and sorted(p.name for p in snaps.iterdir()) == held
+    step = json.loads((m / "spec.json").read_bytes())["step"]
+    assert step == P.read_manifest(ckpt).cumulative_env_steps > 0         # the candidate, not v0
+    assert (m / "actor.safetensors").read_bytes() == (snaps / sid / "actor.safetensors").read_bytes()
+    assert sorted(p.name for p in m.iterdir()) == ["actor.safetensors", "eval_env.json", "spec.json"]
+    assert out.startswith(f"snap:{sid}: ")
+    code, _, err = run_main("export", "--checkpoint", str(ckpt), "--out", str(m))
+    assert code == 2 and "exists and is not an empty folder" in err
+    code, _, err = run_main("export", "--checkpoint", str(run), "--out", str(tmp_path / "n"))
+    assert code == 2 and "no manifest.json there" in err

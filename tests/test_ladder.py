@@ -511,6 +511,25 @@ def test_snapshot_round_trip_fp16_and_refusals_name_the_field(tmp_path):
         store.load(sid, expect)
 
 
+def test_a_snapshot_names_the_script_that_builds_it_only_when_it_is_a_fork(tmp_path):
+    """spec.json leaves the builder out for ppo_clash.py, so a ppo_clash.py snapshot's bytes and
+    id are what they were before the field existed; a fork's snapshot names the fork. A CLI player is
+    built by that script, loaded from beside ladder.py: a name that is not a script's file name, or a
+    script that is not there, is one line naming it."""
+    store = L.SnapshotStore(tmp_path)
+    plain, fork = store.save(tensors(), snap_spec()), store.save(tensors(), snap_spec(builder="ppo_fork.py"))
+    assert b"builder" not in (store.root / plain / "spec.json").read_bytes()
+    assert store.spec(plain).script() == "ppo_clash.py" and store.spec(fork).script() == "ppo_fork.py"
+    assert plain != fork
+    with pytest.raises(L.CliError,
+                       match=r"trained by ppo_gone.py, which is not beside ladder.py in .*: put the "):
+        L._builder_script("ppo_gone.py")
+    for bad in ("../ppo_clash.py", "ppo_clash", "sub/ppo_clash.py"):
+        with pytest.raises(L.CliError,
+                           match=rf"names its builder {re.escape(repr(bad))}, not a script's file name"):
+            L._builder_script(bad)
+
+
 def test_a_seed_snapshot_is_checked_against_its_pinned_hash_and_the_runs_digests_then_copied_byte_for_byte(
         tmp_path):
     outside = L.SnapshotStore(tmp_path / "elsewhere")
@@ -754,6 +773,72 @@ def test_pfsp_uses_the_newest_admitted_snapshot_as_the_learners_stand_in():
     mm.plan(1, [0] * 8, pool, None)                               # no fit yet: uniform, flagged
     assert mm.pfsp_effective == 0 and mm.pfsp_learner_step is None
     assert len(set(mm.weights)) == 1
+
+
+# --- 7b. The training loop's ladder (LadderLoop), without a run -------------------------------------------
+
+
+def _loop(**ladder_args):
+    """A LadderLoop with only what these tests read: the run's ladder arguments, a pool, no run."""
+    from types import SimpleNamespace as NS
+    lad = L.LadderLoop.__new__(L.LadderLoop)
+    lad.args = NS(ladder=NS(max_resident_opponents=2, **ladder_args))
+    lad.slots, lad.pool = [], L.Pool()
+    return lad
+
+
+def test_the_resident_table_keeps_a_live_episodes_group_and_reuses_only_free_slots():
+    """Group ids index LadderLoop.slots for the run: a slot is reused only when no live assignment
+    and no current resident points at it, so an episode's group means one snapshot to its end."""
+    from types import SimpleNamespace
+    lad = _loop()
+    lad.mm = SimpleNamespace(residents=("snap:a", "snap:b"))
+    assert [lad._slot("snap:a", set()), lad._slot("snap:b", set())] == [0, 1]
+    assert lad._slot("snap:a", set()) == 0                       # known: same slot
+    lad.mm = SimpleNamespace(residents=("snap:c",))
+    assert lad._slot("snap:c", {0}) == 1       # slot 0 is live (a mid-episode); slot 1 is free: reused
+    assert lad.slots == ["a", "c"]
+    lad.mm = SimpleNamespace(residents=("snap:c", "snap:d"))
+    assert lad._slot("snap:d", {0}) == 2       # 0 live, 1 resident: appended
+    a = L.farm.Assignment(battle=3, ordinal=2, role=ROLE_POOL, opponent_id="snap:d", group=(1, -1),
+                          learner_seat=1)
+    assert lad.remap(a).group == (2, -1)       # the matchmaker's resident index -> the table's slot
+    m = L.farm.Assignment(battle=0, ordinal=0, role=ROLE_MIRROR, opponent_id=None, group=(-1, -1),
+                          learner_seat=-1)
+    assert lad.remap(m) is m
+    # a seed snapshot sits in the table as the snapshot it plays as, and a resident seed's slot is
+    # not free: seed:s plays as "e"
+    lad.pool.admit(L.PoolMember(id="seed:s", step=9, seed=True, snapshot="e"), promote=False)
+    lad.mm = SimpleNamespace(residents=("seed:s",))
+    # 0 and 2 were free: first reused
+    assert lad._slot("seed:s", set()) == 0 and lad.slots == ["e", "c", "d"]
+    lad.mm = SimpleNamespace(residents=("seed:s", "snap:f"))
+    assert lad._slot("snap:f", set()) == 1 and lad.slots == ["e", "f", "d"]   # not slot 0: seed:s is resident
+    s = L.farm.Assignment(battle=1, ordinal=4, role=ROLE_POOL, opponent_id="seed:s", group=(-1, 1),
+                          learner_seat=0)
+    assert lad.remap(s).group == (-1, 0)
+
+
+def test_a_resume_cannot_change_the_seats_deck_or_the_seed_snapshots():
+    """What a run fixed at its start a resume cannot change, not even under --allow-identity-drift:
+    refused naming the field, as LadderSetupChanged (one line and exit 2 from ppo_clash.py)."""
+    from types import SimpleNamespace as NS
+    args, cfg, pool = NS(seat_decks=NS(deck=()), seed_snapshots=()), L.MatchConfig(), L.Pool()
+    L.refuse_changed_setup(args, cfg, pool)
+    args.seed_snapshots = (NS(name="patient"),)
+    with pytest.raises(L.LadderSetupChanged,
+                       match=r"ladder.seed_snapshots: the checkpoint's pool holds none; seeds are admitted"):
+        L.refuse_changed_setup(args, cfg, pool)
+    pool.admit(L.PoolMember(id="seed:patient", step=0, seed=True, snapshot="ab"), promote=False)
+    L.refuse_changed_setup(args, cfg, pool)
+    args.seat_decks = NS(deck=("Knight",) * 8)
+    with pytest.raises(L.LadderSetupChanged,
+                       match=r"seat_decks.deck: the checkpoint's run was started without one"):
+        L.refuse_changed_setup(args, cfg, pool)
+    with pytest.raises(L.LadderSetupChanged,
+                       match=r"seat_decks.deck: the checkpoint's run was started with one"):
+        L.refuse_changed_setup(NS(seat_decks=NS(deck=()), seed_snapshots=()), L.MatchConfig(fixed_seats=True),
+                               pool)
 
 
 # --- 8. The CLI, torch-free ---------------------------------------------------------------------------

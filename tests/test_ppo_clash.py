@@ -240,7 +240,7 @@ def test_the_entropy_s_chain_rule_split_is_each_term_by_hand_and_sums_to_the_ent
     d = P.MaskedCategorical(logits, mask)
     gate, cand, tile = d.entropy_split(2, 3)
     gate_, cand_, tile_ = gate.detach(), cand.detach(), tile.detach()
-    xlogx = lambda x: x * math.log(x) if x > 0 else 0.0   # noqa: E731
+    xlogx = lambda x: x * math.log(x) if x > 0 else 0.0
     for b in range(4):
         p = [math.exp(float(v)) if mask[b, a] else 0.0 for a, v in enumerate(d.logp[b].detach().double())]
         act = 1 - p[0]
@@ -893,13 +893,22 @@ def make_data(kind="default", n_batches=(0, 14), seed=0, perturb=0.3, geo_net=No
     return geo, net, data
 
 
-def _grads(geo, net, data, ppo, seed=0, order=None):
+def batch_grads(ac, data, ppo, *, order_seed=0, comm=None, teacher=None, ent_coef=0.01, ent_coef_noop=0.02):
+    """One batch's summed gradient, read off ppo_update itself: one epoch of one batch of every row,
+    learning rates 0 (Adam then leaves the weights where they are) and no clipping, so the .grad
+    ppo_update leaves is what minibatch_loss's backward calls summed. order_seed: the permutation's
+    master seed, which orders the rows into minibatches."""
+    one = dataclasses.replace(ppo, n_epochs=1, batch_size=data.n, lr_actor=0.0, lr_critic=0.0,
+                              max_grad_norm=math.inf)
+    P.ppo_update(ac, *P.make_optimizers(ac, one), data, one, ent_coef=ent_coef, ent_coef_noop=ent_coef_noop,
+                 master_seed=order_seed, iteration=0, debug=True, check_ratio=False, ratio_atol=1e-4,
+                 comm=comm, teacher=teacher)
+    return {k: p.grad.clone() for k, p in ac.named_parameters()}
+
+
+def _grads(geo, net, data, ppo, seed=0, order_seed=0):
     ac = P.ActorCritic(geo, net, master_seed=seed)
-    acc = P._Acc(1)
-    idx = np.arange(data.n) if order is None else order
-    P.accumulate_batch(ac, data, idx, ppo, 0.01, 0.02, acc, debug=True)
-    return ac, {k: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-                for k, p in ac.named_parameters()}
+    return ac, batch_grads(ac, data, ppo, order_seed=order_seed)
 
 
 def _maxdiff(a, b):
@@ -937,7 +946,7 @@ def test_accumulated_gradient_equals_the_full_batch_gradient(mode):
     small = P.PPOArgs(forced_rows=mode, batch_size=N, minibatch_size=9)   # N is not a multiple of 9
     assert N % 9
     _, g_full = _grads(geo, net, data, full)
-    _, g_small = _grads(geo, net, data, small, order=np.random.default_rng(1).permutation(N))
+    _, g_small = _grads(geo, net, data, small, order_seed=1)
     ref = _reference_grads(geo, net, data, full, mode)
     assert _maxdiff(g_small, g_full) < 1e-5
     assert _maxdiff(g_small, ref) < 1e-5
@@ -965,12 +974,7 @@ def _rank_grads(rank: int, world: int, init_file: str, out: str) -> None:
         got = {}
         for mode in P.FORCED_ROWS:
             ppo = P.PPOArgs(forced_rows=mode, batch_size=data.n, minibatch_size=9)
-            ac = P.ActorCritic(geo, net, master_seed=0)
-            P.accumulate_batch(ac, mine, np.arange(mine.n), ppo, 0.01, 0.02, P._Acc(1), debug=True, comm=comm)
-            params = [q for _, q in ac.named_parameters()]
-            P._ensure_grads(params)
-            comm.grads(params)
-            got[mode] = {k: q.grad.clone() for k, q in ac.named_parameters()}
+            got[mode] = batch_grads(P.ActorCritic(geo, net, master_seed=0), mine, ppo, comm=comm)
         torch.save(got, f"{out}/rank{rank}.pt")
         third = data.n // 3
         mine = _rows(data, np.arange(third) if rank == 0 else np.arange(third, data.n))
@@ -1036,10 +1040,10 @@ def test_ratio_one_gives_exactly_minus_mean_advantage():
     geo, net, data = make_data(perturb=0.0)
     ppo = P.PPOArgs(forced_rows="all", batch_size=data.n, minibatch_size=data.n, n_epochs=1)
     ac = P.ActorCritic(geo, net, master_seed=0)
-    acc = P._Acc(1)
     assert P.ratio_invariant(ac, data, np.arange(data.n), data.n, check=True, atol=0.0) == 0.0
-    P.accumulate_batch(ac, data, np.arange(data.n), ppo, 0.0, 0.0, acc)
-    assert float(acc.s["policy_obj_all"]) / data.n == pytest.approx(float(data.adv.mean()), abs=1e-6)
+    out = P.ppo_update(ac, *P.make_optimizers(ac, ppo), data, ppo, ent_coef=0.0, ent_coef_noop=0.0,
+                       master_seed=0, iteration=0, debug=True, check_ratio=True, ratio_atol=0.0)
+    assert out["ppo/policy_loss"] == pytest.approx(-float(data.adv.mean()), abs=1e-6)
 
 
 def test_mask_asserts_fire_on_a_mismatched_mask():
@@ -1049,18 +1053,18 @@ def test_mask_asserts_fire_on_a_mismatched_mask():
     bad = TensorData(data.obs, data.action.clone(), data.log_prob, data.adv, data.ret, labels=data.labels)
     bad.action[forced[0]] = int(torch.nonzero(~data.obs.mask[forced[0]])[0])   # an action its mask forbids
     with pytest.raises(P.StoredActionIllegal, match=data.labels[forced[0]]):
-        P.accumulate_batch(P.ActorCritic(geo, net, 0), bad, np.arange(data.n), ppo, 0.0, 0.0, P._Acc(1))
+        batch_grads(P.ActorCritic(geo, net, 0), bad, ppo)
     wrong = data.n_legal_t.clone()
     wrong[forced[0]] += 1
     bad2 = TensorData(data.obs, data.action, data.log_prob, data.adv, data.ret, n_legal=wrong,
                       labels=data.labels)
     with pytest.raises(P.MaskCountMismatch, match=data.labels[forced[0]]):
-        P.accumulate_batch(P.ActorCritic(geo, net, 0), bad2, np.arange(data.n), ppo, 0.0, 0.0, P._Acc(1))
+        batch_grads(P.ActorCritic(geo, net, 0), bad2, ppo)
     lp = data.log_prob.clone()
     lp[3] = float("-inf")
     bad3 = TensorData(data.obs, data.action, lp, data.adv, data.ret, labels=data.labels)
     with pytest.raises(P.NonFiniteLogProb, match=data.labels[3]):
-        P.accumulate_batch(P.ActorCritic(geo, net, 0), bad3, np.arange(data.n), ppo, 0.0, 0.0, P._Acc(1))
+        batch_grads(P.ActorCritic(geo, net, 0), bad3, ppo)
 
 
 def test_the_ratio_invariant_fires_naming_the_worst_sample():
@@ -1118,7 +1122,7 @@ def test_an_update_drops_nothing_steps_once_per_batch_and_moves_the_actor(mode):
     assert out["ppo/forced_frac"] == pytest.approx(1 - n_choice / data.n)
     assert out["ppo/ratio_max_abs_dev"] <= 1e-4
     assert out["ppo/update_magnitude_actor"] > 0 and out["ppo/kl"] > 0
-    assert all(math.isfinite(v) for v in out.values())
+    assert all(math.isfinite(v) for k, v in out.items() if k.startswith("ppo/"))
     assert oa.state[ac.actor_parameters()[0]]["step"] == out["ppo/optimizer_steps"]
 
 
@@ -1129,9 +1133,8 @@ def test_entropy_stages_at_one_coefficient_are_ent_coef_and_a_zero_tile_stage_is
     geo, net, data = make_data(perturb=0.0)
 
     def grads(**kw):
-        ac = P.ActorCritic(geo, net, master_seed=0)
-        P.accumulate_batch(ac, data, np.arange(data.n), P.PPOArgs(**kw), 0.5, 0.0, P._Acc(1), debug=True)
-        return {k: q.grad.clone() for k, q in ac.named_parameters() if q.grad is not None}
+        return batch_grads(P.ActorCritic(geo, net, master_seed=0), data, P.PPOArgs(**kw), ent_coef=0.5,
+                           ent_coef_noop=0.0)
 
     whole, same, no_tile = \
         grads(), grads(entropy_coef_stages=(0.5, 0.5, 0.5)), grads(entropy_coef_stages=(0.5, 0.5, 0.0))
@@ -1320,7 +1323,7 @@ def test_the_cpu_gate_sees_a_slow_learner_and_its_anchor_condition_is_sized_to_i
     g, seeds = lad.gate, lad.eval_seed_count
     n = g.champion_games
     clears = [k for k in range(n + 1) if ladder.wilson_interval(k / n, n)[0] >= g.champion_lower_bound]
-    promote = lambda p: sum(comb(n, k) * p ** k * (1 - p) ** (n - k) for k in clears)  # noqa: E731
+    promote = lambda p: sum(comb(n, k) * p ** k * (1 - p) ** (n - k) for k in clears)
     assert promote(0.57) >= 2 / 3 and promote(0.52) < 0.03 and n <= 2 * seeds
     sd_diff = 0.39 / math.sqrt(g.anchor_games / 2)
     assert NormalDist().cdf(-g.anchor_tolerance_pp / 100 / sd_diff) <= 0.05
@@ -1919,6 +1922,8 @@ gate = ["--ladder.candidate-every-env-steps", "100", "--ladder.gate.champion-gam
 run = ppo_clash.train(ppo_clash.parse_args(["--profile", "smoke", "--runs-dir", sys.argv[2], *gate]), quiet=True,
                       max_iterations=1)
 assert ladder.main(["rate", str(run)]) == 0
+sid = sorted(p.name for p in (run / "ladder" / "snapshots").iterdir())[0]
+assert ladder.main(["eval", "--run", str(run), "--a", "snap:" + sid, "--b", "scripted:random_legal", "--seeds", "1"]) == 0
 up = sorted((a, b) for a, b in edges if order.index(a) < order.index(b))
 print("EDGES", sorted(edges))
 assert not up, f"a script imported one above it at run time: {up}"
@@ -1929,8 +1934,8 @@ assert ("ppo_clash", "ladder") in edges and ("farm", "codec") in edges   # the w
 @pytest.mark.slow
 def test_the_import_direction_holds_at_run_time(tmp_path):
     """codec <- farm <- ladder <- ppo_clash, while a run trains, gates a candidate against v0 on the
-    evaluation farm, checkpoints and is rated: every import statement executed is watched, lazy
-    ones inside functions included."""
+    evaluation farm, checkpoints, is rated and has a snapshot played by `ladder.py eval`: every
+    import statement executed is watched, lazy ones inside functions included."""
     import subprocess
     import sys
     proc = subprocess.run([sys.executable, "-c", RUNTIME_IMPORTS, str(ROOT), str(tmp_path)],
@@ -2381,7 +2386,7 @@ def test_a_resume_of_a_run_still_training_is_refused_before_it_writes_and_goes_a
     trainers once interleaved their rows in one metrics.jsonl. A finished run has let go of it."""
     run = _copy_run(straight_smoke[0], tmp_path)
     live = P.hold_run(run)                                       # what the live trainer holds
-    files = lambda: {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}   # noqa: E731
+    files = lambda: {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     before = files()
     capsys.readouterr()
     assert P.main(["--resume", str(run), "--timestep-limit", "1290"]) == 2
@@ -3143,8 +3148,7 @@ def test_a_decode_mode_is_checked_at_config_time_and_a_plugins_code_is_part_of_t
     assert P.ladder_digest(moved, "s") != P.ladder_digest(args, "s")
 
 
-def test_seed_snapshots_come_from_a_config_file_are_refused_by_entry_and_enter_the_identity_without_their_path(  # noqa: E501
-        tmp_path):
+def test_seed_snapshots_from_a_config_file_are_checked_by_entry_and_hashed_without_their_path(tmp_path):
     sha = "ab" * 32
     good = {"name": "patient", "path": "models/x", "sha256": sha}
     f = tmp_path / "seeds.json"
@@ -3177,21 +3181,6 @@ def test_seed_snapshots_come_from_a_config_file_are_refused_by_entry_and_enter_t
     seeded = digest(path="models/x")
     assert digest(path="elsewhere") == seeded and digest() != seeded
     assert len({seeded, digest(name="p2"), digest(sha256="cd" * 32), digest(weight=2.0)}) == 4
-    # what a run fixed at its start a resume cannot change, not even under --allow-identity-drift
-    from types import SimpleNamespace
-    lad = P.LadderLoop.__new__(P.LadderLoop)
-    lad.args, lad.pool = P.profile_args("smoke"), P.ladder.Pool()
-    lad.mm = SimpleNamespace(cfg=P.ladder.MatchConfig())
-    lad.refuse_changed_setup()
-    lad.args.ladder.seed_snapshots = (P.SeedSnapshot(**good),)
-    with pytest.raises(P.ConfigError,
-                       match=r"ladder.seed_snapshots: the checkpoint's pool holds none; seeds are admitted"):
-        lad.refuse_changed_setup()
-    lad.pool.admit(P.ladder.PoolMember(id="seed:patient", step=0, seed=True, snapshot="ab"), promote=False)
-    lad.refuse_changed_setup()
-    lad.args.ladder.seat_decks = P.SeatDecks(deck=("Knight",) * 8)
-    with pytest.raises(P.ConfigError, match=r"seat_decks.deck: the checkpoint's run was started without one"):
-        lad.refuse_changed_setup()
 
 
 DECK = ("Knight", "Archer", "Giant", "Musketeer", "Fireball", "Arrows", "MiniPekka", "Valkyrie")
@@ -3201,8 +3190,8 @@ def test_seat_decks_are_checked_by_deck_and_name_deal_by_role_and_enter_the_iden
     args = P.parse_args(["--profile", "smoke", "--ladder.seat-decks.deck", *DECK,
                          "--ladder.seat-decks.shuffle", "none"])
     sd = args.ladder.seat_decks
-    assert sd == P.SeatDecks(deck=DECK, shuffle="none") and P.match_config(args.ladder).fixed_seats
-    assert not P.match_config(P.profile_args("smoke").ladder).fixed_seats
+    assert sd == P.SeatDecks(deck=DECK, shuffle="none") and P.ladder.match_config(args.ladder).fixed_seats
+    assert not P.ladder.match_config(P.profile_args("smoke").ladder).fixed_seats
     for bad, msg in [(P.SeatDecks(deck=DECK[:7]),
                       r"ladder.seat_decks.deck Knight .* must be 8 distinct card names"),
                      (P.SeatDecks(deck=DECK[:7] + ("Knight",)), r"deck Knight .* must be 8 distinct"),
@@ -3238,7 +3227,8 @@ def gated_run(tmp_path_factory):
     wrapped to record what the loop did; the pool acts by --ladder.opponent-mode argmax. Shared by
     the slow tests below (one run, ~40 s loaded)."""
     seen: dict[str, list] = {"trainable": [], "group": [], "legal": [], "dists": [], "decodes": []}
-    real_check, real_policy, real_act = P.check_iteration, P.LadderLoop.policy, P.ActorCritic.act_and_hold
+    real_check, real_policy, real_act = (P.check_iteration, P.ladder.LadderLoop.policy,
+                                         P.ActorCritic.act_and_hold)
 
     def act(self, obs, u, forced, decode=P.sample_decode):   # every network's act: which decode it was given
         seen["decodes"].append(decode)
@@ -3264,7 +3254,7 @@ def gated_run(tmp_path_factory):
 
     mp = pytest.MonkeyPatch()
     mp.setattr(P, "check_iteration", check)
-    mp.setattr(P.LadderLoop, "policy", policy)
+    mp.setattr(P.ladder.LadderLoop, "policy", policy)
     mp.setattr(P.ActorCritic, "act_and_hold", act)
     try:
         args = P.parse_args(["--profile", "smoke", "--runs-dir", str(tmp_path_factory.mktemp("gate")),
@@ -3537,39 +3527,6 @@ def test_ladder_py_yardstick_under_another_release_mode_plays_the_decode_and_rec
     err = capsys.readouterr().err
     assert err.startswith("ladder.py yardstick: --ladder.release-mode 'plugin:decode_first': must be") and \
         err.count("\n") == 1
-
-
-def test_the_resident_table_keeps_a_live_episodes_group_and_reuses_only_free_slots():
-    """Group ids index LadderLoop.slots for the run: a slot is reused only when no live assignment
-    and no current resident points at it, so an episode's group means one snapshot to its end."""
-    from types import SimpleNamespace
-    lad = P.LadderLoop.__new__(P.LadderLoop)
-    lad.args, lad.slots, lad.pool = P.profile_args("smoke"), [], P.ladder.Pool()
-    lad.mm = SimpleNamespace(residents=("snap:a", "snap:b"))
-    assert [lad._slot("snap:a", set()), lad._slot("snap:b", set())] == [0, 1]
-    assert lad._slot("snap:a", set()) == 0                       # known: same slot
-    lad.mm = SimpleNamespace(residents=("snap:c",))
-    assert lad._slot("snap:c", {0}) == 1       # slot 0 is live (a mid-episode); slot 1 is free: reused
-    assert lad.slots == ["a", "c"]
-    lad.mm = SimpleNamespace(residents=("snap:c", "snap:d"))
-    assert lad._slot("snap:d", {0}) == 2       # 0 live, 1 resident: appended
-    a = P.farm.Assignment(battle=3, ordinal=2, role=P.farm.ROLE_POOL, opponent_id="snap:d", group=(1, -1),
-                          learner_seat=1)
-    assert lad.remap(a).group == (2, -1)       # the matchmaker's resident index -> the table's slot
-    m = P.farm.Assignment(battle=0, ordinal=0, role=P.farm.ROLE_MIRROR, opponent_id=None, group=(-1, -1),
-                          learner_seat=-1)
-    assert lad.remap(m) is m
-    # a seed snapshot sits in the table as the snapshot it plays as, and a resident seed's slot is
-    # not free: seed:s plays as "e"
-    lad.pool.admit(P.ladder.PoolMember(id="seed:s", step=9, seed=True, snapshot="e"), promote=False)
-    lad.mm = SimpleNamespace(residents=("seed:s",))
-    # 0 and 2 were free: first reused
-    assert lad._slot("seed:s", set()) == 0 and lad.slots == ["e", "c", "d"]
-    lad.mm = SimpleNamespace(residents=("seed:s", "snap:f"))
-    assert lad._slot("snap:f", set()) == 1 and lad.slots == ["e", "f", "d"]   # not slot 0: seed:s is resident
-    s = P.farm.Assignment(battle=1, ordinal=4, role=P.farm.ROLE_POOL, opponent_id="seed:s", group=(-1, 1),
-                          learner_seat=0)
-    assert lad.remap(s).group == (-1, 0)
 
 
 # --- metrics and alarms (issue 4 item 6, design 9.1-13.4): planted rows, no run ------------------------
@@ -3963,17 +3920,17 @@ def test_a_run_stopped_between_two_gates_continues_as_if_it_never_stopped(tmp_pa
     rows_b = [json.loads(x) for x in (run_b / "metrics.jsonl").read_text().splitlines()]
     assert [r["run/iteration"] for r in rows_b] == [1, 2, 3, 4]
     clock = P.NONDETERMINISTIC + ("ladder/gate_seconds_frac", "ladder/probe_seconds_frac")
-    keep = lambda r: {k: v for k, v in r.items() if not k.startswith(clock)}  # noqa: E731
+    keep = lambda r: {k: v for k, v in r.items() if not k.startswith(clock)}
     for ra, rb in zip(rows_a, rows_b, strict=True):
         assert keep(ra) == keep(rb), (ra["run/iteration"],
                                       sorted(k for k in keep(ra) if keep(ra)[k] != keep(rb).get(k)))
-    unwall = lambda p: [{k: v for k, v in json.loads(x).items() if k != "wall"}  # noqa: E731
+    unwall = lambda p: [{k: v for k, v in json.loads(x).items() if k != "wall"}
                         for x in p.read_text().splitlines()]
     games_a, games_b = unwall(run_a / "ladder" / "games.jsonl"), unwall(run_b / "ladder" / "games.jsonl")
     assert len(games_b) == len(games_a) and games_b == games_a
     assert sorted(p.name for p in (run_b / "ladder" / "gates").iterdir()) == \
         sorted(p.name for p in (run_a / "ladder" / "gates").iterdir())
-    pool = lambda r: json.loads((r / "ladder" / "pool.json").read_text())  # noqa: E731
+    pool = lambda r: json.loads((r / "ladder" / "pool.json").read_text())
     assert pool(run_a) == pool(run_b)
 
 
@@ -4076,21 +4033,21 @@ def test_a_worker_killed_during_the_update_is_restarted_before_the_next_plan(tmp
 
     import farm
     seen: dict[str, Any] = {}
-    real_round, real_update = farm.ProcessFarm.next_round, P.update
+    real_round, real_update = farm.ProcessFarm.next_round, P.ppo_update
 
     def remember(self, *a, **kw):
         seen["farm"] = self
         return real_round(self, *a, **kw)
 
-    def killing_update(learner, *a, **kw):
+    def killing_update(*a, **kw):
         f = seen["farm"]
-        if learner.iteration == 1:
+        if kw["iteration"] == 1:
             os.kill(f._procs[1].pid, signal.SIGKILL)   # the worker this test's run started
             f._procs[1].join(10)
-        return real_update(learner, *a, **kw)
+        return real_update(*a, **kw)
 
     monkeypatch.setattr(farm.ProcessFarm, "next_round", remember)
-    monkeypatch.setattr(P, "update", killing_update)
+    monkeypatch.setattr(P, "ppo_update", killing_update)
     assert P.main(FAILURE_FLAGS + ["--runs-dir", str(tmp_path)]) == 0
     (run,) = tmp_path.iterdir()
     rows = _rows_after_one_restart(run, 3, "died with exit code -9")
@@ -4462,7 +4419,7 @@ def test_a_smoke_run_placing_by_cell_keeps_the_ratio_invariant_and_acts_only_on_
 
 @pytest.mark.parametrize("mode", P.FORCED_ROWS)
 def test_the_teacher_term_is_kl_from_the_clone_over_legal_actions_and_moves_the_actor_alone(mode):
-    """accumulate_batch with a teacher at weight 0.5: its gradient less the gradient without one is
+    """The update with a teacher at weight 0.5: its gradient less the gradient without one is
     the gradient of 0.5 x sum_rows KL(teacher || actor), written out here over each row's legal
     actions and divided as the actor's other terms are (every row under all, the choice rows
     otherwise; design 6.5); the teacher takes no gradient; a teacher equal to the actor adds 0."""
@@ -4475,10 +4432,7 @@ def test_the_teacher_term_is_kl_from_the_clone_over_legal_actions_and_moves_the_
             q.mul_(300.0)
     _, plain = _grads(geo, net, data, ppo)
     ac = P.ActorCritic(geo, net, master_seed=0)
-    acc = P._Acc(1)
-    P.accumulate_batch(ac, data, np.arange(data.n), ppo, 0.01, 0.02, acc, debug=True, teacher=(teacher, 0.5))
-    taught = {k: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-              for k, p in ac.named_parameters()}
+    taught = batch_grads(ac, data, ppo, teacher=(teacher, 0.5))
     ref_ac = P.ActorCritic(geo, net, master_seed=0)
     m = data.gather(np.arange(data.n))
     rows = torch.ones(data.n, dtype=torch.bool) if mode == "all" else m.n_legal > 1
@@ -4578,6 +4532,15 @@ def test_a_fork_trains_as_itself_and_names_itself(tmp_path):
     again = _run_fork(fork)                                  # the same run again: refused, naming the fork
     assert again.returncode != 0
     assert f"python ppo_fork.py --resume runs/{run.name}" in again.stderr, again.stderr[-1000:]
+    # its snapshot names the fork as its builder, and ladder.py plays it with the fork's network
+    # (no ppo_clash.py beside it: ladder.py imports no training script, it loads the one named)
+    snap = sorted((run / "ladder" / "snapshots").iterdir())[0]
+    assert json.loads((snap / "spec.json").read_bytes())["builder"] == "ppo_fork.py"
+    played = subprocess.run([sys.executable, "ladder.py", "eval", "--a", str(snap), "--b",
+                             "scripted:random_legal", "--seeds", "1", "--master-seed", "3"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600)
+    assert played.returncode == 0, played.stderr[-2000:]
+    assert not (tmp_path / "ppo_clash.py").exists()
 
 
 @pytest.mark.slow
