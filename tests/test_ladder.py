@@ -1186,8 +1186,12 @@ def test_eval_cli_without_torch_appends_games_and_rate_ranks_random_legal_above_
     rows = [line.split()[0] for line in r.stdout.splitlines()
             if line.startswith(("scripted:random_legal ", "scripted:noop "))]
     assert rows == ["scripted:random_legal", "scripted:noop"]   # sorted by rating, highest first
-    r = run_cli("eval", "--run", str(tmp_path), "--a", "snap:0123456789abcdef", "--b", "scripted:noop")
-    assert r.returncode == 2 and "needs ppo_clash.py and torch" in r.stderr
+    # a snapshot is played by the script its spec names (ppo_clash.py for a shipped model), which needs
+    # torch: without it, one line naming the script and what it could not import
+    r = run_cli("eval", "--a", str(ROOT / "models" / "cpu-pointer"), "--b", "scripted:noop", "--seeds", "1",
+                "--master-seed", "5")
+    assert r.returncode == 2 and "playing a snapshot of ppo_clash.py needs what it imports" in r.stderr
+    assert "torch" in r.stderr.splitlines()[-1] and "Traceback" not in r.stderr
 
 
 def test_eval_and_yardstick_refuse_a_seed_count_they_cannot_play_in_one_line_before_any_battle(
@@ -1210,15 +1214,16 @@ def test_eval_and_yardstick_refuse_a_seed_count_they_cannot_play_in_one_line_bef
 
 
 # ladder.py run as the script __main__ (as `python ladder.py` runs it), then what the process holds.
-# A snap: player makes the CLI import ppo_clash, which does `import ladder`: that import must find
-# the running module, not execute ladder.py a second time beside it.
+# A snapshot makes the CLI load the script its spec names (ppo_clash.py for a shipped model), which
+# does `import ladder`: that import must find the running module, not execute ladder.py a second
+# time beside it.
 ONE_COPY = ("import runpy, sys\n"
             "sys.argv = ['ladder.py'] + sys.argv[1:]\n"
             "try:\n"
             "    runpy.run_path('ladder.py', run_name='__main__')\n"
             "except SystemExit as e:\n"
             "    print('exit', e.code)\n"
-            "assert 'ppo_clash' in sys.modules, 'the CLI did not import ppo_clash'\n"
+            "assert 'ppo_clash' in sys.modules, 'the CLI did not load ppo_clash'\n"
             "import ppo_clash\n"
             "lad = sys.modules['ladder']\n"
             "copies = {m.EvalRunner for m in list(sys.modules.values())\n"
@@ -1230,12 +1235,12 @@ ONE_COPY = ("import runpy, sys\n"
 @pytest.mark.slow
 def test_the_cli_process_holds_one_ladder_module_when_it_imports_ppo_clash(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"master_seed": 5, "ladder": {"eval_seed_count": 2}}))
-    r = subprocess.run([sys.executable, "-c", ONE_COPY, "eval", "--run", str(tmp_path), "--a",
-                        "snap:0123456789abcdef", "--b", "scripted:noop", "--seeds", "1"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", ONE_COPY, "eval", "--a", str(ROOT / "models" / "cpu-pointer"),
+                        "--b", "scripted:noop", "--seeds", "1", "--master-seed", "5"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    # the snapshot does not exist, so the eval itself is refused by name, after ppo_clash was imported
-    assert "exit 2" in r.stdout and "snapshot 0123456789abcdef" in r.stderr
+    # the shipped model was played (two battles), by ppo_clash.py loaded from beside ladder.py
+    assert "exit 0" in r.stdout and "over 1 seeds (2 battles)" in r.stdout, r.stdout + r.stderr[-1000:]
     # the module ppo_clash imported IS the script: its classes were made once, by the __main__ run
     assert "name __main__ same True runner_module __main__ copies 1" in r.stdout, r.stdout
 
