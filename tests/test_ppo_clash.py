@@ -1010,7 +1010,8 @@ def test_two_ranks_on_two_halves_of_a_batch_take_the_gradient_one_process_takes_
     a, b = (torch.load(tmp_path / f"update{r}.pt") for r in range(2))
     assert a["n"] < b["n"] and a["n"] + b["n"] == data.n
     assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
-    assert a["row"] == b["row"]
+    row_a, row_b = ({k: v for k, v in x["row"].items() if k.startswith("ppo/")} for x in (a, b))
+    assert row_a == row_b                     # the row's keys; time/update and the outliers are each rank's
     assert a["row"]["ppo/optimizer_steps"] == 2 * -(-b["n"] // 8) > 2 * -(-a["n"] // 8)
     assert a["row"]["ppo/actor_rows_seen"] == 2 * data.n and a["row"]["ppo/kl"] > 0
 
