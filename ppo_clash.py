@@ -168,7 +168,9 @@ class RewardArgs:
 class WarmArgs:
     """A warm start by behaviour cloning (docs/learning.md section 3): before PPO's first iteration
     the actor imitates a scripted rung on that rung's own choices, so v0, the policy training
-    starts from, is the clone. Off by default; a fresh run only (a resume has its weights)."""
+    starts from, is the clone. Off by default, on under --profile cpu (a clone of defend kept by a
+    teacher); a fresh run only (a resume has its weights). Under net.placement_cell a rung's tile is
+    cloned as its cell (placement_action)."""
     rung: str = ""
     """the scripted player to imitate, scripted:<name> (farm.SCRIPTED_NAMES); empty: no warm start"""
     battles: int = 64
@@ -589,6 +591,10 @@ def profile_args(name: str) -> Args:
         # rows give the actor critic_only's steps at the start [A: 3 epochs x ~770 rows / 96]; at
         # 1M it beat critic_only's weights head to head (docs/learning.md 3.3). smoke keeps
         # critic_only, whose every row the fast tests count. What was tried: docs/running.md 6.
+        # cpu starts from a clone of defend (the rung that does best on this env) kept by a
+        # teacher whose weight anneals 1 -> 0 over 1M game-steps: at 1M it beat the smdp run head
+        # to head, 0.546 [0.509, 0.583], and it is models/cpu (docs/learning.md 3.6 R2). The
+        # cloning plays about 26,000 game-steps of the budget [M] before iteration 1.
         smoke = name == "smoke"
         for k, v in {"net.device": "cpu", "net.autocast_dtype": "float32",
                      "net.channels": 8 if smoke else 16, "net.blocks": 1 if smoke else 2,
@@ -635,6 +641,9 @@ def profile_args(name: str) -> Args:
                      "checkpoint.every_env_steps": 2_000 if smoke else 100_000,
                      "timestep_limit": 3 * 256 if smoke else 100_000_000}.items():
             _set(a, k, v)
+        if not smoke:
+            a.warm = WarmArgs(rung="scripted:defend", critic_iterations=4,
+                              teacher_kl=Schedule("linear", 1.0, 0.0, 1e6))
         return a
     raise ConfigError(f"--profile {name!r}: unknown profile; must be one of {', '.join(PROFILES)}"
                       + _nearest(name, PROFILES))
@@ -1223,6 +1232,24 @@ def placement_mask(mask: torch.Tensor, geo: NetGeometry, cell: tuple[int, int]) 
     keep = torch.zeros_like(cells).scatter_(-1, pick, cells.any(-1, keepdim=True))
     tiles = keep.reshape(B, P, Hc, Wc, kh, kw).transpose(3, 4).reshape(B, P, Hc * kh, Wc * kw)[:, :, :H, :W]
     return torch.cat([mask[:, :1], tiles.reshape(B, -1), mask[:, G:]], -1)
+
+
+def placement_action(mask: torch.Tensor, action: torch.Tensor, geo: NetGeometry,
+                     cell: tuple[int, int]) -> torch.Tensor:
+    """The action the head chooses for a legal env action under net.placement_cell: a tile becomes
+    the tile placement_mask keeps in its (card, cell), the no-op and the buttons stay. How a warm
+    start clones a rung whose tile the thinned mask drops (the rung's cell is its choice)."""
+    kh, kw = cell
+    if (kh, kw) == (1, 1):
+        return action
+    P, (H, W), A = geo.hand_size, geo.tiles, mask.shape[1]
+    Hc, Wc = -(-H // kh), -(-W // kw)
+    i = torch.arange(A, device=mask.device)
+    card, y, x = (i - 1) // (H * W), (i - 1) % (H * W) // W, (i - 1) % W
+    on_board = (i >= 1) & (i < 1 + P * H * W)
+    cell_id = torch.where(on_board, (card * Hc + y // kh) * Wc + x // kw, -1 - i)   # no-op, buttons: alone
+    same = cell_id[None, :] == cell_id[action][:, None]
+    return (placement_mask(mask, geo, cell) & same).int().argmax(-1)
 
 
 HEADS = {"pointer": PointerHead, "factored": FactoredHead}
@@ -2381,7 +2408,8 @@ def warm_start(args: Args, env: Env, model: ActorCritic, quiet: bool) -> dict[st
     def batch(idx: np.ndarray) -> tuple[MaskedCategorical, torch.Tensor]:
         o = codec.unpack(env.table, torch.as_tensor(data.rows[idx], device=dev), env.statics,
                          torch.as_tensor(data.seats[idx], device=dev))
-        return model.dist(o), torch.as_tensor(data.actions[idx], device=dev)
+        a = torch.as_tensor(data.actions[idx], device=dev)
+        return model.dist(o), placement_action(o.mask, a, model.geo, tuple(model.net.placement_cell))
 
     def measure() -> tuple[float, float]:
         loss = agree = 0.0
@@ -3377,11 +3405,14 @@ def game_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("warm.epochs", w.epochs >= 1, "be >= 1"),
         ("warm.lr", w.lr > 0, "be > 0"),
         ("warm.critic_iterations", w.critic_iterations >= 0, "be >= 0"),
-        ("warm.critic_iterations", not w.critic_iterations or bool(w.rung), "be 0 without --warm.rung"),
+        ("warm.critic_iterations", not w.critic_iterations or bool(w.rung),
+         "be 0 without --warm.rung (no warm start: --warm.rung '' --warm.critic-iterations 0 "
+         "--warm.teacher-kl.start 0)"),
         ("warm.teacher_kl.start", w.teacher_kl.start >= 0 and w.teacher_kl.end >= 0,
          "be >= 0 (start and end)"),
         ("warm.teacher_kl.start", not teacher_on(w) or bool(w.rung),
-         "be 0 without --warm.rung: the teacher is the clone"),
+         "be 0 without --warm.rung: the teacher is the clone (no warm start: --warm.rung '' "
+         "--warm.critic-iterations 0 --warm.teacher-kl.start 0)"),
         ("warm.teacher_kl.over_env_steps", w.teacher_kl.over_env_steps > 0, "be > 0"),
     ]
 

@@ -1310,6 +1310,22 @@ def test_the_cpu_profiles_are_sized_so_the_actor_moves(name):
     assert P.profile_args(name).net.device == "cpu"
 
 
+def test_the_cpu_profile_is_the_recipe_that_trained_models_cpu():
+    """models/cpu was trained by --profile cpu --config docs/experiments/teacher.json before the
+    profile adopted that config (docs/learning.md 3.6 R2): the default is it, field for field, and
+    turning the warm start off takes the three fields the refusal names."""
+    cpu = P.parse_args(["--profile", "cpu"])
+    assert cpu == P.parse_args(["--profile", "cpu", "--config", str(ROOT / "docs/experiments/teacher.json")])
+    assert cpu.warm.rung == "scripted:defend" and P.teacher_on(cpu.warm)
+    assert not P.profile_args("smoke").warm.rung
+    off_flags = "--warm.rung '' --warm.critic-iterations 0 --warm.teacher-kl.start 0"
+    with pytest.raises(P.ConfigError, match=off_flags):
+        P.parse_args(["--profile", "cpu", "--warm.rung", ""])
+    off = P.parse_args(["--profile", "cpu", "--warm.rung", "", "--warm.critic-iterations", "0",
+                        "--warm.teacher-kl.start", "0"])
+    assert not off.warm.rung and not P.teacher_on(off.warm)
+
+
 def test_the_cpu_gate_sees_a_slow_learner_and_its_anchor_condition_is_sized_to_its_battles():
     """docs/running.md section 6, docs/learning.md 3.3: the cpu learner gains 0.55-0.6 on its
     champion a gate interval. Condition 1 must promote a candidate scoring 0.57 at least 2 times in
@@ -4384,6 +4400,57 @@ def test_placement_cell_moves_the_architecture_hash_and_the_policy_reads_the_thi
     assert thin[torch.arange(len(a)), a].all()
     with pytest.raises(P.ConfigError, match="net.placement-cell"):
         P.parse_args(["--profile", "smoke", "--net.placement-cell", "0", "2"])
+
+
+def _kept_by_hand(kept: np.ndarray, a: int, P_: int, H: int, W: int, kh: int, kw: int) -> int:
+    """The kept action in a's (card, cell), found by walking the cell's tiles; a itself off the board."""
+    if not 1 <= a < 1 + P_ * H * W:
+        return a
+    p, t = divmod(a - 1, H * W)
+    y0, x0 = t // W // kh * kh, t % W // kw * kw
+    cell = [1 + p * H * W + y * W + x for y in range(y0, min(y0 + kh, H)) for x in range(x0, min(x0 + kw, W))]
+    (hit,) = [i for i in cell if kept[i]]
+    return hit
+
+
+@pytest.mark.parametrize("cell", [(4, 6), (3, 5), (1, 1)])
+def test_a_cloned_rungs_tile_becomes_its_cells_kept_tile_on_two_geometries(cell):
+    """placement_action: what the warm start clones under net.placement_cell. Every legal action of
+    every row (the no-op, each tile, each button) maps to an action the thinned mask keeps, in the
+    same card and cell; a kept tile maps to itself."""
+    geo, batches = env_sample("default")
+    small = msgspec.structs.replace(geo, tiles=(5, 7), hand_size=2, n_actions=1 + 2 * 35 + 3)
+    m = torch.as_tensor(np.random.default_rng(2).random((12, small.n_actions)) < 0.3)
+    m[:, 0] = True
+    full = to_obs(batches).mask
+    for g, mask in ((geo, full[full.sum(-1) > 1][:12]), (small, m)):
+        H, W = g.tiles
+        rows, acts = np.nonzero(mask.numpy())
+        got = P.placement_action(mask[rows], torch.as_tensor(acts), g, cell).numpy()
+        kept = P.placement_mask(mask, g, cell).numpy()
+        want = [_kept_by_hand(kept[r], a, g.hand_size, H, W, *cell) for r, a in zip(rows, acts, strict=True)]
+        assert got.tolist() == want and kept[rows, got].all()
+        assert (got[kept[rows, acts]] == acts[kept[rows, acts]]).all()
+        assert (cell == (1, 1)) == (got == acts).all()
+
+
+@pytest.mark.slow
+def test_a_warm_start_under_placement_by_cell_clones_the_rungs_cells():
+    """The cpu profile's clone of defend under --net.placement-cell: defend's tiles are mostly not
+    the kept ones (every tile's log-prob there is -inf), so the clone learns each tile's cell; its
+    cross-entropy is finite and falls, and it agrees with the rung's cells."""
+    args = P.parse_args(["--profile", "smoke", "--obs.max-steps", "80", "--warm.rung", "scripted:defend",
+                         "--warm.battles", "2", "--net.placement-cell", "4", "6"])
+    P.apply_determinism(args)
+    env = P.read_env(args)
+    data = P.clone_rows(args, env)
+    rows, seats = torch.as_tensor(data.rows), torch.as_tensor(data.seats)
+    mask = P.codec.unpack(env.table, rows, env.statics, seats).mask
+    kept = P.placement_mask(mask, env.geo, (4, 6))
+    assert not kept[torch.arange(len(mask)), torch.as_tensor(data.actions)].all()   # what the mapping is for
+    warm = P.warm_start(args, env, P.ActorCritic(env.geo, args.net, args.master_seed), quiet=True)
+    assert math.isfinite(warm["loss_before"]) and warm["loss_after"] < warm["loss_before"]
+    assert warm["agree_after"] > warm["agree_before"] and warm["rows"] == len(data.actions) > 0
 
 
 @pytest.mark.slow
