@@ -4186,6 +4186,18 @@ ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "models" / "cpu-pointer"
 
 
+def test_models_cpu_is_the_default_cpu_profiles_network_and_the_weights_learning_md_names():
+    """README's named cpu champion: built by --profile cpu's NetArgs on the default env (its
+    arch_digest), and the final weights of the 1M run docs/learning.md 3.6 records
+    (models/experiments/cpu-teacher, the same actor bytes)."""
+    geo, _ = env_sample("default")
+    spec = json.loads((ROOT / "models" / "cpu" / "spec.json").read_text())
+    kept = json.loads((ROOT / "models" / "experiments" / "cpu-teacher" / "spec.json").read_text())
+    assert spec["arch_digest"] == P.arch_digest(geo, P.profile_args("cpu").net)
+    assert spec == kept and hashlib.sha256((ROOT / "models" / "cpu" / "actor.safetensors").read_bytes()
+                                           ).hexdigest() == spec["actor_sha256"]
+
+
 def _stacked_snapshot(run: Path, k: int) -> Path:
     """A run's snapshot folder (ladder/snapshots/<id>/, the run's ladder/eval_env.json two levels
     up) of a tiny actor that reads k frames, on the default env."""
