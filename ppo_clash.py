@@ -1234,22 +1234,23 @@ def placement_mask(mask: torch.Tensor, geo: NetGeometry, cell: tuple[int, int]) 
     return torch.cat([mask[:, :1], tiles.reshape(B, -1), mask[:, G:]], -1)
 
 
-def placement_action(mask: torch.Tensor, action: torch.Tensor, geo: NetGeometry,
+def placement_action(kept: torch.Tensor, action: torch.Tensor, geo: NetGeometry,
                      cell: tuple[int, int]) -> torch.Tensor:
     """The action the head chooses for a legal env action under net.placement_cell: a tile becomes
-    the tile placement_mask keeps in its (card, cell), the no-op and the buttons stay. How a warm
-    start clones a rung whose tile the thinned mask drops (the rung's cell is its choice)."""
+    the tile placement_mask kept in its (card, cell), the no-op and the buttons stay. kept: the
+    thinned mask (the policy's own, MaskedCategorical.mask). How a warm start clones a rung whose
+    tile the thinned mask drops (the rung's cell is its choice)."""
     kh, kw = cell
     if (kh, kw) == (1, 1):
         return action
-    P, (H, W), A = geo.hand_size, geo.tiles, mask.shape[1]
+    P, (H, W), A = geo.hand_size, geo.tiles, kept.shape[1]
     Hc, Wc = -(-H // kh), -(-W // kw)
-    i = torch.arange(A, device=mask.device)
+    i = torch.arange(A, device=kept.device)
     card, y, x = (i - 1) // (H * W), (i - 1) % (H * W) // W, (i - 1) % W
     on_board = (i >= 1) & (i < 1 + P * H * W)
     cell_id = torch.where(on_board, (card * Hc + y // kh) * Wc + x // kw, -1 - i)   # no-op, buttons: alone
     same = cell_id[None, :] == cell_id[action][:, None]
-    return (placement_mask(mask, geo, cell) & same).int().argmax(-1)
+    return (kept & same).int().argmax(-1)
 
 
 HEADS = {"pointer": PointerHead, "factored": FactoredHead}
@@ -2408,8 +2409,8 @@ def warm_start(args: Args, env: Env, model: ActorCritic, quiet: bool) -> dict[st
     def batch(idx: np.ndarray) -> tuple[MaskedCategorical, torch.Tensor]:
         o = codec.unpack(env.table, torch.as_tensor(data.rows[idx], device=dev), env.statics,
                          torch.as_tensor(data.seats[idx], device=dev))
-        a = torch.as_tensor(data.actions[idx], device=dev)
-        return model.dist(o), placement_action(o.mask, a, model.geo, tuple(model.net.placement_cell))
+        d, a = model.dist(o), torch.as_tensor(data.actions[idx], device=dev)
+        return d, placement_action(d.mask, a, model.geo, tuple(model.net.placement_cell))
 
     def measure() -> tuple[float, float]:
         loss = agree = 0.0

@@ -4438,8 +4438,8 @@ def test_a_cloned_rungs_tile_becomes_its_cells_kept_tile_on_two_geometries(cell)
     for g, mask in ((geo, full[full.sum(-1) > 1][:12]), (small, m)):
         H, W = g.tiles
         rows, acts = np.nonzero(mask.numpy())
-        got = P.placement_action(mask[rows], torch.as_tensor(acts), g, cell).numpy()
         kept = P.placement_mask(mask, g, cell).numpy()
+        got = P.placement_action(torch.as_tensor(kept[rows]), torch.as_tensor(acts), g, cell).numpy()
         want = [_kept_by_hand(kept[r], a, g.hand_size, H, W, *cell) for r, a in zip(rows, acts, strict=True)]
         assert got.tolist() == want and kept[rows, got].all()
         assert (got[kept[rows, acts]] == acts[kept[rows, acts]]).all()
@@ -4448,8 +4448,8 @@ def test_a_cloned_rungs_tile_becomes_its_cells_kept_tile_on_two_geometries(cell)
 
 @pytest.mark.slow
 def test_a_warm_start_under_placement_by_cell_clones_the_rungs_cells():
-    """The cpu profile's clone of defend under --net.placement-cell: defend's tiles are mostly not
-    the kept ones (every tile's log-prob there is -inf), so the clone learns each tile's cell; its
+    """The cpu profile's clone of defend under --net.placement-cell: some of defend's tiles are not
+    the kept ones (their log-prob is -inf), so the clone learns each tile's cell; its
     cross-entropy is finite and falls, and it agrees with the rung's cells."""
     args = P.parse_args(["--profile", "smoke", "--obs.max-steps", "80", "--warm.rung", "scripted:defend",
                          "--warm.battles", "2", "--net.placement-cell", "4", "6"])
