@@ -749,7 +749,7 @@ def cmd_doctor(cmd: "Doctor") -> int:
 
 PLAY_BATTLE = "play/battle"
 PLAY_GAMMA = 1.0   # the evaluation farm's gamma (FarmComparison submits 1.0): the return is undiscounted
-PLAYER_KINDS = ("snap:", "seed:", "scripted:", "checkpoint:")
+PLAYER_KINDS = ("snap:", "seed:", "scripted:", farm.LOOKAHEAD, "checkpoint:")
 SAVED_BATTLE_FORMAT = "clash-ppo saved battle 1"
 
 
@@ -776,18 +776,22 @@ def read_saved_battle(path: Path) -> SavedBattle:
 
 
 def parse_player(p: str) -> str:
-    """A player id, refused unless its kind is known and, for scripted:, its name too; or a snapshot
-    folder (spec.json and actor.safetensors, such as a shipped model under models/), kept as its path."""
+    """A player id, refused unless its kind is known and, for scripted: and lookahead:, its setting
+    too (a lookahead in its canonical form); or a snapshot folder (spec.json and actor.safetensors,
+    such as a shipped model under models/), kept as its path."""
     if (Path(p) / "spec.json").is_file():
         return p
     kind = next((k for k in PLAYER_KINDS if p.startswith(k)), None)
     if kind is None or not p[len(kind):]:
-        raise CheckError(f"player {p!r}: not snap:<id>, seed:<name>, scripted:<name>, checkpoint:<dir> "
-                         "(a run's runs/<id>/checkpoints/<step>) or a snapshot folder (models/<name>)")
-    if kind == "scripted:" and p[len(kind):] not in farm.SCRIPTED_NAMES:
-        raise CheckError(f"{p}: unknown scripted player; farm.SCRIPTED_NAMES = "
-                         f"{', '.join(farm.SCRIPTED_NAMES)}")
-    return p
+        raise CheckError(f"player {p!r}: not snap:<id>, seed:<name>, scripted:<name>, "
+                         "lookahead:<base>[,...], checkpoint:<dir> (a run's runs/<id>/checkpoints/<step>) "
+                         "or a snapshot folder (models/<name>)")
+    if kind in farm.WORKER_PLAYERS:
+        try:
+            farm.check_worker_player(p)
+        except ValueError as e:
+            raise CheckError(str(e)) from None
+    return farm.canonical_player(p)
 
 
 def play_run(players: Sequence[str], run: str | None) -> Path | None:

@@ -834,6 +834,173 @@ def mirror_assignment(battle: int, ordinal: int) -> Assignment:
     return Assignment(battle, ordinal, ROLE_MIRROR, None, (GROUP_LEARNER, GROUP_LEARNER), -1)
 
 
+# --- 6b. The lookahead player (design 7.11): a rung stronger than the scripted ones -----------------
+# The rollout algorithm over a portfolio of scripted rungs. At a choice point (more than one legal
+# action) it snapshots the live battle, and for each candidate action (the proposal of each rung in
+# its portfolio, the no-op among them) it plays the battle on in a scratch env for `horizon`
+# decisions: its own seat plays the candidate, then its base rung; the other seat plays a fixed
+# model rung throughout (several models: one scratch battle each, their scores summed). It keeps
+# the candidate whose position at the horizon scores best. A tie
+# keeps the earliest candidate, and the base rung's proposal comes first, so where the search
+# tells nothing apart it plays as its base rung does (the rollout algorithm's improvement holds
+# against that rung's own continuation).
+#
+# What it sees that a seat's observation does not: the engine's whole state (ClashParallelEnv
+# .snapshot()), so the opponent's hand, exact elixir and card cycle, every unit's hit points, and
+# the engine's own random draws in the next `horizon` decisions. It is privileged, and every table
+# that measures it says so; a network distilled from it sees only its observation. It never reads
+# whom it plays: the other seat's model is its own fixed rung, whoever sits there.
+#
+# Deterministic: the scratch battles start from the snapshot (the engine's state, its generator
+# included), the rungs read only legality, and the one draw a choice point takes from the seat's
+# own generator seeds every candidate's continuation alike (common random numbers for rungs that
+# draw). Replay, resume and the evaluation's paired seeds hold as for any scripted seat.
+#
+# The name is the whole setting, so the ladder's results and a warm start's identity carry it:
+#     lookahead:<base>[,vs=<rung>+...][,h=<decisions>][,c=<rung>+<rung>+...]
+# canonical (lookahead_id) with every field written, c in the order tried, base first.
+
+LOOKAHEAD = "lookahead:"
+WORKER_PLAYERS = ("scripted:", LOOKAHEAD)
+"""Player id prefixes played inside the workers, from their seat's generator (group -2)."""
+
+
+class LookaheadSpec(msgspec.Struct, frozen=True):
+    base: str                               # its own seat's rung after the first decision
+    vs: tuple[str, ...]                     # the other seat's rung(s): a scratch battle each
+    horizon: int                            # decisions played on from the choice point
+    candidates: tuple[str, ...]             # rungs whose proposals are tried, in this order
+
+
+LOOKAHEAD_DEFAULTS = {"vs": "defend", "h": 20}
+"""The chosen setting's fields (docs/ladder.md section 13: the table it was chosen from)."""
+LOOKAHEAD_PORTFOLIO = ("noop", "first-affordable", "defend", "push", "patient")
+"""The default candidates after the base: the no-op and each deterministic rung's proposal."""
+
+
+def parse_lookahead(player: str) -> LookaheadSpec:
+    """`lookahead:<base>[,vs=..][,h=..][,c=a+b+..]` as a LookaheadSpec; ValueError naming the part."""
+    if not player.startswith(LOOKAHEAD):
+        raise ValueError(f"{player!r}: a lookahead player is named lookahead:<base>[,vs=<rung>][,h=<n>]"
+                         f"[,c=<rung>+<rung>...]")
+    base, *parts = player.removeprefix(LOOKAHEAD).split(",")
+    kw: dict[str, str] = {}
+    for p in parts:
+        k, eq, v = p.partition("=")
+        if not eq or k not in ("vs", "h", "c") or k in kw:
+            raise ValueError(f"{player!r}: {p!r} is not one of vs=<rung>, h=<decisions>, c=<rung>+<rung>... "
+                             "(each at most once)")
+        kw[k] = v
+    h = kw.get("h", str(LOOKAHEAD_DEFAULTS["h"]))
+    if not h.isdigit() or int(h) < 1:
+        raise ValueError(f"{player!r}: h={h} must be a whole number of decisions >= 1")
+    tried = tuple(kw["c"].split("+")) if "c" in kw else LOOKAHEAD_PORTFOLIO
+    candidates = tuple(dict.fromkeys((base, *tried)))
+    vs = tuple(kw.get("vs", str(LOOKAHEAD_DEFAULTS["vs"])).split("+"))
+    spec = LookaheadSpec(base, vs, int(h), candidates)
+    for what, name in (("base", base), *(("vs", v) for v in vs), *(("c", c) for c in candidates)):
+        if name not in SCRIPTED_NAMES:
+            raise ValueError(f"{player!r}: {what} {name!r} is not a scripted rung; farm.SCRIPTED_NAMES = "
+                             f"{SCRIPTED_NAMES}")
+    if "noop" not in candidates:
+        raise ValueError(f"{player!r}: c= must include noop (waiting is always a candidate)")
+    return spec
+
+
+def lookahead_id(spec: LookaheadSpec) -> str:
+    """The canonical player id: every field written, so a default changing cannot rename a result."""
+    return (f"{LOOKAHEAD}{spec.base},vs={'+'.join(spec.vs)},h={spec.horizon},"
+            f"c={'+'.join(spec.candidates)}")
+
+
+def canonical_player(player: str) -> str:
+    """A lookahead id in its canonical form (lookahead:defend -> every field); any other id as it is."""
+    return lookahead_id(parse_lookahead(player)) if player.startswith(LOOKAHEAD) else player
+
+
+def check_worker_player(player: str) -> None:
+    """ValueError naming the player unless it is scripted:<name> (SCRIPTED_NAMES) or a lookahead id."""
+    if player.startswith(LOOKAHEAD):
+        parse_lookahead(player)
+    elif player.removeprefix("scripted:") not in SCRIPTED_NAMES:
+        raise ValueError(f"{player}: unknown scripted player; farm.SCRIPTED_NAMES = "
+                         f"{', '.join(SCRIPTED_NAMES)}")
+
+
+def worker_player(player: str, scratch: Callable[[], Any]) -> Any:
+    """A fresh player for one seat's episode: scripted:<name> or lookahead:... (bound to its live
+    battle with .bind(env, seat) before it acts). scratch() returns the scratch env a lookahead plays
+    its candidates in, built like the live one (one per shard, shared: seats act one at a time)."""
+    if player.startswith(LOOKAHEAD):
+        return LookaheadPlayer(parse_lookahead(player), scratch())
+    check_worker_player(player)
+    return make_scripted(player.removeprefix("scripted:"))
+
+
+class LookaheadPlayer:
+    """One seat's lookahead (section 6b). act(obs, mask, rng) as a scripted rung's, once bound to
+    the live battle. Counts, for its episode's record, the choice points it searched and the
+    game-steps its scratch battles played."""
+
+    def __init__(self, spec: LookaheadSpec, scratch: Any) -> None:
+        self.spec, self.scratch = spec, scratch
+        self.base = make_scripted(spec.base)
+        self.models = [make_scripted(v) for v in spec.vs]
+        self.proposers = [make_scripted(c) for c in spec.candidates]
+        elixir = CommittedElixirPotential()
+        elixir.bind(scratch.engine)
+        self.terms = ((PotentialCrownReward(), REWARD_WEIGHTS["crown"]),
+                      (PotentialTowerHPReward(), REWARD_WEIGHTS["tower_hp"]),
+                      (elixir, REWARD_WEIGHTS["elixir"]))
+        self.env: Any = None
+        self.seat = -1
+        self.choices = self.steps = 0
+
+    def bind(self, env: Any, seat: int) -> None:
+        """The live battle this seat plays (a ClashParallelEnv; it must build both seats' full
+        observations, which snapshot() needs) and which seat it is."""
+        self.env, self.seat = env, seat
+
+    def act(self, obs: dict[str, Any], mask: np.ndarray, rng: np.random.Generator) -> int:
+        proposals = [int(p.act(obs, mask, rng)) for p in self.proposers]
+        tried = list(dict.fromkeys(proposals))
+        if len(tried) == 1:
+            return tried[0]
+        try:
+            snap = self.env.snapshot()
+        except ValueError as exc:
+            raise ValueError(f"{lookahead_id(self.spec)} on seat {self.seat}: the live battle cannot be "
+                             f"snapshotted ({exc}); a lookahead seat's battle builds both seats' full "
+                             "observations") from None
+        self.choices += 1
+        seed = int(rng.integers(2**62))
+        scores = [sum(self._play_on(snap, a, m, np.random.default_rng(seed)) for m in self.models)
+                  for a in tried]
+        return tried[int(np.argmax(scores))]       # the first of the best: the base's on a tie
+
+    def _play_on(self, snap: Any, first: int, model: Any, rng: np.random.Generator) -> float:
+        """The battle played on from `snap` for the horizon, `first` then the base on this seat,
+        `model` on the other; its score for this seat at the end."""
+        from royalegym.env import AGENTS
+        me, them = AGENTS[self.seat], AGENTS[1 - self.seat]
+        obs, _ = self.scratch.reset(options={"snapshot": snap, "mask_only": AGENTS})
+        for k in range(self.spec.horizon):
+            mine = first if k == 0 else self.base.act(obs[me], obs[me]["action_mask"], rng)
+            acts = {me: mine, them: model.act(obs[them], obs[them]["action_mask"], rng)}
+            obs, _, term, trunc, _ = self.scratch.step(acts)
+            self.steps += 1
+            if term[me] or trunc[me]:
+                break
+        return self.score(self.scratch.battle_state, self.seat)
+
+    def score(self, state: Any, team: int) -> float:
+        """+-1 (0 a draw) once the battle is over; before, the potential reward's terms at their
+        default weights (section 5): crowns, towers' hit points, committed elixir, own minus foe."""
+        if state.game_over:
+            return 1.0 if state.winner == team else -1.0 if state.winner == 1 - team else 0.0
+        return sum(w * float(t.potential(state, team)) for t, w in self.terms)
+
+
 # The evaluation mode (design 7.5, 7.1): a farm built for one comparison and closed after. What it
 # plays is fixed in advance, as data (it crosses to spawned workers inside FarmConfig): a list of
 # EvalEpisodes. Shard j (of J) owns the episodes i with i % J == j, as a queue in plan order: at
@@ -1164,6 +1331,8 @@ class EpisodeRecord(msgspec.Struct, frozen=True):
     trajectory_digest: str = ""             # TrajectoryDigest: the engine's states, chained
                                             # ("": older record)
     elixir_uncountable: bool = False        # a deck held an ELIXIR_UNCOUNTABLE card (False: older record)
+    lookahead_choices: int = 0              # a lookahead seat (section 6b): choice points it searched
+    lookahead_steps: int = 0                # ... and the game-steps its scratch battles played
 
 
 class WorkerFailure(msgspec.Struct, frozen=True):
@@ -1267,9 +1436,11 @@ class FarmConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                  "battle at ordinal 0 (its shards' queues decide the hosting)")
             for i, e in enumerate(self.eval_plan):
                 for seat, p in enumerate(e.players):
-                    if p.startswith("scripted:") and p.split(":", 1)[1] not in SCRIPTED_NAMES:
-                        raise ValueError(f"eval_plan[{i}].players[{seat}] = {p!r}: unknown scripted "
-                                         f"player; farm.SCRIPTED_NAMES = {SCRIPTED_NAMES}")
+                    if p.startswith(WORKER_PLAYERS):
+                        try:
+                            check_worker_player(p)
+                        except ValueError as exc:
+                            raise ValueError(f"eval_plan[{i}].players[{seat}]: {exc}") from None
 
 
 SLEEP_S = 0.05   # the longest a waiting side sleeps on a semaphore before looking again (design 3.4)
@@ -1443,6 +1614,7 @@ class Seats:
         self.scripted: list[Any] = [None] * n
         self.rngs: list[Any] = [None] * n                   # set per episode when a seat is seated
         self.idle = np.zeros(n, bool)                       # evaluation: a stopped battle's seats
+        self._scratch: Any = None                           # scratch(): a lookahead's, built on use
 
     def seat(self, present: np.ndarray, group: np.ndarray, opp_ix: np.ndarray,
              ordinal: np.ndarray) -> None:
@@ -1488,19 +1660,35 @@ class Seats:
                 self.group[r], self.scripted[r], self.idle[r] = GROUP_IDLE, None, True
             env.set_mask_only(("blue", "red"))
             return
-        skip = []
+        skip, searching = [], False
         for seat, (player, stream) in enumerate(zip(ep.players, ep.streams, strict=True)):
             r = 2 * g + seat
             self.idle[r] = False
-            if player.startswith("scripted:"):
+            if player.startswith(WORKER_PLAYERS):
                 self.group[r] = GROUP_SCRIPTED
-                self.scripted[r] = make_scripted(player.split(":", 1)[1])
+                self.scripted[r] = worker_player(player, self.scratch)
                 self.rngs[r] = derive_generator(self.cfg.master_seed, stream)
                 skip.append(("blue", "red")[seat])
+                if isinstance(self.scripted[r], LookaheadPlayer):
+                    self.scripted[r].bind(env, seat)
+                    searching = True
             else:
                 self.group[r], self.scripted[r] = GROUP_LEARNER, None
-        if skip:
+        if skip and not searching:     # a lookahead snapshots the battle: both seats stay full
             env.set_mask_only(skip)
+
+    def scratch(self) -> Any:
+        """The shard's scratch env, where its lookahead seats play their candidates on (built once,
+        like the live ones)."""
+        if self._scratch is None:
+            self._scratch = env_factory(self.cfg.env)()
+        return self._scratch
+
+    def search_counts(self, r: int) -> dict[str, int]:
+        """Slot r's lookahead counters for its episode's record ({} for any other seat)."""
+        p = self.scripted[r]
+        return ({"lookahead_choices": p.choices, "lookahead_steps": p.steps}
+                if isinstance(p, LookaheadPlayer) else {})
 
     def actions(self, parent_actions: np.ndarray, obs: dict[str, np.ndarray], noop: int,
                 first: int = 0) -> np.ndarray:
@@ -1558,8 +1746,7 @@ class ShardRunner:
     # the seats, under the names a reader of one runner looks for
     group = property(lambda self: self.seats.group, doc="int8 (n,): each slot's group")
     scripted = property(lambda self: self.seats.scripted, doc="each slot's scripted player or None")
-    asg_ordinal = property(lambda self: self.seats.asg_ordinal,
-                           doc="int64 (n/2,): the ordinal each battle's seats were given for")
+    asg_ordinal = property(lambda self: self.seats.asg_ordinal, doc="int64 (n/2,): its seats' ordinal")
 
     def episode_seed(self, g: int) -> int:
         """The seed (as u64) of the episode battle g is playing: the plan entry's `seed`."""
@@ -1750,7 +1937,8 @@ class ShardRunner:
                 self.packer.pack(one, io.finals, int(i))
                 pack_finals_ns += time.perf_counter_ns() - t1
                 sc["flags"][i] |= F_FINAL
-            records.append(self.running.record(i, fin, winner, outcome, eval_ix_ended, self.vec.envs))
+            records.append({**self.running.record(i, fin, winner, outcome, eval_ix_ended, self.vec.envs),
+                            **self.seats.search_counts(i)})
         for g in np.flatnonzero(done[0::2]):
             self.running.next_episode(g)
             if self.plan is not None:
@@ -1820,7 +2008,7 @@ class _EvalReplay:
         if i < 0:
             return Assignment(b, k, ROLE_POOL, None, (GROUP_IDLE, GROUP_IDLE), -1)
         ep = self.cfg.eval_plan[i]
-        g = tuple(GROUP_SCRIPTED if p.startswith("scripted:") else GROUP_LEARNER for p in ep.players)
+        g = tuple(GROUP_SCRIPTED if p.startswith(WORKER_PLAYERS) else GROUP_LEARNER for p in ep.players)
         return Assignment(b, k, ROLE_POOL, f"eval:{i}", (g[0], g[1]), -1)
 
     def seed(self, b: int, k: int) -> int:

@@ -1576,9 +1576,10 @@ class EvalPlayers:
     """Who plays: each player id resolved to the batched act that answers its seats, and a pairing
     refused when a game between its two players would not measure the policies.
 
-    "scripted:<name>" (farm.SCRIPTED_NAMES) is played inside the farm's workers, so its act is
-    None here; "snap:<id>" (ladder/snapshots/<id>) is built once by policy_builder(id) and kept,
-    and so is "seed:<name>", a seed snapshot, as the snapshot `seeds` (the run's pool) maps it to;
+    "scripted:<name>" (farm.SCRIPTED_NAMES) and "lookahead:..." (farm section 6b, canonical) are
+    played inside the farm's workers, so their act is None here; "snap:<id>" (ladder/snapshots/<id>)
+    is built once by policy_builder(id) and kept, and so is "seed:<name>", a seed snapshot, as the
+    snapshot `seeds` (the run's pool) maps it to;
     any other id must have been given to register() (the probe's learner@{step})."""
 
     def __init__(self, store: SnapshotStore | None, policy_builder: PolicyBuilder | None,
@@ -1588,10 +1589,11 @@ class EvalPlayers:
         self.policies: dict[str, ActFn] = {}
 
     def register(self, player_id: str, act: ActFn) -> None:
-        """An ad-hoc player (the probe's learner@{step}); never a scripted:, snap: or seed: id."""
-        if player_id.startswith(("scripted:", *SNAPSHOT_PLAYERS)):
-            raise ValueError(f"register({player_id!r}): scripted:, snap: and seed: ids are resolved, "
-                             "not registered")
+        """An ad-hoc player (the probe's learner@{step}); never a scripted:, lookahead:, snap: or
+        seed: id."""
+        if player_id.startswith((*farm.WORKER_PLAYERS, *SNAPSHOT_PLAYERS)):
+            raise ValueError(f"register({player_id!r}): scripted:, lookahead:, snap: and seed: ids are "
+                             "resolved, not registered")
         self.policies[player_id] = act
 
     def snapshot_of(self, player: str) -> str | None:
@@ -1637,12 +1639,14 @@ class EvalPlayers:
                         f"not the policy")
 
     def act(self, player: str) -> ActFn | None:
-        """The batched act of a non-scripted player (built once), None for a scripted one."""
-        if player.startswith("scripted:"):
-            name = player.removeprefix("scripted:")
-            if name not in farm.SCRIPTED_NAMES:
-                raise ValueError(f"{player}: unknown scripted player; "
-                                 f"farm.SCRIPTED_NAMES = {farm.SCRIPTED_NAMES}")
+        """The batched act of a parent-acted player (built once), None for one the workers play
+        (scripted:<name>, or a lookahead:... in its canonical form, which the result log keeps)."""
+        if player.startswith(farm.WORKER_PLAYERS):
+            farm.check_worker_player(player)
+            if farm.canonical_player(player) != player:
+                raise ValueError(f"{player}: name a lookahead player by its canonical id, "
+                                 f"{farm.canonical_player(player)} (farm.canonical_player), so its "
+                                 "results keep every setting")
             return None
         if player in self.policies:
             return self.policies[player]
@@ -1695,6 +1699,7 @@ class FarmComparison:
         self.steps: dict[int, int] = {}             # episode -> decisions so far
         self.summed: collections.Counter = collections.Counter()
         self.farm_stats: dict[str, float] = {}
+        self.searched: collections.Counter = collections.Counter()   # a's lookahead counters, summed
 
     def play(self, f: Any) -> list[float]:
         """Step farm f (in evaluation mode, built for this plan) until every episode has a result;
@@ -1735,6 +1740,8 @@ class FarmComparison:
             i = rec.eval_index
             if self.plan[i].players[rec.seat] != self.a:
                 continue
+            self.searched.update({"lookahead_choices": rec.lookahead_choices,
+                                  "lookahead_steps": rec.lookahead_steps})
             if rec.winner < 0 or rec.outcome not in WINNER_SCORE:
                 raise RuntimeError(
                     f"comparison {self.cid}: seed {self.order[i][0]} side_a {self.order[i][1]} ended "
@@ -1835,6 +1842,7 @@ class EvalRunner:
         self.comparison_prefix = ""        # prepended to default comparison ids: "gate/<candidate>/"
         self.seconds = 0.0
         self.farm_stats: dict[str, float] = {}     # the last comparison's farm.stats
+        self.searched: dict[str, int] = {}         # ... and a's lookahead counters (farm section 6b)
         self.last_farm = ""                        # its class: "InlineFarm" | "ProcessFarm"
         self._table = table
         self._open()
@@ -1917,6 +1925,7 @@ class EvalRunner:
         try:
             scores = comparison.play(f)
             self.farm_stats, self.last_farm = comparison.farm_stats, type(f).__name__
+            self.searched = dict(comparison.searched)
         finally:
             f.close()
             self.envs = []
@@ -2801,37 +2810,72 @@ def cmd_yardstick(args: Any) -> int:
                 and args.release_mode is None)
     prior = (collections.Counter(frozenset((g.a, g.b)) for g in ResultLog(run).read().games) if recorded
              else {})
-    say(f"yardstick: {snap} against every scripted rung, both sides of each seed")
-    with _runner_for(args, run, (snap,), store, recorded, say, args.release_mode) as r:
+    rungs = yardstick_rungs(args.rungs, snap)
+    say(f"yardstick: {snap} against {'every scripted rung' if not args.rungs else ', '.join(rungs)}, "
+        "both sides of each seed" + (f" ({PRIVILEGED_NOTE})" if snap.startswith(farm.LOOKAHEAD) else ""))
+    with _runner_for(args, run, (snap, *rungs), store, recorded, say, args.release_mode) as r:
         n_seeds = _seeds_asked(args, len(r.seeds.seeds), YARDSTICK_SEEDS)
-        for row in yardstick(r, snap, n_seeds, prior):
-            print(msgspec.json.encode(row).decode() if args.json else
-                  f"  vs {row['rung']:<26} score {row['score']:.3f}  "
-                  f"95% [{row['lower']:.3f}, {row['upper']:.3f}]  "
-                  f"over {row['seeds']} seeds ({row['battles']} battles)", flush=True)
+        for row in yardstick(r, snap, n_seeds, prior, rungs):
+            print(msgspec.json.encode(row).decode() if args.json else yardstick_line(row, r.workers),
+                  flush=True)
         secs = r.seconds
     if recorded:
-        say(f"appended {len(farm.SCRIPTED_NAMES) * 2 * n_seeds} kind=eval games to {ResultLog(run).path} "
-            f"in {secs:.0f} s; `python ladder.py rate {run}` now places the scripted rungs on the same scale")
+        say(f"appended {len(rungs) * 2 * n_seeds} kind=eval games to {ResultLog(run).path} "
+            f"in {secs:.0f} s; `python ladder.py rate {run}` now places the rungs on the same scale")
     else:
-        say(f"played {len(farm.SCRIPTED_NAMES) * 2 * n_seeds} battles in {secs:.0f} s on master seed "
+        say(f"played {len(rungs) * 2 * n_seeds} battles in {secs:.0f} s on master seed "
             f"{r.seeds.master_seed}'s seed set; recorded nowhere (only a run's own snapshot on its frozen "
             "set, in its own release mode, goes to its log)")
     return 0
 
 
-def yardstick(r: EvalRunner, snap: str, n_seeds: int,
-              prior: Mapping[frozenset[str], int]) -> Iterator[dict[str, Any]]:
-    """`snap` against each of farm.SCRIPTED_NAMES on the runner's first n_seeds seeds, both sides:
-    per rung, as it finishes, {snapshot, rung, score, lower, upper (95% bootstrap), seeds, battles,
-    master_seed}. Each comparison is addressed by the games the pair already has (`prior`), so a
-    second yardstick adds new acting streams rather than replaying the first."""
-    for rung in (f"scripted:{n}" for n in farm.SCRIPTED_NAMES):
+PRIVILEGED_NOTE = "privileged: a lookahead reads the engine's whole state (farm.py section 6b)"
+
+
+def yardstick_rungs(asked: Sequence[str], subject: str) -> list[str]:
+    """The rungs a yardstick plays: those asked (scripted:<name> or lookahead:..., canonical), else
+    every scripted rung; the subject's own rung is left out (a player is not rated against itself)."""
+    rungs = [farm.canonical_player(x) for x in asked] or [f"scripted:{n}" for n in farm.SCRIPTED_NAMES]
+    for x in rungs:
+        if not x.startswith(farm.WORKER_PLAYERS):
+            raise CliError(f"--rungs {x}: a rung is scripted:<name> or lookahead:<base>[,...]; a snapshot "
+                           "is measured as --snapshot, or head to head with `ladder.py eval`")
+        farm.check_worker_player(x)
+    return [x for x in rungs if x != subject]
+
+
+def yardstick(r: EvalRunner, snap: str, n_seeds: int, prior: Mapping[frozenset[str], int],
+              rungs: Sequence[str] = tuple(f"scripted:{n}" for n in farm.SCRIPTED_NAMES),
+              ) -> Iterator[dict[str, Any]]:
+    """`snap` against each rung on the runner's first n_seeds seeds, both sides: per rung, as it
+    finishes, {snapshot, rung, score, lower, upper (95% bootstrap), seeds, battles, master_seed,
+    privileged (either side is a lookahead), seconds, and a lookahead subject's lookahead_choices and
+    lookahead_steps summed over its battles}. Each comparison is addressed by the games the pair
+    already has (`prior`), so a second yardstick adds new acting streams rather than replaying the
+    first."""
+    for rung in rungs:
         cid = f"yardstick/{snap}/vs/{rung}/after/{prior.get(frozenset((snap, rung)), 0)}"
+        t0 = r.seconds
         ps = paired_scores(r.play(snap, rung, 2 * n_seeds, comparison_id=cid), snap, rung)
         lo, hi = bootstrap_interval(ps.x, r.seeds.master_seed, f"{cid}/summary", 10_000)
         yield {"snapshot": snap, "rung": rung, "score": ps.mean, "lower": lo, "upper": hi, "seeds": len(ps.x),
-               "battles": ps.n_battles, "master_seed": r.seeds.master_seed}
+               "battles": ps.n_battles, "master_seed": r.seeds.master_seed,
+               "privileged": any(p.startswith(farm.LOOKAHEAD) for p in (snap, rung)),
+               "seconds": r.seconds - t0, **(r.searched if snap.startswith(farm.LOOKAHEAD) else {})}
+
+
+def yardstick_line(row: Mapping[str, Any], workers: int) -> str:
+    """One yardstick row as the console prints it; a lookahead subject's with its cost: core-seconds
+    (wall x evaluation workers, so an upper bound) a battle and a searched choice point."""
+    line = (f"  vs {row['rung']:<26} score {row['score']:.3f}  95% [{row['lower']:.3f}, {row['upper']:.3f}]  "
+            f"over {row['seeds']} seeds ({row['battles']} battles)")
+    if "lookahead_choices" in row:
+        core = row["seconds"] * workers
+        line += (f"  {core / row['battles']:.1f} s a battle, "
+                 f"{1e3 * core / max(row['lookahead_choices'], 1):.0f} ms a searched choice "
+                 f"({row['lookahead_choices'] / row['battles']:.0f} a battle), "
+                 f"{row['lookahead_steps'] / row['battles']:,.0f} scratch game-steps a battle")
+    return line + ("  [privileged]" if row["privileged"] else "")
 
 
 def yardstick_run(run: Path, snap: str, n_seeds: int, device: str = "cpu") -> list[dict[str, Any]]:
@@ -2847,8 +2891,11 @@ def _yardstick_player(args: Any, run: Path | None, store: SnapshotStore) -> str:
     """The yardstick's snapshot as snap:<id> (a bare id is one too); a snapshot folder is added to
     `store`."""
     folder = _folder_player(args.snapshot, store) if args.snapshot else None
-    if folder is not None and folder != args.snapshot:   # it was a path: a snapshot folder
+    if folder is not None and folder != args.snapshot:   # a snapshot folder, or a lookahead's short id
         return folder
+    if args.snapshot and args.snapshot.startswith(farm.WORKER_PLAYERS):
+        farm.check_worker_player(args.snapshot)
+        return args.snapshot
     if run is None:
         raise CliError("pass --run RUN (its champion, or --snapshot snap:<id>) or --snapshot <folder> "
                        "(a snapshot folder, such as a shipped model under models/)")
@@ -2862,10 +2909,11 @@ def _yardstick_player(args: Any, run: Path | None, store: SnapshotStore) -> str:
 
 def _folder_player(text: str, store: SnapshotStore) -> str:
     """A player named on the command line: a path (a snapshot folder) becomes snap:<id>, added to
-    `store`; anything else (scripted:<name>, snap:<id>, seed:<name>) is returned as it is."""
+    `store`; a lookahead:... its canonical id; anything else (scripted:<name>, snap:<id>,
+    seed:<name>) is returned as it is."""
     if os.sep in text or Path(text).is_dir():
         return snapshot_player_id(store.add_folder(text))
-    return text
+    return farm.canonical_player(text)
 
 
 def _runner_for(args: Any, run: Path | None, players: Sequence[str], store: SnapshotStore, recorded: bool,
@@ -2928,9 +2976,11 @@ class Eval(_Runner):
     run: Optional[str] = None
     """the run directory, runs/<id> (optional with --master-seed)"""
     a: str
-    """scripted:<name>, snap:<id> or seed:<name> of the run, or a snapshot folder such as models/<name>"""
+    """scripted:<name>, lookahead:<base>[,...], snap:<id> or seed:<name> of the run, or a snapshot folder
+    such as models/<name>"""
     b: str
-    """scripted:<name>, snap:<id> or seed:<name> of the run, or a snapshot folder such as models/<name>"""
+    """scripted:<name>, lookahead:<base>[,...], snap:<id> or seed:<name> of the run, or a snapshot folder
+    such as models/<name>"""
     seeds: Optional[int] = None
     """seeds to play, each from both sides (default: the whole frozen set, or 20 of a --master-seed set)"""
     master_seed: Optional[int] = None
@@ -2966,8 +3016,8 @@ class Yardstick(_Runner):
     run: Optional[str] = None
     """the run directory, runs/<id> (optional with --snapshot <folder>)"""
     snapshot: Optional[str] = None
-    """snap:<id> or seed:<name> of the run, or a snapshot folder such as models/<name> (default: the
-    run's champion)"""
+    """snap:<id> or seed:<name> of the run, a snapshot folder such as models/<name>, or a player the
+    workers play, scripted:<name> or lookahead:... (default: the run's champion)"""
     seeds: Optional[int] = None
     """seeds a rung, each from both sides (default 20, or the whole frozen set if smaller)"""
     master_seed: Optional[int] = None
@@ -2978,6 +3028,9 @@ class Yardstick(_Runner):
     release_mode: Optional[str] = None
     """how the snapshot acts: stochastic, argmax or plugin:<module>:<function>, a decode of your own
     (default: the run's ladder.release_mode, else stochastic); given, the games are printed only"""
+    rungs: tuple[str, ...] = ()
+    """the rungs to play, scripted:<name> or lookahead:<base>[,vs=..,h=..,c=..] (farm.py section 6b:
+    privileged, stronger than the scripted ones); default: every scripted rung"""
 
 
 COMMANDS = {Rate: cmd_rate, Plot: cmd_plot, Eval: cmd_eval, Gate: cmd_gate, Yardstick: cmd_yardstick}

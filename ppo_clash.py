@@ -172,7 +172,8 @@ class WarmArgs:
     teacher); a fresh run only (a resume has its weights). Under net.placement_cell a rung's tile is
     cloned as its cell (placement_action)."""
     rung: str = ""
-    """the scripted player to imitate, scripted:<name> (farm.SCRIPTED_NAMES); empty: no warm start"""
+    """the player to imitate: scripted:<name> (farm.SCRIPTED_NAMES), or lookahead:<base>[,...], a
+    privileged teacher (farm.py section 6b); empty: no warm start"""
     battles: int = 64
     """battles the rung plays against itself; every choice row of both seats is cloned"""
     epochs: int = 4
@@ -2370,17 +2371,22 @@ class Cloned(NamedTuple):
 
 def clone_rows(args: Args, env: Env) -> Cloned:
     """args.warm.battles battles of the rung against itself, one episode each, on the run's env."""
-    name, n = args.warm.rung.removeprefix("scripted:"), args.warm.battles
+    from royalegym.action import NOOP
+    n = args.warm.battles
     vec = farm.build_vec(env.spec, n, autoreset_seed_fn=lambda g, k: derive_int(
         args.master_seed, f"warm/battle/{g}/ordinal/{k}"))
-    players = [farm.make_scripted(name) for _ in range(2 * n)]
+    scratch = functools.cache(lambda: farm.env_factory(env.spec)())   # a lookahead's, one for all
+    players = [farm.worker_player(args.warm.rung, scratch) for _ in range(2 * n)]
+    for i, p in enumerate(players):
+        if isinstance(p, farm.LookaheadPlayer):
+            p.bind(vec.envs[i // 2], i % 2)
     rngs = [derive_generator(args.master_seed, f"warm/slot/{i}") for i in range(2 * n)]
     packer, buf = codec.Packer(env.table), np.zeros((2 * n, env.table.row_bytes), np.uint8)
     obs, _ = vec.reset()
     live, steps, out = np.ones(n, bool), 0, ([], [], [])
     while live.any():
         acts = np.array([players[i].act({k: v[i] for k, v in obs.items()}, obs["action_mask"][i], rngs[i])
-                         for i in range(2 * n)], np.int64)
+                         if live[i // 2] else NOOP for i in range(2 * n)], np.int64)
         choice = np.repeat(live, 2) & (np.asarray(obs["action_mask"]).sum(-1) > 1)
         if choice.any():
             packer.pack(obs, buf, 0)
@@ -3398,8 +3404,9 @@ def game_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("obs.max_steps", o.max_steps >= 0, "be >= 0 (0 plays whole battles)"),
         *[(f"reward.{k}", math.isfinite(x) and x >= 0, "be finite and >= 0 (a shaping weight)")
           for k, x in dataclasses.asdict(args.reward).items()],
-        ("warm.rung", w.rung in ("", *(f"scripted:{x}" for x in farm.SCRIPTED_NAMES)),
-         f"be empty or scripted:<name>, a name of {', '.join(farm.SCRIPTED_NAMES)}"),
+        ("warm.rung", not w.rung or worker_player_ok(w.rung),
+         f"be empty, scripted:<name> (a name of {', '.join(farm.SCRIPTED_NAMES)}) or "
+         "lookahead:<base>[,vs=<rung>][,h=<decisions>][,c=<rung>+...] (farm.py section 6b)"),
         ("warm.rung", not w.rung or o.frame_stack == 1,
          "be empty under --obs.frame-stack above 1 (the cloned rows are single frames)"),
         ("warm.battles", w.battles >= 1, "be >= 1"),
@@ -3416,6 +3423,15 @@ def game_rules(args: Args) -> list[tuple[str, bool, str]]:
          "--warm.critic-iterations 0 --warm.teacher-kl.start 0)"),
         ("warm.teacher_kl.over_env_steps", w.teacher_kl.over_env_steps > 0, "be > 0"),
     ]
+
+
+def worker_player_ok(player: str) -> bool:
+    """Whether `player` names a scripted rung or a lookahead setting farm.py can play."""
+    try:
+        farm.check_worker_player(player)
+    except ValueError:
+        return False
+    return player.startswith(farm.WORKER_PLAYERS)
 
 
 def one_folder_name(name: str) -> bool:
@@ -3988,9 +4004,10 @@ def algo_digest(args: Args) -> str:
     starting points arch_digest leaves out: the warm start, the factored head's P(act)."""
     # each only when on: every earlier run id holds
     w = args.warm
+    # a lookahead rung by its canonical id: every setting, whatever the defaults become
     warm = {"warm": msgspec.Raw(canonical_json_ordered(
-        {f.name: getattr(w, f.name) for f in dataclasses.fields(w)
-         if f.name != "teacher_kl" or teacher_on(w)}))} if w.rung else {}
+        {f.name: farm.canonical_player(w.rung) if f.name == "rung" else getattr(w, f.name)
+         for f in dataclasses.fields(w) if f.name != "teacher_kl" or teacher_on(w)}))} if w.rung else {}
     act = {"factored_act_init": args.net.factored_act_init} if args.net.policy_head == "factored" else {}
     ppo: Any = args.ppo
     if ppo.entropy_coef_stages is None:   # the section's fields in their own order, less that one

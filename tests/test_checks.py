@@ -442,7 +442,10 @@ def test_play_refuses_bad_players_in_one_line(tmp_path):
              (("scripted:nope", "scripted:push"),
               "scripted:nope: unknown scripted player; farm.SCRIPTED_NAMES = noop"),
              (("pool:x", "scripted:push"),
-              "player 'pool:x': not snap:<id>, seed:<name>, scripted:<name>, checkpoint:<dir>"),
+              "player 'pool:x': not snap:<id>, seed:<name>, scripted:<name>, lookahead:<base>[,...], "
+              "checkpoint:<dir>"),
+             (("lookahead:defend,h=0", "scripted:push"),
+              "'lookahead:defend,h=0': h=0 must be a whole number"),
              (("snap:0123456789abcdef", "scripted:push"),
               "a snap:<id> or seed:<name> player needs --run RUN_DIR"),
              (("scripted:push", "seed:patient"), "a snap:<id> or seed:<name> player needs --run RUN_DIR"),
@@ -458,6 +461,8 @@ def test_play_refuses_bad_players_in_one_line(tmp_path):
     assert code == 2 and "manifest.json is missing" in err
     code, _, err = run_main("play", "--blue", "scripted:push", "--red", "scripted:push", "--every", "0")
     assert code == 2 and "--every 0" in err
+    full = farm.canonical_player("lookahead:push")
+    assert checks.parse_player("lookahead:push") == full != "lookahead:push"
     (tmp_path / "f.json").write_text('{"format": "something else"}')
     code, _, err = run_main("replay", str(tmp_path / "f.json"))
     assert code == 2 and "f.json: not a battle saved by `checks.py play --save`" in err

@@ -1331,3 +1331,118 @@ def test_scripted_seats_built_mask_only_leave_the_learner_s_bytes_unchanged(shor
         diff = (obs_x != obs_y).any(axis=-1) & ~learner
         skipped += int(diff.sum())
     assert skipped > 0, "no scripted row was built mask-only"
+
+
+# --- the lookahead player (section 6b) -------------------------------------------------------------
+
+def test_a_lookahead_is_named_by_its_whole_setting_and_a_bad_name_is_refused_by_its_part():
+    full = farm.canonical_player("lookahead:push")
+    spec = farm.parse_lookahead(full)
+    assert full == (f"lookahead:push,vs={farm.LOOKAHEAD_DEFAULTS['vs']},h={farm.LOOKAHEAD_DEFAULTS['h']},"
+                    f"c=push+{'+'.join(c for c in farm.LOOKAHEAD_PORTFOLIO if c != 'push')}")
+    assert spec.candidates[0] == "push" and "noop" in spec.candidates     # the base is tried first
+    assert farm.canonical_player(full) == full and farm.canonical_player("scripted:push") == "scripted:push"
+    two = farm.parse_lookahead("lookahead:defend,c=noop+push+defend,h=7,vs=defend+patient")
+    assert (two.vs, two.horizon, two.candidates) == (("defend", "patient"), 7, ("defend", "noop", "push"))
+    for bad, why in (("lookahead:defend,h=0", "h=0 must be"), ("lookahead:defend,h=x", "h=x must be"),
+                     ("lookahead:nobody", "base 'nobody' is not a scripted rung"),
+                     ("lookahead:defend,vs=defend+nobody", "vs 'nobody'"),
+                     ("lookahead:defend,c=push", "must include noop"),
+                     ("lookahead:defend,x=1", "'x=1' is not one of"),
+                     ("lookahead:defend,h=3,h=4", "each at most once")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            farm.parse_lookahead(bad)
+    with pytest.raises(ValueError, match="unknown scripted player"):
+        farm.check_worker_player("scripted:nobody")
+
+
+def _choice_point(spec, seed=21, steps=40):
+    """A live battle of defend against push, stepped until defend's seat (blue) has more than one
+    distinct candidate; returns the env and blue's observation."""
+    from royalegym.env import AGENTS
+    env = farm.env_factory(spec)()
+    obs, _ = env.reset(seed=seed)
+    rungs, rng = [farm.make_scripted("defend"), farm.make_scripted("push")], np.random.default_rng(0)
+    proposers = [farm.make_scripted(c) for c in ("defend", "noop", "push")]
+    for _ in range(steps):
+        o = obs["blue"]
+        if len({p.act(o, o["action_mask"], rng) for p in proposers}) > 1:
+            return env, o
+        obs, *_ = env.step({a: r.act(obs[a], obs[a]["action_mask"], rng)
+                            for r, a in zip(rungs, AGENTS, strict=True)})
+    raise AssertionError("no choice point in the first steps")
+
+
+def test_the_lookahead_keeps_the_best_scoring_candidate_and_leaves_the_live_battle_alone():
+    """At a choice point each candidate is played on for h decisions (candidate, then the base;
+    the model on the other seat) from the live battle's snapshot; the player returns the first
+    best by score, deterministically, and the live battle is where it was."""
+    from royalegym.env import AGENTS
+    spec = farm.default_env_spec()
+    live, o = _choice_point(spec)
+    name = "lookahead:defend,vs=patient,h=6,c=defend+noop+push"
+    p = farm.worker_player(name, lambda: farm.env_factory(spec)())
+    p.bind(live, 0)
+    before = live.engine.state_hash()
+    action = p.act(o, o["action_mask"], np.random.default_rng(5))
+    assert live.engine.state_hash() == before and live.snapshot().blob == live.snapshot().blob
+    # the same search by hand, in another scratch env
+    scratch = farm.env_factory(spec)()
+    base, model = farm.make_scripted("defend"), farm.make_scripted("patient")
+    rng = np.random.default_rng(0)
+    tried = list(dict.fromkeys(farm.make_scripted(c).act(o, o["action_mask"], rng)
+                               for c in ("defend", "noop", "push")))
+    scores = []
+    for a in tried:
+        s, _ = scratch.reset(options={"snapshot": live.snapshot()})
+        for k in range(6):
+            s, *_ = scratch.step({"blue": a if k == 0 else base.act(s["blue"], s["blue"]["action_mask"], rng),
+                                  "red": model.act(s["red"], s["red"]["action_mask"], rng)})
+        scores.append(p.score(scratch.battle_state, 0))
+    assert len(tried) > 1 and action == tried[int(np.argmax(scores))]
+    assert (p.choices, p.steps) == (1, 6 * len(tried))
+    assert len(set(scores)) > 1, "the candidates' positions differ at the horizon"
+    # a fresh player on the same state chooses the same; a mask-only battle cannot be searched
+    q = farm.worker_player(name, lambda: farm.env_factory(spec)())
+    q.bind(live, 0)
+    assert q.act(o, o["action_mask"], np.random.default_rng(6)) == action
+    live.set_mask_only(AGENTS)
+    with pytest.raises(ValueError, match="cannot be snapshotted"):
+        q.act(o, o["action_mask"], np.random.default_rng(6))
+
+
+def test_the_score_is_the_result_once_over_and_the_potential_terms_before():
+    spec = farm.default_env_spec()
+    live, _ = _choice_point(spec)
+    p = farm.worker_player("lookahead:defend", lambda: farm.env_factory(spec)())
+    st = live.battle_state
+    want = sum(farm.REWARD_WEIGHTS[k] * float(t.potential(st, 0)) for k, t in (
+        ("crown", farm.PotentialCrownReward()), ("tower_hp", farm.PotentialTowerHPReward()),
+        ("elixir", p.terms[2][0])))
+    assert p.score(st, 0) == pytest.approx(want) and p.score(st, 1) == pytest.approx(-want)
+    for winner, blue in ((0, 1.0), (1, -1.0), (2, 0.0)):
+        over = msgspec.structs.replace(st, game_over=True, winner=winner)
+        assert (p.score(over, 0), p.score(over, 1)) == (blue, -blue if winner != 2 else 0.0)
+
+
+def test_a_lookahead_seat_plays_in_the_evaluation_farm_whatever_the_hosting(short_env):
+    """A lookahead seat is played in the worker like a scripted one, its battle kept unmasked;
+    its record counts its searches; the episode is the same on 2 battles as on 1."""
+    _, _, table = short_env
+    spec = farm.default_env_spec(max_steps=30)
+    name = farm.canonical_player("lookahead:defend,h=3,c=defend+noop+push")
+    plan = eval_plan(2, players=((name, "scripted:push"), ("scripted:patient", name)))
+    a, _, groups = run_eval(spec, table, plan, battles=2)
+    b, _, _ = run_eval(spec, table, plan, battles=1)
+    for key in a:
+        assert (a[key].played, a[key].winner, a[key].lookahead_choices, a[key].lookahead_steps) == \
+               (b[key].played, b[key].winner, b[key].lookahead_choices, b[key].lookahead_steps), key
+    for i, seat in ((0, 0), (1, 1)):
+        r = a[(i, seat)]
+        assert r.policy_id == name and 0 < r.lookahead_choices and \
+            r.lookahead_choices < r.lookahead_steps <= 3 * 3 * r.lookahead_choices
+        assert a[(i, 1 - seat)].lookahead_choices == a[(i, 1 - seat)].lookahead_steps == 0
+    assert all(((g == farm.GROUP_SCRIPTED) | (g == farm.GROUP_IDLE)).all() for g in groups)
+    with pytest.raises(ValueError, match=r"eval_plan\[0\].players\[0\]: 'lookahead:defend,h=0'"):
+        farm.FarmConfig(env=spec, master_seed=1,
+                        eval_plan=eval_plan(1, (("lookahead:defend,h=0", "x"),))).check()

@@ -1102,8 +1102,8 @@ def test_eval_runner_feeds_each_seat_its_own_named_stream_and_plays_full_matches
     assert not np.array_equal(live.first_obs["vector"][0], live.first_obs["vector"][2])
     # untruncated although the training env truncates at 8 decisions: a real match is longer
     assert sum(len(c) for c in live.calls) > 4 * 8 * 4
-    for resolved in ("snap:x", "seed:x"):
-        with pytest.raises(ValueError, match="scripted:, snap: and seed: ids are resolved"):
+    for resolved in ("snap:x", "seed:x", "lookahead:defend"):
+        with pytest.raises(ValueError, match="scripted:, lookahead:, snap: and seed: ids are resolved"):
             r.register(resolved, live)
     with pytest.raises(ValueError, match="unknown scripted player"):
         runner(None, seeds).play("scripted:nobody", "scripted:noop", 2)
@@ -1296,18 +1296,23 @@ def test_eval_runner_on_a_process_farm_gives_the_inline_farms_results_byte_for_b
     """design 7.1: with workers=2 the runner builds a ProcessFarm of two workers for the comparison
     and closes it after; the results equal the in-process farm's, byte for byte (a parent-acted
     player and a scripted one, so both paths through the farm are covered)."""
-    out, stats = [], []
+    out, stats, searched = [], [], []
+    ahead = farm.canonical_player("lookahead:defend,h=2,c=defend+noop")
     for workers in (1, 2):
         with runner(None, battles_at_once=4, workers=workers) as r:
             r.register("learner@9", legal_from_uniforms)
             out.append(r.play("learner@9", "scripted:push", 6, comparison_id="farm-det"))
             out.append(r.play("scripted:random_legal", "scripted:patient", 4, comparison_id="farm-det2"))
             stats.append(r.farm_stats)
+            out.append(r.play(ahead, "scripted:push", 2, comparison_id="farm-det3"))   # farm.py 6b
+            searched.append(r.searched)
             assert r.last_farm == ("InlineFarm" if workers == 1 else "ProcessFarm")
             assert r.envs == []                              # the farm is closed after each comparison
-    assert msgspec.json.encode(out[:2]) == msgspec.json.encode(out[2:])
+    assert msgspec.json.encode(out[:3]) == msgspec.json.encode(out[3:])
     assert [g.score_a for g in out[0]] and len(out[0]) == 6 and len(out[1]) == 4
     assert stats[1]["env_ms"] > 0 and stats[1]["bytes_out"] > 0
+    assert searched[0] == searched[1] and \
+        0 < searched[0]["lookahead_choices"] < searched[0]["lookahead_steps"]
 
 
 # --- 11. The picture ------------------------------------------------------------------------------------
@@ -1540,3 +1545,35 @@ def test_yardstick_refuses_what_it_cannot_measure_in_one_line(tmp_path, capsys):
         with pytest.raises(L.SnapshotMismatch, match=re.escape(f"snapshot {sid}: {damaged / 'spec.json'} "
                                                                "is not a snapshot spec")):
             read(sid)
+
+
+def test_yardstick_measures_a_lookahead_marks_it_privileged_and_counts_its_search(capsys):
+    """farm.py section 6b: a lookahead is a yardstick subject (its canonical id), its rows say
+    privileged and carry its search counters; --rungs picks the rungs, a snapshot is refused as
+    one, and a scripted subject is never played against itself."""
+    short = "lookahead:defend,h=2,c=defend+noop"
+    assert L.main(["yardstick", "--snapshot", short, "--rungs", "scripted:noop", "--master-seed", "3",
+                   "--seeds", "1", "--json"]) == 0
+    out, err = capsys.readouterr()
+    (row,) = [json.loads(x) for x in out.splitlines()]
+    assert row["snapshot"] == farm.canonical_player(short) and row["rung"] == "scripted:noop"
+    assert row["privileged"] is True and row["battles"] == 2 and row["seconds"] > 0
+    assert 0 < row["lookahead_choices"] < row["lookahead_steps"] <= 2 * 2 * row["lookahead_choices"]
+    assert L.PRIVILEGED_NOTE in err
+    line = L.yardstick_line(row, 1)
+    assert "ms a searched choice" in line and line.endswith("[privileged]")
+    others = [f"scripted:{n}" for n in farm.SCRIPTED_NAMES if n != "push"]
+    assert L.yardstick_rungs((), "scripted:push") == others
+    full = farm.canonical_player("lookahead:push")
+    assert L.yardstick_rungs(("lookahead:push",), "scripted:push") == [full]
+    for argv, want in ((["--rungs", str(ROOT / "models" / "cpu")], "a rung is scripted:<name> or lookahead:"),
+                       (["--rungs", "lookahead:defend,h=0"], "h=0 must be a whole number"),
+                       (["--snapshot", "scripted:nobody"], "unknown scripted player")):
+        subject = ["--snapshot", short] if argv[0] != "--snapshot" else []
+        argv = ["yardstick", "--master-seed", "3", *subject, *argv]
+        assert L.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("ladder.py yardstick: ") and want in err and err.count("\n") == 1, err
+    with L.EvalRunner(farm.default_env_spec(), L.draw_eval_seeds(3, 1)) as r, \
+            pytest.raises(ValueError, match="by its canonical id"):
+        r.play("lookahead:defend", "scripted:noop", 2)

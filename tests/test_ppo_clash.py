@@ -1362,7 +1362,8 @@ BAD_VALUES = [
     ("obs.frame_stack", 0, {}), ("obs.decision_ms", 0, {}),
     ("obs.reveal", ["enemy_hand"], {}), ("obs.max_steps", -1, {}), ("reward.crown", -0.1, {}),
     ("reward.tower_hp", float("nan"), {}), ("reward.elixir", -1, {}),
-    ("warm.rung", "scripted:nope", {}), ("warm.rung", "scripted:noop", {"obs.frame_stack": 2}),
+    ("warm.rung", "scripted:nope", {}), ("warm.rung", "lookahead:defend,h=0", {}),
+    ("warm.rung", "scripted:noop", {"obs.frame_stack": 2}),
     ("warm.battles", 0, {"warm.rung": "scripted:noop"}), ("warm.epochs", 0, {}), ("warm.lr", 0, {}),
     ("warm.critic_iterations", -1, {"warm.rung": "scripted:noop"}), ("warm.critic_iterations", 2, {}),
     ("warm.teacher_kl.start", -1.0, {}), ("warm.teacher_kl.start", 1.0, {}),
@@ -1527,6 +1528,26 @@ def test_a_warm_start_clones_the_rungs_own_choices_deterministically_and_only_a_
     stages = P.parse_args([*short, "--ppo.entropy-coef-stages", "0.01", "0.01", "0"])
     assert stages.ppo.entropy_coef_stages == (0.01, 0.01, 0.0) and \
         P.algo_digest(stages) != P.algo_digest(base)
+
+
+def test_a_warm_start_clones_a_lookahead_and_its_identity_holds_every_setting():
+    """farm.py section 6b: --warm.rung lookahead:... plays the lookahead against itself, each seat
+    searching its own battle; the rows are its choices (waits among them, which defend alone never
+    makes where it can play); the identity reads the canonical id, so the short name and the full
+    one are one run, and another setting another."""
+    short = ["--profile", "smoke", "--obs.max-steps", "60", "--warm.battles", "1"]
+    name = "lookahead:defend,h=2,c=defend+noop"
+    a = P.parse_args([*short, "--warm.rung", name])
+    env = P.read_env(a)
+    data = P.clone_rows(a, env)
+    mask = P.codec.host_mask(env.table, data.rows)
+    assert (mask.sum(1) > 1).all() and mask[np.arange(len(data.actions)), data.actions].all()
+    assert set(data.seats.tolist()) == {0, 1} and (data.actions == 0).any() and (data.actions != 0).any()
+    again = P.clone_rows(a, env)
+    assert np.array_equal(again.actions, data.actions) and np.array_equal(again.rows, data.rows)
+    full = P.parse_args([*short, "--warm.rung", P.farm.canonical_player(name)])
+    other = P.parse_args([*short, "--warm.rung", "lookahead:defend,h=3,c=defend+noop"])
+    assert P.algo_digest(a) == P.algo_digest(full) != P.algo_digest(other)
 
 
 def test_the_bad_values_cover_every_rule_and_every_profile_keeps_them(monkeypatch):
