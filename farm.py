@@ -840,10 +840,9 @@ def mirror_assignment(battle: int, ordinal: int) -> Assignment:
 # its portfolio, the no-op among them) it plays the battle on in a scratch env for `horizon`
 # decisions: its own seat plays the candidate, then its base rung; the other seat plays a fixed
 # model rung throughout (several models: one scratch battle each, their scores summed). It keeps
-# the candidate whose position at the horizon scores best. A tie
-# keeps the earliest candidate, and the base rung's proposal comes first, so where the search
-# tells nothing apart it plays as its base rung does (the rollout algorithm's improvement holds
-# against that rung's own continuation).
+# the candidate whose position at the horizon scores best. A tie keeps the earliest candidate in
+# c's order; by default the base rung's proposal comes first, so where the search tells nothing
+# apart it plays as its base rung does (the rollout algorithm's improvement over its base).
 #
 # What it sees that a seat's observation does not: the engine's whole state (ClashParallelEnv
 # .snapshot()), so the opponent's hand, exact elixir and card cycle, every unit's hit points, and
@@ -858,7 +857,7 @@ def mirror_assignment(battle: int, ordinal: int) -> Assignment:
 #
 # The name is the whole setting, so the ladder's results and a warm start's identity carry it:
 #     lookahead:<base>[,vs=<rung>+...][,h=<decisions>][,c=<rung>+<rung>+...]
-# canonical (lookahead_id) with every field written, c in the order tried, base first.
+# canonical (lookahead_id) with every field written, c in its order (the order ties are broken in).
 
 LOOKAHEAD = "lookahead:"
 WORKER_PLAYERS = ("scripted:", LOOKAHEAD)
@@ -869,13 +868,13 @@ class LookaheadSpec(msgspec.Struct, frozen=True):
     base: str                               # its own seat's rung after the first decision
     vs: tuple[str, ...]                     # the other seat's rung(s): a scratch battle each
     horizon: int                            # decisions played on from the choice point
-    candidates: tuple[str, ...]             # rungs whose proposals are tried, in this order
+    candidates: tuple[str, ...]             # rungs whose proposals are tried; a tie keeps the first
 
 
 LOOKAHEAD_DEFAULTS = {"vs": "defend", "h": 20}
 """The chosen setting's fields (docs/ladder.md section 13: the table it was chosen from)."""
 LOOKAHEAD_PORTFOLIO = ("noop", "first-affordable", "defend", "push", "patient")
-"""The default candidates after the base: the no-op and each deterministic rung's proposal."""
+"""The default candidates after the base (c unset): the no-op and each deterministic rung's proposal."""
 
 
 def parse_lookahead(player: str) -> LookaheadSpec:
@@ -894,16 +893,16 @@ def parse_lookahead(player: str) -> LookaheadSpec:
     h = kw.get("h", str(LOOKAHEAD_DEFAULTS["h"]))
     if not h.isdigit() or int(h) < 1:
         raise ValueError(f"{player!r}: h={h} must be a whole number of decisions >= 1")
-    tried = tuple(kw["c"].split("+")) if "c" in kw else LOOKAHEAD_PORTFOLIO
-    candidates = tuple(dict.fromkeys((base, *tried)))
+    candidates = tuple(dict.fromkeys(kw["c"].split("+") if "c" in kw else (base, *LOOKAHEAD_PORTFOLIO)))
     vs = tuple(kw.get("vs", str(LOOKAHEAD_DEFAULTS["vs"])).split("+"))
     spec = LookaheadSpec(base, vs, int(h), candidates)
     for what, name in (("base", base), *(("vs", v) for v in vs), *(("c", c) for c in candidates)):
         if name not in SCRIPTED_NAMES:
             raise ValueError(f"{player!r}: {what} {name!r} is not a scripted rung; farm.SCRIPTED_NAMES = "
                              f"{SCRIPTED_NAMES}")
-    if "noop" not in candidates:
-        raise ValueError(f"{player!r}: c= must include noop (waiting is always a candidate)")
+    if "noop" not in candidates or base not in candidates:
+        raise ValueError(f"{player!r}: c= must include noop and the base, {base} (waiting and the base's own "
+                         "play are always candidates)")
     return spec
 
 

@@ -1343,11 +1343,12 @@ def test_a_lookahead_is_named_by_its_whole_setting_and_a_bad_name_is_refused_by_
     assert spec.candidates[0] == "push" and "noop" in spec.candidates     # the base is tried first
     assert farm.canonical_player(full) == full and farm.canonical_player("scripted:push") == "scripted:push"
     two = farm.parse_lookahead("lookahead:defend,c=noop+push+defend,h=7,vs=defend+patient")
-    assert (two.vs, two.horizon, two.candidates) == (("defend", "patient"), 7, ("defend", "noop", "push"))
+    assert (two.vs, two.horizon, two.candidates) == (("defend", "patient"), 7, ("noop", "push", "defend"))
     for bad, why in (("lookahead:defend,h=0", "h=0 must be"), ("lookahead:defend,h=x", "h=x must be"),
                      ("lookahead:nobody", "base 'nobody' is not a scripted rung"),
                      ("lookahead:defend,vs=defend+nobody", "vs 'nobody'"),
-                     ("lookahead:defend,c=push", "must include noop"),
+                     ("lookahead:defend,c=push+noop", "must include noop and the base, defend"),
+                     ("lookahead:defend,c=push+defend", "must include noop and the base, defend"),
                      ("lookahead:defend,x=1", "'x=1' is not one of"),
                      ("lookahead:defend,h=3,h=4", "each at most once")):
         with pytest.raises(ValueError, match=re.escape(why)):
