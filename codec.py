@@ -347,6 +347,15 @@ def host_mask(table: CodecTable, rows: np.ndarray) -> np.ndarray:
     return np.unpackbits(newest[:, a:b], axis=1, count=table.n_actions, bitorder="little").astype(bool)
 
 
+def host_vector(table: CodecTable, rows: np.ndarray) -> np.ndarray:
+    """(B, V) float32, on the host: the observation vector of stored rows (the newest frame), the
+    fp16 values `unpack` returns as Obs.vector, read without torch: what the learner's bookkeeping
+    reads of every row, a forced one included, without unpacking it."""
+    a, b = table.offsets["vector"]
+    newest = rows[:, -1] if rows.ndim == 3 else rows
+    return np.ascontiguousarray(newest[:, a:b]).view("<f2").astype(np.float32)
+
+
 # --- 4. Unpacking, learner side (torch, imported lazily) ----------------------------------
 
 

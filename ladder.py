@@ -78,6 +78,7 @@ import msgspec
 import numpy as np
 import tyro
 
+import codec
 import farm
 from farm import (
     GROUP_LEARNER,
@@ -1514,7 +1515,11 @@ unpack(pack(obs)) does that round trip itself); uniforms is float64 (B,), one dr
 that seat's own stream; the answer is B integer actions, each legal under obs_batch["action_mask"]."""
 
 PolicyBuilder = Callable[[str], ActFn]
-"""policy_builder(snapshot_id) -> ActFn, supplied by the caller (ppo_clash owns torch)."""
+"""policy_builder(snapshot_id) -> ActFn, supplied by the caller (ppo_clash owns torch). An ActFn that
+also has act_rows(rows, statics, uniforms) -> actions (a RowsAct: rows uint8 (B, row_bytes) packed
+with the runner's codec table, statics (B, s, H, W) each row's static planes) is handed the
+evaluation farm's packed rows as they are, the same actions as from the observations, without
+unpacking them to the env's keys and packing them again (ppo_clash.NetPlayer)."""
 
 PAIR_DIGEST_FIELDS = ("obs_digest", "action_digest", "codec_version", "codec_table_digest")
 """Two snapshots that differ in one of these saw different observations or actions: a game
@@ -1757,14 +1762,19 @@ class FarmComparison:
         out = np.zeros(len(rnd.slots), np.int64)
         for player, entries in sorted(self._seats_by_player(f, rnd).items()):
             rows = np.array([n_ for n_, _, _ in entries])
-            obs = farm.unpack_numpy(self.table, f.rect[rnd.cycle + f.k - 1, rnd.slots[rows]],
-                                    self.statics, rnd.slots[rows] % 2, self.obs_space)
+            packed, seats = f.rect[rnd.cycle + f.k - 1, rnd.slots[rows]], rnd.slots[rows] % 2
             u = np.empty(len(entries), np.float64)
             for e, (_, i, seat) in enumerate(entries):
                 if (i, seat) not in self.rngs:
                     self.rngs[(i, seat)] = derive_generator(self.master_seed, self.plan[i].streams[seat])
                 u[e] = self.rngs[(i, seat)].random()
-            out[rows] = self._checked(player, entries, obs, np.asarray(self.acts[player](obs, u)).reshape(-1))
+            act = self.acts[player]
+            if hasattr(act, "act_rows"):       # RowsAct: the packed rows as they are
+                a = act.act_rows(packed, self.statics[seats], u)
+            else:
+                a = act(farm.unpack_numpy(self.table, packed, self.statics, seats, self.obs_space), u)
+            out[rows] = self._checked(player, entries, codec.host_mask(self.table, packed),
+                                      np.asarray(a).reshape(-1))
         return out
 
     def _seats_by_player(self, f: Any, rnd: Any) -> dict[str, list[tuple[int, int, int]]]:
@@ -1786,12 +1796,12 @@ class FarmComparison:
                 batched.setdefault(self.plan[i].players[r % 2], []).append((n_, i, r % 2))
         return batched
 
-    def _checked(self, player: str, entries: list[tuple[int, int, int]], obs: dict[str, np.ndarray],
+    def _checked(self, player: str, entries: list[tuple[int, int, int]], mask: np.ndarray,
                  actions: np.ndarray) -> np.ndarray:
-        """A player's answer, refused unless it is one legal action per seat."""
+        """A player's answer, refused unless it is one legal action per seat (`mask`: the seats')."""
         if actions.shape != (len(entries),):
             raise ValueError(f"{player}: act returned {actions.shape} actions for {len(entries)} seats")
-        legal = obs["action_mask"][np.arange(len(entries)), actions] != 0
+        legal = mask[np.arange(len(entries)), actions]
         if not legal.all():
             e = int(np.flatnonzero(~legal)[0])
             _, i, seat = entries[e]

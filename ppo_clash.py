@@ -969,12 +969,13 @@ def legal_frac(mask: torch.Tensor, geo: NetGeometry) -> torch.Tensor:
 
 class Rows(NamedTuple):
     """The rows a subset forward computes: `idx`, ascending, of a batch of `n` (actor_rows), on
-    the batch's device."""
+    the batch's device. The observation a subset forward reads holds those rows alone."""
     idx: torch.Tensor
     n: int
 
 
-def at_batch_shape(layer: nn.Module, x: torch.Tensor, rows: Rows | None) -> torch.Tensor:
+def at_batch_shape(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                   rows: Rows | None) -> torch.Tensor:
     """layer(x), where x holds rows.idx of a batch of rows.n, computed at the whole batch's shape
     (the other rows zero) and those rows returned. A CPU gemm's result for a row depends on the
     batch's row count and the row's place in it (MKL picks its kernel by shape), never on the
@@ -1051,17 +1052,15 @@ class Trunk(nn.Module):
         self.in_channels = in_ch
 
     def forward(self, obs: Any, rows: Rows | None = None) -> torch.Tensor:
-        """rows: compute those rows of obs only, bit for bit what the whole batch gives them."""
+        """rows: obs holds rows.idx of a batch of rows.n; bit for bit what the whole batch gives them."""
         geo = self.geo
         H, W = geo.tiles
         G = 1 + geo.hand_size * H * W
         vin = obs.vector
         if geo.n_buttons:  # the ability buttons' readiness rides with the vector (design 5.1)
             vin = torch.cat([vin, obs.mask[:, G:G + geo.n_buttons].to(vin.dtype)], -1)
-        # on every row: a matmul's rows depend on the batch's shape (at_batch_shape)
-        vmap = self.vector_map(self.vemb(vin))
-        if rows is not None:
-            obs, vmap = obs_rows(obs, rows.idx), vmap[rows.idx]
+        # at the batch's shape: a matmul's rows depend on it (at_batch_shape)
+        vmap = at_batch_shape(lambda v: self.vector_map(self.vemb(v)), vin, rows)
         B = obs.vector.shape[0]
         planes = obs.mask_planes
         if planes is None:  # derived from the mask: a reshape of bytes the row already carries
@@ -1152,10 +1151,8 @@ class PointerHead(CardQueries):
 
     def forward(self, x: torch.Tensor, vector: torch.Tensor, mask: torch.Tensor,
                 rows: Rows | None = None) -> torch.Tensor:
-        """x: the trunk's rows; vector: the whole batch's, of which `rows` are x's (None: all). The
+        """x, vector: the trunk's rows and their vectors, rows.idx of a batch of rows.n (None: all). The
         mask is not read: the logits are masked in MaskedCategorical (FactoredHead reads it)."""
-        if rows is not None:
-            vector = vector[rows.idx]
         q_in, _, tiles, pooled = self.queries(x, vector, rows)
         tiles = tiles + at_batch_shape(self.qb, q_in, rows)[..., None]
         parts = [at_batch_shape(self.noop, pooled, rows).float() + self.noop_bias,
@@ -1182,9 +1179,7 @@ class FactoredHead(CardQueries):
 
     def forward(self, x: torch.Tensor, vector: torch.Tensor, mask: torch.Tensor,
                 rows: Rows | None = None) -> torch.Tensor:
-        """x: the trunk's rows; vector and mask: the whole batch's, of which `rows` are x's (None: all)."""
-        if rows is not None:
-            vector, mask = vector[rows.idx], mask[rows.idx]
+        """x, vector, mask: the trunk's rows, rows.idx of a batch of rows.n (None: all)."""
         q_in, q, tiles, pooled = self.queries(x, vector, rows)
         slots = (torch.einsum("bc,bkc->bk", at_batch_shape(self.board, pooled, rows), q) * self.scale
                  + at_batch_shape(self.qb, q_in, rows)[..., 0])
@@ -1326,35 +1321,37 @@ class ActorCritic(nn.Module):
             return self.value_head(trunk(obs), obs).float()
 
     def dist(self, obs: Any, check_noop: bool = True, rows: Rows | None = None) -> MaskedCategorical:
-        """rows: the distribution of those rows of obs alone (a subset forward, at_batch_shape)."""
-        mask = self.policy_mask(obs.mask if rows is None else obs.mask[rows.idx])
-        return MaskedCategorical(self.logits(obs, rows), mask, check_noop=check_noop)
+        """rows: obs holds rows.idx of a batch of rows.n (a subset forward, at_batch_shape)."""
+        return MaskedCategorical(self.logits(obs, rows), self.policy_mask(obs.mask), check_noop=check_noop)
 
     @torch.no_grad()
-    def act_and_hold(self, obs: Any, u: torch.Tensor, forced: np.ndarray,
+    def act_and_hold(self, obs_of: Callable[[np.ndarray], Any], u: torch.Tensor, forced: np.ndarray,
                      decode: Decode = sample_decode) -> Acted:
         """Rollout inference: actions from the caller's uniforms, their log-probs to store, and
         each row's p(no-op), the rollout's own hold probability (design 9.2's policy/rollout_hold_*,
-        measured on the policy that chose, not the one the update moved). forced: forced_rows of
-        the host's mask. A forced row is written without a forward: the no-op, log-prob 0, p(no-op)
-        1, exactly what its forward would give. The actor runs on the other rows alone
-        (actor_rows), bit for bit what the whole batch's forward gives them (design 3.6). Every
-        index is decided on the host and copied to the device without a wait (host_index).
-        decode: how a frozen player picks (decode_fn); the learner's seats keep the sample."""
+        measured on the policy that chose, not the one the update moved). obs_of(idx): the
+        codec.Obs of the batch's rows idx (ascending); forced: forced_rows of the host's mask. A
+        forced row is neither unpacked nor forwarded: the no-op, log-prob 0, p(no-op) 1, exactly
+        what its forward would give. The actor runs on the other rows alone (actor_rows), bit for
+        bit what the whole batch's forward gives them (design 3.6). Every index is decided on the
+        host and copied to the device without a wait (host_index). decode: how a frozen player
+        picks (decode_fn); the learner's seats keep the sample."""
+        n = len(forced)
         if not forced.any():   # forced_rows has refused a clear no-op bit already
+            obs = obs_of(np.arange(n))
             d = self.dist(obs, check_noop=False)
             a = decode(d, obs.vector, u)
             return Acted(a, d.log_prob(a), d.logp[:, 0].exp(), len(a))
-        dev, n = obs.mask.device, len(forced)
+        dev = u.device
         a = torch.zeros(n, dtype=torch.int64, device=dev)
         lp = torch.zeros(n, dtype=torch.float32, device=dev)
         p0 = torch.ones(n, dtype=torch.float32, device=dev)
         idx = actor_rows(forced)
         if idx.size == 0:
             return Acted(a, lp, p0, 0)
-        rows = Rows(host_index(idx, dev), n)
+        rows, obs = Rows(host_index(idx, dev), n), obs_of(idx)
         d = self.dist(obs, check_noop=False, rows=rows)
-        ar = decode(d, obs.vector[rows.idx], u[rows.idx])
+        ar = decode(d, obs.vector, u[rows.idx])
         keep = np.flatnonzero(~forced[idx])    # a forced row that rode along keeps its exact values
         at, keep_t = host_index(idx[keep], dev), host_index(keep, dev)
         a[at], lp[at], p0[at] = ar[keep_t], d.log_prob(ar)[keep_t], d.logp[keep_t, 0].exp()
@@ -1574,6 +1571,11 @@ class Minibatch(NamedTuple):
 def obs_rows(obs: Any, sel: torch.Tensor) -> Any:
     """Rows `sel` of a codec.Obs (a NamedTuple; None fields stay None)."""
     return type(obs)._make(None if x is None else x[sel] for x in obs)
+
+
+def unpacked(obs: Any) -> Callable[[np.ndarray], Any]:
+    """act_and_hold's obs_of over a batch already unpacked: its rows idx."""
+    return lambda idx: obs_rows(obs, torch.as_tensor(idx, device=obs.vector.device))
 
 
 def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer,
@@ -2655,6 +2657,14 @@ class RectView:
         cycle t's observation is row t+k-1 (frame_stack_rows)."""
         return forced_rows(codec.host_mask(self.table, self.rect[t + self.k - 1, r]))
 
+    def vector(self, t: int, r: np.ndarray) -> np.ndarray:
+        """The observation vectors of slots r at cycle t, on the host (codec.host_vector)."""
+        return codec.host_vector(self.table, self.rect[t + self.k - 1, r])
+
+    def obs_of(self, t: int, r: np.ndarray) -> Callable[[np.ndarray], Any]:
+        """act_and_hold's obs_of over slots r at cycle t: rows idx of them, unpacked on the device."""
+        return lambda idx: self.obs(np.full(idx.size, t), r[idx])
+
     def obs(self, t: np.ndarray, r: np.ndarray) -> Any:
         rows = self.rect[frame_stack_rows(t, self.k), r[:, None]]          # (n, k, row_bytes)
         fv = (torch.as_tensor(frame_valid(self.last_start, t, r, self.k), device=self.device)
@@ -2796,7 +2806,7 @@ def act_round(rnd: Any, t: int, u: torch.Tensor, view: RectView, model: ActorCri
         prow = np.flatnonzero(rnd.group == g)
         ps = sl[prow].astype(np.int64)
         with torch.inference_mode():
-            out = lad.policy(g).act_and_hold(view.obs(np.full(prow.size, t), ps), u[ps], view.forced(t, ps),
+            out = lad.policy(g).act_and_hold(view.obs_of(t, ps), u[ps], view.forced(t, ps),
                                              lad.opponent_decode)
         acts[prow] = out.action.cpu().numpy()
         roll.rows_forward += out.forwarded
@@ -2805,11 +2815,10 @@ def act_round(rnd: Any, t: int, u: torch.Tensor, view: RectView, model: ActorCri
     rows = np.flatnonzero(rnd.group == farm.GROUP_LEARNER)   # ascending slot order
     if rows.size:
         ss = sl[rows].astype(np.int64)
-        o = view.obs(np.full(rows.size, t), ss)
-        a, lp, p0, fwd = model.act_and_hold(o, u[ss], view.forced(t, ss))
+        a, lp, p0, fwd = model.act_and_hold(view.obs_of(t, ss), u[ss], view.forced(t, ss))
         roll.rows_forward += fwd
         roll.rows_skipped += rows.size - fwd
-        cd, el = decision_facts(o.vector, a, geo)
+        cd, el = decision_facts(view.vector(t, ss), a.cpu().numpy(), geo)
         roll.card[t, ss] = cd
         if el is not None:
             roll.elixir[t, ss] = el
@@ -5421,12 +5430,11 @@ def save_play_heatmaps(run: Path, iteration: int, roll: Rollout, env: Env, every
     return path
 
 
-def decision_facts(vector: torch.Tensor, action: torch.Tensor,
-                   geo: NetGeometry) -> tuple[np.ndarray, np.ndarray | None]:
-    """Per acted row: the card id the played hand slot held (-1 for the no-op or a button) and the
-    row's own elixir (None when the env declares no own_elixir field): rollout_policy_metrics'
-    card and elixir. Read off the same vector the pointer head resolves its hand from."""
-    v, a = vector.float().cpu().numpy(), action.cpu().numpy()
+def decision_facts(v: np.ndarray, a: np.ndarray, geo: NetGeometry) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per acted row, from its vector v (float32, the host's copy of the one the pointer head
+    resolves its hand from) and action a: the card id the played hand slot held (-1 for the no-op
+    or a button) and the row's own elixir (None when the env declares no own_elixir field):
+    rollout_policy_metrics' card and elixir."""
     hw, P = geo.tiles[0] * geo.tiles[1], geo.hand_size
     play = (a >= 1) & (a < 1 + P * hw)
     ids = v[:, geo.field(HAND_CARDS)].reshape(len(a), P, -1).argmax(-1)
@@ -6037,28 +6045,39 @@ def actor_from_snapshot(spec: Any, tensors: dict[str, np.ndarray], device: torch
     return model.to(device).eval()
 
 
-def raw_obs_act(model: ActorCritic, table: Any, device: torch.device | str,
-                release_mode: str = "stochastic") -> Any:
-    """A ladder.ActFn over raw env observations: pack with the run's codec table, unpack, and pick
-    each row's action as release_mode says (decode_fn) from the caller's uniforms (one per seat,
-    from that seat's own stream)."""
-    decode = decode_fn(release_mode, "ladder.release_mode")
-    packer = codec.Packer(table)
-    st = list(table.static_index)
+class NetPlayer:
+    """A network as a ladder player. Called, a ladder.ActFn over raw env observations: pack with the
+    run's codec table, unpack, and pick each row's action as release_mode says (decode_fn) from
+    the caller's uniforms (one per seat, from that seat's own stream). act_rows does the same from
+    rows already packed with that table (ladder.RowsAct: the evaluation farm's rectangle), so a
+    forced row is neither unpacked nor forwarded, and nothing is packed twice."""
 
-    def act(obs: dict[str, np.ndarray], u: np.ndarray) -> np.ndarray:
-        B = int(np.asarray(u).shape[0])
-        rows = np.zeros((B, table.row_bytes), np.uint8)
-        packer.pack(obs, rows, 0)
-        statics = torch.as_tensor(np.asarray(obs["spatial"])[:, st].astype(np.float32), device=device)
-        with torch.inference_mode():
-            o = codec.unpack(table, torch.as_tensor(rows, device=device), statics,
-                             torch.arange(B, device=device), None)
-            # forced rows: no forward
-            a = model.act_and_hold(o, torch.as_tensor(np.asarray(u), dtype=torch.float32, device=device),
-                                   forced_rows(codec.host_mask(table, rows)), decode).action
-        return a.cpu().numpy()
-    return act
+    def __init__(self, model: ActorCritic, table: Any, device: torch.device | str,
+                 release_mode: str = "stochastic") -> None:
+        self.model, self.table, self.device = model, table, device
+        self.decode = decode_fn(release_mode, "ladder.release_mode")
+        self.packer = codec.Packer(table)
+
+    def __call__(self, obs: dict[str, np.ndarray], u: np.ndarray) -> np.ndarray:
+        rows = np.zeros((int(np.asarray(u).shape[0]), self.table.row_bytes), np.uint8)
+        self.packer.pack(obs, rows, 0)
+        return self.act_rows(rows, np.asarray(obs["spatial"])[:, list(self.table.static_index)], u)
+
+    def act_rows(self, rows: np.ndarray, statics: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """rows: uint8 (B, row_bytes); statics: (B, s, H, W), each row's static planes (its seat's)."""
+        dev = self.device
+        st = torch.as_tensor(np.asarray(statics, np.float32), device=dev)
+
+        def obs_of(idx: np.ndarray) -> Any:
+            return codec.unpack(self.table, torch.as_tensor(rows[idx], device=dev), st[idx],
+                                torch.arange(idx.size, device=dev), None)
+        ut = torch.as_tensor(np.asarray(u), dtype=torch.float32, device=dev)
+        forced = forced_rows(codec.host_mask(self.table, rows))
+        with torch.inference_mode():   # forced rows: neither unpacked nor forwarded
+            a = self.model.act_and_hold(obs_of, ut, forced, self.decode)
+        return a.action.cpu().numpy()
+
+
 
 
 def run_codec_table(run: Path) -> Any:
@@ -6086,7 +6105,7 @@ def snapshot_policy_builder(run_dir: str | Path | None, device: str = "cpu", tab
 
     def build(snapshot_id: str) -> Any:
         spec, tensors = store.load(snapshot_id, {"codec_table_digest": tab.digest()})
-        return raw_obs_act(actor_from_snapshot(spec, tensors, device), tab, device, release_mode)
+        return NetPlayer(actor_from_snapshot(spec, tensors, device), tab, device, release_mode)
     return build
 
 
@@ -6112,7 +6131,7 @@ def checkpoint_policy_act(ckpt_dir: str | Path, device: str = "cpu", table: Any 
                                           f"has {need}: the actor would see another observation; refused")
     if release_mode is None:
         release_mode = str((man.config.get("ladder") or {}).get("release_mode", "stochastic"))
-    return raw_obs_act(model.to(device).eval(), tab, device, release_mode)
+    return NetPlayer(model.to(device).eval(), tab, device, release_mode)
 
 
 def actor_from_checkpoint(ckpt: Path) -> tuple[ActorCritic, Manifest]:
@@ -6155,7 +6174,7 @@ class Bot:
     evaluation env decides against the one the snapshot was trained on. Each observation's spaces
     are checked against the snapshot's geometry, naming the field.
 
-    It acts as the ladder's players do (raw_obs_act): the observation packed with the codec table
+    It acts as the ladder's players do (NetPlayer): the observation packed with the codec table
     and unpacked again, which is what it saw as a learner; the mask given is the mask obeyed; a
     decision with only the no-op legal is the no-op without a forward; any other draws one
     uniform from `rng` and decodes it by release_mode ("stochastic", as the ladder plays, unless
@@ -6220,7 +6239,8 @@ class Bot:
         o = self.observe(obs, mask)
         u = torch.tensor([rng.random()], dtype=torch.float32, device=self.device)
         with torch.inference_mode():
-            acted = self.model.act_and_hold(o, u, forced_rows(np.asarray(mask, bool)[None]), self.decode)
+            acted = self.model.act_and_hold(unpacked(o), u, forced_rows(np.asarray(mask, bool)[None]),
+                                            self.decode)
         return int(acted.action[0])
 
     def _check(self, obs: dict[str, np.ndarray], mask: np.ndarray) -> None:
@@ -6239,7 +6259,7 @@ class Bot:
 # What the ladder's side of the loop (ladder.LadderLoop) asks of this script's networks: it never
 # imports the script (the direction codec <- farm <- ladder <- ppo_clash holds), it is handed these.
 NETS = ladder.LearnerNets(load=actor_from_snapshot, write=write_snapshot, players=snapshot_policy_builder,
-                          act=raw_obs_act, decode=decode_fn)
+                          act=NetPlayer, decode=decode_fn)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

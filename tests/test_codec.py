@@ -231,6 +231,19 @@ def test_the_host_mask_is_the_env_mask_and_what_unpack_decodes(played):
     assert np.array_equal(codec.host_mask(table, stacked), env_mask)
 
 
+def test_the_host_vector_is_what_unpack_decodes_bit_for_bit(played):
+    """host_vector reads the stored vector on the host (newest frame of a stack too), on both
+    geometries: unpack's Obs.vector, bit for bit, the fp16 rounding of the env's own."""
+    _, _, _, sample, table = played
+    _, out = _pack_all(table, sample)
+    host = codec.host_vector(table, out)
+    want = _unpack_all(table, sample, out).vector.numpy()
+    assert host.dtype == np.float32 and host.tobytes() == want.tobytes()
+    assert np.array_equal(host, _cat(sample, "vector").astype(np.float16).astype(np.float32))
+    stacked = np.stack([np.roll(out, 1, axis=0), out], axis=1)
+    assert codec.host_vector(table, stacked).tobytes() == want.tobytes()
+
+
 # --- identity and refusals ---------------------------------------------------------------
 
 

@@ -317,7 +317,7 @@ def test_network_shapes_follow_the_env_on_two_geometries(kind):
     logits, value = ac.logits(obs), ac.value(obs)
     assert logits.shape == (B, geo.n_actions) and logits.dtype == torch.float32
     assert value.shape == (B,) and value.dtype == torch.float32
-    a, lp, _, _ = ac.act_and_hold(obs, torch.full((B,), 0.5), P.forced_rows(obs.mask.numpy()))
+    a, lp, _, _ = ac.act_and_hold(P.unpacked(obs), torch.full((B,), 0.5), P.forced_rows(obs.mask.numpy()))
     assert obs.mask.gather(1, a[:, None]).all() and torch.isfinite(lp).all()
     bf = P.ActorCritic(geo, tiny_net(autocast_dtype="bfloat16"), master_seed=1)   # the bf16 path, on CPU
     assert bf.logits(obs).dtype == torch.float32 and bf.value(obs).dtype == torch.float32
@@ -353,7 +353,7 @@ def test_the_factored_head_starts_waiting_at_one_minus_its_act_init_and_picks_ca
             p_share = pointer.logp[b, 1:G].exp().view(geo.hand_size, -1).sum(-1)[cand]
             assert torch.allclose(p_share / p_share.sum(), counts / counts.sum(), atol=0.02), b
     assert uneven >= 1    # the sample has a row where the two heads differ
-    a, _, _, _ = ac.act_and_hold(obs, torch.full((obs.mask.shape[0],), 0.95), forced.numpy())
+    a, _, _, _ = ac.act_and_hold(P.unpacked(obs), torch.full((obs.mask.shape[0],), 0.95), forced.numpy())
     assert obs.mask.gather(1, a[:, None]).all() and (a[~forced] != 0).any()
     factored, pointer = P.arch_description(geo, net), P.arch_description(geo, tiny_net())
     assert factored["net"]["policy_head"] == "factored" and pointer["net"]["policy_head"] == "pointer"
@@ -627,7 +627,9 @@ def test_a_forced_row_is_acted_without_a_forward_and_gets_exactly_what_the_forwa
     seen: list[int] = []
     ac.actor_trunk.body.register_forward_pre_hook(lambda mod, inp: seen.append(int(inp[0].shape[0])))
     u = torch.as_tensor(np.random.default_rng(5).random(B), dtype=torch.float32)
-    out = ac.act_and_hold(obs, u, forced.numpy())
+    asked: list[list[int]] = []     # the rows act_and_hold unpacks: the choice rows alone
+    out = ac.act_and_hold(lambda idx: asked.append(idx.tolist()) or P.unpacked(obs)(idx), u, forced.numpy())
+    assert asked == [torch.nonzero(~forced).flatten().tolist()]
     assert seen == [n_choice] and out.forwarded == n_choice
     assert (out.action[forced] == 0).all()
     assert _bits(out.log_prob[forced]) == bytes(4 * int(forced.sum()))          # +0.0 exactly
@@ -637,12 +639,13 @@ def test_a_forced_row_is_acted_without_a_forward_and_gets_exactly_what_the_forwa
         a = d.sample(u)
     assert _bits(out.action) == _bits(a) and _bits(out.log_prob) == _bits(d.log_prob(a))
     assert _bits(out.p_noop) == _bits(d.logp[:, 0].exp())
-    assert _bits(ac.act_and_hold(obs, u, forced.numpy(), P.argmax_decode).action) == _bits(d.mode())
+    greedy = ac.act_and_hold(P.unpacked(obs), u, forced.numpy(), P.argmax_decode)
+    assert _bits(greedy.action) == _bits(d.mode())
     # one choice row: it rides with the first forced row (no one-row conv batch), and still equals
     one = torch.cat([torch.nonzero(forced).flatten()[:5], torch.nonzero(~forced).flatten()[:1]]).sort().values
     o1 = P.obs_rows(obs, one)
     seen.clear()
-    out1 = ac.act_and_hold(o1, u[one], forced[one].numpy())
+    out1 = ac.act_and_hold(P.unpacked(o1), u[one], forced[one].numpy())
     assert seen == [2] and out1.forwarded == 2
     with torch.no_grad():
         d1 = ac.dist(o1)
@@ -650,8 +653,9 @@ def test_a_forced_row_is_acted_without_a_forward_and_gets_exactly_what_the_forwa
     assert _bits(out1.action) == _bits(a1)
     assert _bits(out1.log_prob) == _bits(d1.log_prob(a1)) and _bits(out1.p_noop) == _bits(d1.logp[:, 0].exp())
     seen.clear()
-    none = ac.act_and_hold(P.obs_rows(obs, torch.nonzero(forced).flatten()), u[forced],
+    none = ac.act_and_hold(lambda idx: asked.append(idx.tolist()), u[forced],
                            np.ones(int(forced.sum()), bool))
+    assert asked == [torch.nonzero(~forced).flatten().tolist()]      # nothing more was unpacked
     assert seen == [] and none.forwarded == 0 and (none.action == 0).all()
     # a clear no-op bit is still refused, numbered in the whole batch
     bad = obs.mask.numpy().copy()
@@ -692,8 +696,9 @@ def test_a_subset_forward_gives_its_rows_the_whole_batchs_logits_bit_for_bit(pro
                         continue
                     assert idx.size >= 2 and set(np.flatnonzero(~forced)) <= set(idx) and \
                         (np.diff(idx) > 0).all()
-                    rows = P.Rows(torch.as_tensor(idx), B)
-                    assert _bits(ac.logits(ob, rows)) == _bits(ac.logits(ob)[rows.idx]), (B, idx.tolist())
+                    rows = P.Rows(torch.as_tensor(idx), B)   # the subset forward reads those rows alone
+                    sub = ac.logits(P.obs_rows(ob, rows.idx), rows)
+                    assert _bits(sub) == _bits(ac.logits(ob)[rows.idx]), (B, idx.tolist())
     finally:
         torch.set_num_threads(before)
 
@@ -2221,7 +2226,7 @@ def test_under_smdp_the_critic_runs_on_the_choice_cells_its_samples_row_T_and_th
 
 
 # The differential tests' smoke run: a gate and a probe on iteration 3, so evaluation games are
-# played through raw_obs_act too.
+# played through NetPlayer too.
 DIFFERENTIAL_FLAGS = ["--profile", "smoke", "--ladder.candidate-every-env-steps", "400",
                       "--ladder.gate.champion-games", "4", "--ladder.gate.anchor-games", "2",
                       "--ladder.gate.bootstrap-resamples", "50", "--ladder.probe-every-iterations", "3",
@@ -3045,10 +3050,10 @@ def test_a_snapshot_stores_the_actor_alone_and_rebuilds_it_to_fp16_and_refuses_a
         P.actor_from_snapshot(bad, tensors, "cpu")
 
 
-def test_raw_obs_act_samples_what_the_network_samples_on_the_packed_rows():
+def test_NetPlayer_samples_what_the_network_samples_on_the_packed_rows():
     """The evaluation ActFn packs raw observations with the codec table and unpacks them: its
     actions equal MaskedCategorical.sample on the learner's own decoding of the same rows, and
-    every one is legal."""
+    every one is legal; act_rows on those packed rows gives the same actions."""
     import codec
     import farm
     spec = farm.default_env_spec()
@@ -3059,7 +3064,7 @@ def test_raw_obs_act_samples_what_the_network_samples_on_the_packed_rows():
     obs = {k: v for k, v in obs.items() if k in ("spatial", "vector", "action_mask", "mask_planes",
                                                  "card_ids")}
     u = np.random.default_rng(0).random(len(obs["vector"]))
-    a = P.raw_obs_act(model, table, "cpu")(obs, u)
+    a = P.NetPlayer(model, table, "cpu")(obs, u)
     assert obs["action_mask"][np.arange(len(a)), a].all()
     rows = np.zeros((len(a), table.row_bytes), np.uint8)
     codec.Packer(table).pack(obs, rows, 0)
@@ -3068,14 +3073,44 @@ def test_raw_obs_act_samples_what_the_network_samples_on_the_packed_rows():
     d = model.dist(codec.unpack(table, torch.as_tensor(rows), statics, seat))
     want = d.sample(torch.as_tensor(u, dtype=torch.float32))
     assert np.array_equal(a, want.numpy())
+    packed = P.NetPlayer(model, table, "cpu").act_rows(rows, statics.numpy()[np.arange(len(a)) % 2], u)
+    assert np.array_equal(packed, a)
     # ladder.release_mode "argmax": the most probable legal action, whatever the uniforms say
-    greedy = P.raw_obs_act(model, table, "cpu", "argmax")
+    greedy = P.NetPlayer(model, table, "cpu", "argmax")
     g1, g2 = greedy(obs, u), greedy(obs, 1.0 - u)
     assert np.array_equal(g1, d.mode().numpy()) and np.array_equal(g1, g2)
     assert obs["action_mask"][np.arange(len(g1)), g1].all() and not np.array_equal(g1, a)
     with pytest.raises(P.ConfigError,
                        match="--ladder.release-mode 'greedy': must be stochastic, argmax or plugin"):
-        P.raw_obs_act(model, table, "cpu", "greedy")
+        P.NetPlayer(model, table, "cpu", "greedy")
+
+
+@pytest.mark.slow
+def test_the_evaluation_farm_hands_a_net_player_its_packed_rows_and_the_games_are_the_same():
+    """ladder.FarmComparison: a player with act_rows (NetPlayer, a RowsAct) is handed the
+    rectangle's packed rows, neither unpacked to the env's keys nor packed again; the games are
+    those of the same player called on observations, byte for byte."""
+    env = msgspec.json.decode((ROOT / "models" / "cpu" / "eval_env.json").read_bytes(),
+                              type=P.farm.EnvFactorySpec)
+    out, calls = [], {"rows": 0, "obs": 0}
+    for packed in (True, False):
+        store = P.ladder.SnapshotStore(None)
+        a, b = (P.ladder.snapshot_player_id(store.add_folder(ROOT / "models" / m))
+                for m in ("cpu", "cpu-pointer"))
+        with P.ladder.EvalRunner(env, P.ladder.draw_eval_seeds(5, 2), store=store, battles_at_once=4,
+                                 clock=lambda: "now") as r:
+            build = P.snapshot_policy_builder(None, "cpu", table=r.table, store=store)
+
+            def counted(sid: str, build=build, packed=packed):
+                net = build(sid)
+                if packed:
+                    rows = net.act_rows
+                    net.act_rows = lambda *x: calls.__setitem__("rows", calls["rows"] + 1) or rows(*x)
+                    return net
+                return lambda obs, u: calls.__setitem__("obs", calls["obs"] + 1) or net(obs, u)
+            r.players.policy_builder = counted
+            out.append(msgspec.json.encode(r.play(a, b, 4, comparison_id="packed")))
+    assert out[0] == out[1] and calls["rows"] > 0 and calls["rows"] == calls["obs"]
 
 
 def _raw_batch():
@@ -3113,7 +3148,7 @@ def test_a_decode_plugin_gets_each_rows_distribution_vector_and_uniform_and_must
                                          torch.argmin(m.to(torch.int64), -1), 0), \
         lambda lp, m, v, uu: torch.zeros(len(m))
     monkeypatch.setitem(sys.modules, "decode_probe", mod)
-    a = P.raw_obs_act(model, table, "cpu", "plugin:decode_probe:record")(obs, u)
+    a = P.NetPlayer(model, table, "cpu", "plugin:decode_probe:record")(obs, u)
     forced = ~legal[:, 1:].any(-1)   # nothing but the no-op: taken without a forward
     assert forced.any() and not forced.all() and len(seen["u"]) == (~forced).sum()
     assert seen["vector"].shape == (len(seen["u"]), model.geo.vector_size) and \
@@ -3123,18 +3158,18 @@ def test_a_decode_plugin_gets_each_rows_distribution_vector_and_uniform_and_must
     with pytest.raises(P.ConfigError,
                        match=r"--ladder.release-mode 'plugin:decode_probe:bad_row' chose action \d+ "
                                             r"on row \d+, which its mask forbids"):
-        P.raw_obs_act(model, table, "cpu", "plugin:decode_probe:bad_row")(obs, u)
+        P.NetPlayer(model, table, "cpu", "plugin:decode_probe:bad_row")(obs, u)
     with pytest.raises(P.ConfigError,
                        match=r"returned torch.float32 of shape \(\d+,\): a decode returns one legal"):
-        P.raw_obs_act(model, table, "cpu", "plugin:decode_probe:floats")(obs, u)
+        P.NetPlayer(model, table, "cpu", "plugin:decode_probe:floats")(obs, u)
     # the example: temperature 1 is the sample, to the action; near 0 the most probable play
-    plain = P.raw_obs_act(model, table, "cpu")(obs, u)
+    plain = P.NetPlayer(model, table, "cpu")(obs, u)
     ex = "plugin:docs.experiments.sharpen:wait_then_sharpen"
     monkeypatch.setattr(sharpen, "TEMPERATURE", 1.0)
-    assert np.array_equal(P.raw_obs_act(model, table, "cpu", ex)(obs, u), plain)
+    assert np.array_equal(P.NetPlayer(model, table, "cpu", ex)(obs, u), plain)
     monkeypatch.setattr(sharpen, "TEMPERATURE", 1e-6)   # an untrained head's logits differ by ~1e-4
-    cold = P.raw_obs_act(model, table, "cpu", ex)(obs, u)
-    greedy = P.raw_obs_act(model, table, "cpu", "argmax")(obs, u)
+    cold = P.NetPlayer(model, table, "cpu", ex)(obs, u)
+    greedy = P.NetPlayer(model, table, "cpu", "argmax")(obs, u)
     packed = _packed(table, obs)
     o = P.codec.unpack(table, torch.as_tensor(packed), torch.as_tensor(P.codec.static_planes(table, obs)),
                        torch.as_tensor(np.arange(len(u)) % 2))
@@ -3144,7 +3179,7 @@ def test_a_decode_plugin_gets_each_rows_distribution_vector_and_uniform_and_must
     assert plays.any() and torch.equal(d.logp[rows, cold][plays], best[plays]) and legal[rows, cold].all()
     assert np.array_equal(cold == 0, plain == 0) and not np.array_equal(greedy, cold)
     # the plugin zeroed its logp: a copy, so the log-probs the actor reports are still its own
-    out = model.act_and_hold(o, torch.as_tensor(u, dtype=torch.float32),
+    out = model.act_and_hold(P.unpacked(o), torch.as_tensor(u, dtype=torch.float32),
                              P.forced_rows(P.codec.host_mask(table, packed)),
                              P.decode_fn("plugin:decode_probe:record", "ladder.opponent_mode"))
     assert torch.equal(out.log_prob[~forced], d.log_prob(out.action)[~forced]) and \
@@ -3282,8 +3317,9 @@ def gated_run(tmp_path_factory):
         def __init__(self, sid, net):
             self.sid, self.net = sid, net
 
-        def act_and_hold(self, obs, u, forced, decode):
-            out = self.net.act_and_hold(obs, u, forced, decode)
+        def act_and_hold(self, obs_of, u, forced, decode):
+            out = self.net.act_and_hold(obs_of, u, forced, decode)
+            obs = obs_of(np.arange(len(forced)))
             seen["dists"].append((self.sid, obs, self.net.dist(obs).logp.detach().clone(), out.action))
             return out
 
@@ -3856,9 +3892,9 @@ def test_rollout_policy_metrics_hold_lift_and_tile_share_on_planted_cells():
 def test_decision_facts_read_the_played_slots_card_and_the_elixir_off_a_real_vector():
     geo, obs_list = env_sample("default")
     obs = obs_list[6]
-    v = torch.as_tensor(obs["vector"])
+    v = np.asarray(obs["vector"], np.float32)
     hw = geo.tiles[0] * geo.tiles[1]
-    a = torch.tensor([0, 1 + 2 * hw + 5] + [0] * (len(v) - 2))[:len(v)]   # row 0 waits, row 1 plays slot 2
+    a = np.array([0, 1 + 2 * hw + 5] + [0] * (len(v) - 2))[:len(v)]   # row 0 waits, row 1 plays slot 2
     card, elixir = P.decision_facts(v, a, geo)
     ids = obs["vector"][:, geo.field(P.HAND_CARDS)].reshape(len(v), geo.hand_size, -1).argmax(-1)
     assert card[0] == -1 and card[1] == ids[1, 2]
@@ -4296,7 +4332,7 @@ def test_bot_sees_and_chooses_what_the_harness_acting_path_does_on_both_seats(tm
         view.mark_round(t, slots, np.array([c[0] for c in cyc]))
         ref = view.obs(np.array([t, t]), slots)
         u = torch.tensor([c[3] for c in cyc], dtype=torch.float32)
-        acted = reference.act_and_hold(ref, u, P.forced_rows(batch["action_mask"]))
+        acted = reference.act_and_hold(P.unpacked(ref), u, P.forced_rows(batch["action_mask"]))
         for s, (start, _, mine, _, action) in enumerate(cyc):
             for name in ("spatial", "mask_planes", "vector", "mask"):
                 assert torch.equal(getattr(mine, name)[0], getattr(ref, name)[s]), (t, s, name)
@@ -4493,9 +4529,9 @@ def test_a_smoke_run_placing_by_cell_keeps_the_ratio_invariant_and_acts_only_on_
     window's ratio check), and the snapshot rebuilds the cell, so Bot and the ladder choose as it did."""
     chosen, act = [], P.ActorCritic.act_and_hold
 
-    def checking(self, obs, u, forced, decode=P.sample_decode):
-        out = act(self, obs, u, forced, decode)
-        thin = self.policy_mask(obs.mask)
+    def checking(self, obs_of, u, forced, decode=P.sample_decode):
+        out = act(self, obs_of, u, forced, decode)
+        thin = self.policy_mask(obs_of(np.arange(len(forced))).mask)
         chosen.append(bool(thin[torch.arange(len(out.action)), out.action].all()))
         return out
 
