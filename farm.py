@@ -788,19 +788,20 @@ def probe_reward() -> PotentialCombinedReward:
 
 # --- 6. Scripted opponents (design 3.5): run in the worker, numpy only ----------------------------
 # opponent_ix in an assignment indexes this table; each scripted slot draws from its own
-# generator, scripted/worker/{w}/slot/{r}/gen/{g}, re-derived at the start of every episode with
-# the battle's ordinal appended (/ordinal/{k}). Why per episode: a slot-long stream continues
-# across episodes, so its position at a checkpoint is state that lives only in the worker, and a
-# resumed run (which restarts every battle from its episode's reset and replays it, design 3.9)
-# would replay the stream from its start. Addressed by the episode, the stream is a pure function of names a
+# generator, scripted/slot/{r}/gen/{g}, re-derived at the start of every episode with the battle's
+# ordinal appended (/ordinal/{k}). Why per episode: a slot-long stream continues across episodes,
+# so its position at a checkpoint is state that lives only in the worker, and a resumed run (which
+# restarts every battle from its episode's reset and replays it, design 3.9) would replay the
+# stream from its start. Addressed by the episode, the stream is a pure function of names a
 # checkpoint already holds (tests/test_ppo_clash.py, the run stopped between two gates;
-# docs/determinism.md section 2).
+# docs/determinism.md section 2). Why not by worker: the slot (global) names it already, so how
+# the battles are spread over workers changes no game (tests/test_farm.py).
 
 
-def scripted_stream(w: int, slot: int, gen: int, ordinal: int) -> str:
+def scripted_stream(slot: int, gen: int, ordinal: int) -> str:
     """The derive path of a scripted seat's generator for one episode (design 2.2's per-slot name
-    plus the episode's ordinal)."""
-    return f"scripted/worker/{w}/slot/{slot}/gen/{gen}/ordinal/{ordinal}"
+    plus the episode's ordinal; g the restart generation of the worker hosting the slot)."""
+    return f"scripted/slot/{slot}/gen/{gen}/ordinal/{ordinal}"
 
 
 def make_scripted(name: str) -> Any:
@@ -1627,7 +1628,7 @@ class Seats:
             self.asg_ordinal[int(i) // 2] = ordinal[int(i) // 2]
             if self.scripted[i] is not None:
                 self.rngs[i] = derive_generator(self.cfg.master_seed, scripted_stream(
-                    self.w, self.slot0 + int(i), self.gen, int(ordinal[int(i) // 2])))
+                    self.slot0 + int(i), self.gen, int(ordinal[int(i) // 2])))
         if self.cfg.scripted_mask_only:
             # An assignment arrives with its episode's first action, after the episode's first
             # observation was built; from the next one on a scripted seat is built mask-only.

@@ -449,6 +449,29 @@ def test_semantics_on_real_battles(inline_run):
     assert all(sorted(v) == [0, 1] for v in pairs.values())
 
 
+def test_the_workers_layout_changes_no_byte_but_the_records_worker_and_shard(short_env, inline_run):
+    """Two workers of one shard each host the battles one worker of two shards does (slot ranges
+    by global shard), with the scripted seats drawing from streams named by their global slot: the
+    rectangle, scalars, finals and episodes are the same bytes, the records' worker and shard aside
+    (random_legal draws, so a stream named by its worker would show)."""
+    spec, _, table = short_env
+    one = inline_run[0]
+    two = msgspec.structs.replace(one, workers=2, shards_per_worker=1, games_per_worker=2)
+    f = farm.InlineFarm(two, table, mixed_assign)
+    try:
+        b = drive(f, two, table, 2)
+    finally:
+        f.close()
+    a = inline_run[2]
+    for x, y in zip(a, b, strict=True):
+        assert x["rect"].tobytes() == y["rect"].tobytes() and x["scalars"].tobytes() == y["scalars"].tobytes()
+        assert all(x["finals"][k].tobytes() == y["finals"][k].tobytes() for k in x["finals"])
+        strip = [[msgspec.structs.replace(e, worker=0, shard=0) for e in z["episodes"]] for z in (x, y)]
+        assert msgspec.json.encode(strip[0]) == msgspec.json.encode(strip[1])
+    assert {e.worker for x in b for e in x["episodes"]} == {0, 1}
+    assert any(e.policy_id == "scripted:random_legal" and e.played for x in a for e in x["episodes"])
+
+
 def test_a_battle_played_to_game_over_reports_its_result():
     """Push (scripted, red) against a learner that never plays: the battle ends by game over,
     and the codes, the terminal term and the records agree on who won."""
