@@ -1299,17 +1299,32 @@ def bar_verdict(rows: Sequence[dict[str, Any]]) -> list[str]:
     return out
 
 
-def learn_lines(cmd: "Learn", run: Path, n_iter: int, wall_s: float, players: dict[str, str],
+def learn_seconds(run: Path, rows: Sequence[dict[str, Any]], train_s: float,
+                  yardstick_s: float) -> dict[str, float]:
+    """Where the benchmark's wall clock went, in seconds: the warm start (warm.json), the iterations
+    without their gates and probes, the gates, the probes (the metric rows, every resume's), the
+    rest of the training call this session (start-up: the farm, the startup gates, the final save)
+    and the yardstick."""
+    warm = read_json(run / "warm.json").get("seconds", 0.0) if (run / "warm.json").exists() else 0.0
+    total = lambda k: sum(float(r.get(k, 0.0)) for r in rows)
+    gates, probes, its = total("time/gate"), total("time/probe"), total("time/iteration")
+    return {"warm start": warm, "training": its - gates - probes, "gates": gates, "probes": probes,
+            "start-up and saves": max(train_s - its - warm, 0.0), "yardstick": yardstick_s}
+
+
+def learn_lines(cmd: "Learn", run: Path, n_iter: int, seconds: dict[str, float], players: dict[str, str],
                 rows: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The benchmark's table: one row a rung, one column a player (score [lower, upper]); the bar
-    is judged on the champion's column."""
+    is judged on the champion's column. Above it, where the wall clock went (learn_seconds)."""
     names = list(players)
     change = (f"; the change, --config {cmd.config}: "
               f"{json.dumps(P.read_config_file(cmd.config), separators=(',', ':'))}" if cmd.config else "")
+    parts = ", ".join(f"{k} {v:,.0f} s" for k, v in seconds.items())
     out = [f"--profile {cmd.profile}, master seed "
            f"{cmd.master_seed if cmd.master_seed is not None else 'the profile default'}, "
-           f"{cmd.game_steps:,} game-steps ({n_iter} iterations, {wall_s / 60:.0f} min of training), "
+           f"{cmd.game_steps:,} game-steps ({n_iter} iterations), "
            f"{rows[names[0]][0]['seeds']} seeds a rung from both sides; run {run.name}{change}", "",
+           f"Wall clock on {os.cpu_count()} cpus: {sum(seconds.values()) / 60:.1f} min in all ({parts}).", "",
            "| rung | " + " | ".join(f"{n} ({players[n]})" for n in names) + " |",
            "|---|" + "---|" * len(names)]
     for i, r in enumerate(rows[names[0]]):
@@ -1409,6 +1424,7 @@ def cmd_learn(cmd: "Learn") -> int:
     print(f"learn: --profile {cmd.profile}, {n_iter} iterations of {env.T * env.n_battles} game-steps{clone} "
           f"({cloned + n_iter * env.T * env.n_battles:,} >= {cmd.game_steps:,}), then the yardstick"
           + (f"; continuing {run} from {ckpt.name}" if ckpt else ""), flush=True)
+    t0 = time.perf_counter()
     try:
         P.train(args, max_iterations=n_iter, quiet=cmd.quiet, resume=ckpt)
     except (P.AlarmHalt, P.RunCrashed) as e:   # what the training said; the benchmark's own resume
@@ -1420,7 +1436,7 @@ def cmd_learn(cmd: "Learn") -> int:
         print(f"learn: stopped after iteration {done} of {n_iter}, so nothing was measured; continue it with "
               f"{learn_command(cmd, run)}", flush=True)
         return 1
-    wall_s = sum(float(r["time/iteration"]) for r in rows)   # the iterations', over every resume
+    train_s, t0 = time.perf_counter() - t0, time.perf_counter()
     pool = ladder.read_pool(run)
     if pool is None or pool.champion is None:
         raise CheckError(f"{run}: no ladder/pool.json champion after training; nothing to measure")
@@ -1436,7 +1452,8 @@ def cmd_learn(cmd: "Learn") -> int:
         rows_of["last candidate"] = ladder.yardstick_run(run, discarded[0], cmd.seeds)
     rows_of["champion"] = (rows_of["v0"] if pool.champion == pool.v0
                            else ladder.yardstick_run(run, pool.champion, cmd.seeds))
-    lines = learn_lines(cmd, run, n_iter, wall_s, players, rows_of)
+    lines = learn_lines(cmd, run, n_iter, learn_seconds(run, rows, train_s, time.perf_counter() - t0),
+                        players, rows_of)
     print("\n".join(lines))
     if cmd.write:
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

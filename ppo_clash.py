@@ -2408,7 +2408,8 @@ def clone_rows(args: Args, env: Env) -> Cloned:
 def warm_start(args: Args, env: Env, model: ActorCritic, quiet: bool) -> dict[str, float]:
     """Fit the actor to the rung's choices (cross-entropy, its own Adam, the PPO minibatch size and
     gradient clip); returns the loss and the clone's agreement with the rung (its most probable
-    action is the rung's) before and after, which the console line shows."""
+    action is the rung's) before and after, which the console line shows, and its wall clock."""
+    t0 = time.perf_counter()
     data = clone_rows(args, env)
     dev, n, mb = env.device, len(data.actions), args.ppo.minibatch_size
     opt = torch.optim.Adam(model.actor_parameters(), lr=args.warm.lr, eps=args.ppo.adam_eps)
@@ -2446,7 +2447,7 @@ def warm_start(args: Args, env: Env, model: ActorCritic, quiet: bool) -> dict[st
               f"cross-entropy {before[0]:.3f} -> {after[0]:.3f}, "
               f"agreement with the rung {before[1]:.3f} -> {after[1]:.3f}", flush=True)
     return {"rows": n, "game_steps": data.game_steps, "loss_before": before[0], "loss_after": after[0],
-            "agree_before": before[1], "agree_after": after[1]}
+            "agree_before": before[1], "agree_after": after[1], "seconds": time.perf_counter() - t0}
 
 
 class Learner:

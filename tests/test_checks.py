@@ -669,11 +669,28 @@ def test_the_bar_is_judged_rung_by_rung():
     assert ["NOT" not in x for x in got] == [True, False, False, True]
     assert "lower bound 0.490 against > 0.5" in got[1] and "49 seeds against >= 50" in got[2]
     cmd = checks.Learn(profile="smoke", game_steps=344)
-    lines = checks.learn_lines(cmd, Path("/r"), 2, 60.0, {"v0": "snap:a, untrained", "champion": "snap:b"},
+    seconds = {"warm start": 30.0, "training": 1200.0, "gates": 300.0, "probes": 60.0,
+               "start-up and saves": 6.0, "yardstick": 204.0}
+    lines = checks.learn_lines(cmd, Path("/r"), 2, seconds, {"v0": "snap:a, untrained", "champion": "snap:b"},
                                {"v0": rows, "champion": rows})
-    assert lines[2] == "| rung | v0 (snap:a, untrained) | champion (snap:b) |"
-    assert lines[4] == "| scripted:random_legal | 0.860 [0.800, 0.960] | 0.860 [0.800, 0.960] |"
+    assert lines[2].startswith("Wall clock on ") and " cpus: 30.0 min in all (warm start 30 s, training " \
+        "1,200 s, gates 300 s, probes 60 s, start-up and saves 6 s, yardstick 204 s)." in lines[2]
+    assert lines[4] == "| rung | v0 (snap:a, untrained) | champion (snap:b) |"
+    assert lines[6] == "| scripted:random_legal | 0.860 [0.800, 0.960] | 0.860 [0.800, 0.960] |"
     assert lines[-4:] == [f"- {x}" for x in got]
+
+
+def test_learn_says_where_its_wall_clock_went_from_the_rows_and_warm_json(tmp_path):
+    """learn_seconds: the warm start from warm.json, the gates and probes from the rows' time/ keys,
+    training as the iterations less those, the call's rest as start-up."""
+    (tmp_path / "warm.json").write_text('{"seconds": 40.0}')
+    rows = [{"time/iteration": 10.0}, {"time/iteration": 100.0, "time/gate": 80.0},
+            {"time/iteration": 30.0, "time/probe": 15.0}]
+    got = checks.learn_seconds(tmp_path, rows, 200.0, 50.0)
+    assert got == {"warm start": 40.0, "training": 45.0, "gates": 80.0, "probes": 15.0,
+                   "start-up and saves": 20.0, "yardstick": 50.0}
+    (tmp_path / "warm.json").unlink()
+    assert checks.learn_seconds(tmp_path, rows, 100.0, 0.0)["start-up and saves"] == 0.0
 
 
 def test_learn_measures_the_last_candidate_only_when_its_gate_discarded_it(tmp_path):
