@@ -1120,22 +1120,31 @@ def codec_figure() -> BenchFigure:
                         "8 battles x 60 decisions of random legal play")
 
 
-def rig_figures(args: P.Args, env: P.Env, work: Path) -> tuple[list[BenchFigure], int]:
+class Rig(NamedTuple):
+    """What one collected rectangle holds, which the parts' rates are multiplied by."""
+    learner_rows: int        # the update's rows
+    critic_rows: int         # the critic pass's (every cell, or smdp's choice and sampled cells)
+    forwarded: int           # rows the round forwards ran on (the rest were forced: no forward)
+
+
+def rig_figures(args: P.Args, env: P.Env, work: Path, gate_battles: int,
+                engine_rate: float) -> tuple[list[BenchFigure], Rig]:
     """Inference, critic and update, each timed alone on one real rectangle, and the rectangle's
-    learner rows: the profile's farm collects one iteration with the profile's (untrained)
-    network, set up as train() sets up (ppo_clash.set_up, a scratch run under `work`), then each
-    part is re-run REPEATS times on that rectangle. The update changes the weights it times;
-    nothing here is kept."""
+    counts: the profile's farm collects one iteration with the profile's (untrained) network, set
+    up as train() sets up (ppo_clash.set_up, a scratch run under `work`), then each part is re-run
+    REPEATS times on that rectangle; then a gate's battles (gate_figure). The update changes the
+    weights it times; nothing here is kept."""
     with P.process_settings_kept():
         s = P.set_up(dataclasses.replace(args, runs_dir=str(work)), quiet=True)
         try:
-            return _rig_figures(s, args, env)
+            figs, rig = _rig_figures(s, args, env)
+            return figs + [gate_figure(s, args, env, gate_battles, engine_rate)], rig
         finally:
             s.source.close()
             s.run.close()
 
 
-def _rig_figures(s: P.Setup, args: P.Args, env: P.Env) -> tuple[list[BenchFigure], int]:
+def _rig_figures(s: P.Setup, args: P.Args, env: P.Env) -> tuple[list[BenchFigure], Rig]:
     learner, source, view, lad = s.learner, s.source, s.view, s.lad
     sched = learner.schedule_values(args)
     view.new_iteration(renumber=False)
@@ -1143,16 +1152,38 @@ def _rig_figures(s: P.Setup, args: P.Args, env: P.Env) -> tuple[list[BenchFigure
     roll = P.collect(source, view, learner.model, lad, env, s.run, 0, 0, sched["gamma"], time.perf_counter())
     crit = P.critic_pass(learner.model, view, source, roll, env, args.ppo, 0)
     adv = P.advantages(learner.scaler, roll, crit, sched["gamma"], args)
-    rows, cells = int(roll.trainable.sum()), crit.rows
+    rig = Rig(int(roll.trainable.sum()), crit.rows, roll.rows_forward)
+    rounds = max(roll.rounds, 1)
     return [timed_figure("inference", "ms/round",
                          lambda: 1e3 * replay_inference(roll, view, learner, lad, env),
-                         f"{rows / max(roll.rounds, 1):.1f} learner rows a shard-round, pool seats included"),
+                         f"{rig.learner_rows / rounds:.1f} learner rows a shard-round, pool seats included; "
+                         f"{rig.forwarded / rounds:.1f} forwarded (forced rows: no forward)"),
             timed_figure("critic pass", "ms/row", lambda: 1e3 * P.critic_pass(
-                learner.model, view, source, roll, env, args.ppo, 0).seconds / cells,
-                f"{cells} rows a pass, chunks of {args.ppo.critic_chunk}"),
+                learner.model, view, source, roll, env, args.ppo, 0).seconds / rig.critic_rows,
+                f"{rig.critic_rows} rows a pass ({args.ppo.forced_rows}), chunks of {args.ppo.critic_chunk}"),
             timed_figure("PPO update", "ms/learner-row",
-                         lambda: 1e3 * timed_update(s, roll, crit, adv, sched, args) / rows,
-                         f"{rows} learner rows, {args.ppo.n_epochs} epochs")], rows
+                         lambda: 1e3 * timed_update(s, roll, crit, adv, sched, args) / rig.learner_rows,
+                         f"{rig.learner_rows} learner rows, {args.ppo.n_epochs} epochs")], rig
+
+
+def gate_figure(s: P.Setup, args: P.Args, env: P.Env, battles: int, engine_rate: float) -> BenchFigure:
+    """A gate's battles as the loop plays them (ladder.EvalRunner on the profile's evaluation workers
+    and battles at once, on the run's frozen seeds): the profile's network against itself as two
+    players, `battles` of them, once (a gate is minutes). Its figure is the time over what the
+    engine alone, one process, takes for the battles' game-steps at engine_rate (engine_figures'):
+    the gate's own 'x the engine'."""
+    r = args.rollout
+    before = loadavg()
+    with P.ladder.EvalRunner(env.spec, P.ladder.read_run_seeds(s.run.path), battles_at_once=r.eval_workers
+                             * r.eval_games_per_worker, workers=r.eval_workers, table=env.table) as ev:
+        for name in ("bench:a", "bench:b"):
+            ev.register(name, P.NetPlayer(s.learner.model, env.table, env.device, args.ladder.release_mode))
+        ev.play("bench:a", "bench:b", battles, comparison_id="bench/gate")
+        seconds, steps = ev.seconds, ev.game_steps
+    return BenchFigure("gate", "x the engine", [seconds * engine_rate / steps], (before, loadavg()),
+                       f"{battles} battles in {seconds:.1f} s, {steps} game-steps (the engine alone: "
+                       f"{steps / engine_rate:.1f} s), {r.eval_workers} evaluation worker(s) x "
+                       f"{r.eval_games_per_worker} battles at once")
 
 
 def timed_update(s: P.Setup, roll: P.Rollout, crit: P.Critic, adv: P.Advantages, sched: dict[str, float],
@@ -1188,17 +1219,18 @@ class Whole(NamedTuple):
     load: tuple[float, float]
 
 
-def predict(env: Any, figs: dict[str, BenchFigure], learner_rows: int) -> dict[str, float]:
+def predict(env: Any, figs: dict[str, BenchFigure], rig: Rig) -> dict[str, float]:
     """Seconds an iteration, by part, from the parts' medians: T x battles game-steps at the farm's
-    rate, T x shards rounds of inference, (T + 1) x R critic rows, the learner rows' update."""
+    rate, T x shards rounds of inference, the critic pass's rows and the update's learner rows
+    (the profile's forced-rows setting decides both), each at its rate."""
     farm_rate = next(f for f in figs.values() if f.part.startswith("process farm (")).median
     return {"env": env.T * env.n_battles / farm_rate,
             "inference": env.T * env.n_shards * figs["inference"].median / 1e3,
-            "critic": (env.T + 1) * env.R * figs["critic pass"].median / 1e3,
-            "update": learner_rows * figs["PPO update"].median / 1e3}
+            "critic": rig.critic_rows * figs["critic pass"].median / 1e3,
+            "update": rig.learner_rows * figs["PPO update"].median / 1e3}
 
 
-def real_iterations(args: P.Args, env: P.Env, figs: dict[str, BenchFigure], learner_rows: int,
+def real_iterations(args: P.Args, env: P.Env, figs: dict[str, BenchFigure], rig: Rig,
                     n: int, work: Path) -> Whole:
     """n iterations of the profile as train() runs them; the first is a warm-up (the farm starting,
     first-call allocations) and is left out of the medians."""
@@ -1208,7 +1240,7 @@ def real_iterations(args: P.Args, env: P.Env, figs: dict[str, BenchFigure], lear
     med = lambda k: float(np.median([r[k] for r in rows]))
     measured = {k: med(f"time/{k}") for k in ("iteration", "collection", "inference", "critic_pass", "update",
                                                 "residual")}
-    return Whole(predict(env, figs, learner_rows), measured, [r["time/iteration"] for r in rows],
+    return Whole(predict(env, figs, rig), measured, [r["time/iteration"] for r in rows],
                  (before, loadavg()))
 
 
@@ -1216,10 +1248,21 @@ RATIO_READING = {True: "under 1: collection overlapped the workers' stepping wit
                  False: "over 1: time the parts do not name; the row's time/residual and time/env say where"}
 
 
+def part_lines(p: dict[str, float], m: dict[str, float]) -> list[str]:
+    """The prediction part by part beside what the real iterations measured (medians of the rows'
+    time/ keys): the farm's stepping is collection less the parent's inference."""
+    pairs = {"env (collection less inference)": (p["env"], m["collection"] - m["inference"]),
+             "inference": (p["inference"], m["inference"]), "critic pass": (p["critic"], m["critic_pass"]),
+             "update": (p["update"], m["update"]), "iteration": (sum(p.values()), m["iteration"])}
+    return ["", "| part | predicted s | measured s | measured / predicted |", "|---|---|---|---|"] + [
+        f"| {k} | {a:.2f} | {b:.2f} | {b / a:.2f} |" for k, (a, b) in pairs.items()]
+
+
 def bench_lines(profile: str, env: P.Env, figs: list[BenchFigure], whole: Whole) -> list[str]:
     """The table, as markdown (it reads on a console too and appends to docs/throughput.md)."""
     p, m = whole.predicted, whole.measured
     ratio = m["iteration"] / sum(p.values())
+    engine_s = env.T * env.n_battles / next(f for f in figs if f.part.startswith("engine, one")).median
     out = [f"`python checks.py bench --profile {profile}`: {os.cpu_count()} cpus, torch threads "
            f"{torch.get_num_threads()}, device {env.device}; T={env.T} cycles x R={env.R} slots, "
            f"{env.n_battles} battles; medians of {REPEATS} repeats",
@@ -1235,8 +1278,11 @@ def bench_lines(profile: str, env: P.Env, figs: list[BenchFigure], whole: Whole)
             f"| {whole.load[0]:.2f} / {whole.load[1]:.2f} | collection {m['collection']:.2f} "
             f"(inference {m['inference']:.2f}) + critic {m['critic_pass']:.2f} + update {m['update']:.2f} + "
             f"residual {m['residual']:.2f} |",
-            f"| measured / predicted | {ratio:.2f} | x | | | {RATIO_READING[ratio < 1]} |"]
-    return out
+            f"| measured / predicted | {ratio:.2f} | x | | | {RATIO_READING[ratio < 1]} |",
+            f"| iteration / the engine's time for its game-steps | {m['iteration'] / engine_s:.2f} "
+            f"| x the engine | | | {env.T * env.n_battles} game-steps, {engine_s:.2f} s for the engine "
+            "alone, one process |"]
+    return out + part_lines(p, m)
 
 
 def cmd_bench(cmd: "Bench") -> int:
@@ -1249,12 +1295,12 @@ def cmd_bench(cmd: "Bench") -> int:
     try:
         print(f"bench --profile {cmd.profile}: the engine and the farm ...", flush=True)
         figs = engine_figures(args, env) + [codec_figure()]
-        print("bench: inference, critic and update on one collected rectangle ...", flush=True)
-        rig, learner_rows = rig_figures(args, env, work / "parts")
-        figs += rig
+        print(f"bench: inference, critic and update on one collected rectangle; a gate of {cmd.gate_battles} "
+              "battles ...", flush=True)
+        parts, rig = rig_figures(args, env, work / "parts", cmd.gate_battles, figs[0].median)
+        figs += parts
         print(f"bench: {cmd.iterations} real iterations ...", flush=True)
-        whole = real_iterations(args, env, {f.part: f for f in figs}, learner_rows, cmd.iterations,
-                                work / "whole")
+        whole = real_iterations(args, env, {f.part: f for f in figs}, rig, cmd.iterations, work / "whole")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     lines = bench_lines(cmd.profile, env, figs, whole)
@@ -1604,6 +1650,8 @@ class Bench:
     """the profile to measure (laptop, workstation, many_core, cpu, smoke)"""
     iterations: int = 4
     """real iterations to run; the first is a warm-up, the median of the rest is reported"""
+    gate_battles: int = 120
+    """battles of the timed gate (the cpu profile's gate plays 600 champion battles and 120 more)"""
     write: bool = False
     """append the table, dated, with the command and commit, to docs/throughput.md"""
 

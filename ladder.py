@@ -1705,6 +1705,7 @@ class FarmComparison:
         self.summed: collections.Counter = collections.Counter()
         self.farm_stats: dict[str, float] = {}
         self.searched: collections.Counter = collections.Counter()   # a's lookahead counters, summed
+        self.game_steps = 0                         # decisions of every episode played, summed
 
     def play(self, f: Any) -> list[float]:
         """Step farm f (in evaluation mode, built for this plan) until every episode has a result;
@@ -1747,6 +1748,7 @@ class FarmComparison:
                 continue
             self.searched.update({"lookahead_choices": rec.lookahead_choices,
                                   "lookahead_steps": rec.lookahead_steps})
+            self.game_steps += rec.episode_steps
             if rec.winner < 0 or rec.outcome not in WINNER_SCORE:
                 raise RuntimeError(
                     f"comparison {self.cid}: seed {self.order[i][0]} side_a {self.order[i][1]} ended "
@@ -1853,6 +1855,7 @@ class EvalRunner:
         self.seconds = 0.0
         self.farm_stats: dict[str, float] = {}     # the last comparison's farm.stats
         self.searched: dict[str, int] = {}         # ... and a's lookahead counters (farm section 6b)
+        self.game_steps = 0                        # the battles' decisions, every comparison's (bench)
         self.last_farm = ""                        # its class: "InlineFarm" | "ProcessFarm"
         self._table = table
         self._open()
@@ -1936,6 +1939,7 @@ class EvalRunner:
             scores = comparison.play(f)
             self.farm_stats, self.last_farm = comparison.farm_stats, type(f).__name__
             self.searched = dict(comparison.searched)
+            self.game_steps += comparison.game_steps
         finally:
             f.close()
             self.envs = []

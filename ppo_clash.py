@@ -69,6 +69,7 @@ import functools
 import hashlib
 import importlib.util
 import io
+import itertools
 import json
 import math
 import os
@@ -180,6 +181,15 @@ class WarmArgs:
     """passes of cross-entropy over those rows"""
     lr: float = 1e-3
     """the cloning's own Adam learning rate (PPO's optimizers start fresh after it)"""
+    dagger_rounds: int = 0
+    """rounds of DAgger after the clone: the clone plays dagger_battles battles against itself, the
+    rung labels every choice row it met with what the rung would play there, and the actor is fitted
+    again on every round's rows. A clone that learned only the rung's own states is lost where it
+    strays from them; a lookahead rung reads what the clone cannot see, so it strays"""
+    dagger_battles: int = 32
+    """battles a DAgger round plays"""
+    workers: int = 1
+    """processes the warm start's battles play on (its rows are the same for any count)"""
     critic_iterations: int = 0
     """PPO's first iterations step the critic only, so the clone plays on unchanged until a critic
     fitted to its own play judges it (an untrained critic's advantages are noise at full weight:
@@ -2367,87 +2377,164 @@ def reward_spec(reward: RewardArgs) -> farm.ComponentSpec | None:
 class Cloned(NamedTuple):
     rows: np.ndarray      # uint8 (n, row_bytes): the choice rows, packed as the rollout packs them
     seats: np.ndarray     # int64 (n,): 0 blue, 1 red (which static planes unpack scatters in)
-    actions: np.ndarray   # int64 (n,): what the rung chose
+    actions: np.ndarray   # int64 (n,): what the rung chose, or would have chosen (a DAgger round)
     game_steps: int       # decisions of every battle played, forced ones included
+    search_steps: int = 0   # game-steps a lookahead rung's scratch battles played, apart from those
+    order: np.ndarray | None = None   # (n, 2): each row's decision index and global slot, which
+    #                                   sort the rows of several processes as one process has them
 
 
-def clone_rows(args: Args, env: Env) -> Cloned:
-    """args.warm.battles battles of the rung against itself, one episode each, on the run's env."""
+def clone_rows(args: Args, env: Env, round_: int = 0, student: bytes | None = None) -> Cloned:
+    """One round of the warm start's battles, one episode each, on the run's env, spread over
+    args.warm.workers processes (the rows in battle order, the same for any count). Round 0: the
+    rung against itself, args.warm.battles of them. A DAgger round (student: the actor's weights,
+    save_tensors): the student against itself, args.warm.dagger_battles of them, each of its choice
+    rows labelled with what the rung plays there."""
+    n = args.warm.battles if round_ == 0 else args.warm.dagger_battles
+    chunks = [c for c in np.array_split(np.arange(n), max(1, min(args.warm.workers, n))) if c.size]
+    job = functools.partial(labelled_battles, args, env.spec, env.table, env.geo, round_, student)
+    if len(chunks) == 1:
+        parts = [job(chunks[0])]
+    else:   # spawned: a forked child would inherit the parent's torch threads and farm segments
+        import concurrent.futures
+        import multiprocessing
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(len(chunks), mp_context=spawn) as ex:
+            parts = list(ex.map(job, chunks))
+    if not any(len(p.actions) for p in parts):
+        raise ConfigError(f"--warm.rung {args.warm.rung}: {n} battles of round {round_} gave no choice row "
+                          "to clone")
+    order = np.concatenate([p.order for p in parts])
+    keep = np.lexsort((order[:, 1], order[:, 0]))      # decision-major, slots ascending
+    joined = (np.concatenate([getattr(p, f) for p in parts])[keep] for f in ("rows", "seats", "actions"))
+    return Cloned(*joined, sum(p.game_steps for p in parts), sum(p.search_steps for p in parts), order[keep])
+
+
+def labelled_battles(args: Args, spec: Any, table: Any, geo: NetGeometry, round_: int, student: bytes | None,
+                     battles: np.ndarray) -> Cloned:
+    """clone_rows' battles `battles` (consecutive), in this process on one torch thread. Battle g
+    resets from warm/battle/{g}/ordinal/0 (round 0) or warm/round/{r}/battle/{g}, the rung of slot
+    i = 2g + seat draws from warm/slot/{i} (round 0) or warm/round/{r}/slot/{i}, the student from
+    warm/round/{r}/student/{i}; the student acts on its battle's two seats at once, so its batches
+    never depend on the others."""
     from royalegym.action import NOOP
-    n = args.warm.battles
-    vec = farm.build_vec(env.spec, n, autoreset_seed_fn=lambda g, k: derive_int(
-        args.master_seed, f"warm/battle/{g}/ordinal/{k}"))
-    scratch = functools.cache(lambda: farm.env_factory(env.spec)())   # a lookahead's, one for all
-    players = [farm.worker_player(args.warm.rung, scratch) for _ in range(2 * n)]
-    for i, p in enumerate(players):
+    seed, g0, n = args.master_seed, int(battles[0]), len(battles)
+    tag = "warm" if round_ == 0 else f"warm/round/{round_}"
+    vec = farm.build_vec(spec, n, autoreset_seed_fn=lambda g, k: derive_int(
+        seed, f"warm/battle/{g0 + g}/ordinal/{k}" if round_ == 0 else f"{tag}/battle/{g0 + g}"))
+    scratch = functools.cache(lambda: farm.env_factory(spec)())   # a lookahead's, one for all
+    rung = [farm.worker_player(args.warm.rung, scratch) for _ in range(2 * n)]
+    for i, p in enumerate(rung):
         if isinstance(p, farm.LookaheadPlayer):
             p.bind(vec.envs[i // 2], i % 2)
-    rngs = [derive_generator(args.master_seed, f"warm/slot/{i}") for i in range(2 * n)]
-    packer, buf = codec.Packer(env.table), np.zeros((2 * n, env.table.row_bytes), np.uint8)
+    rngs = [derive_generator(seed, f"{tag}/slot/{2 * g0 + i}") for i in range(2 * n)]
+    net = None if student is None else student_player(student, geo, args, table)
+    urngs = [derive_generator(seed, f"{tag}/student/{2 * g0 + i}") for i in range(2 * n)]
+    packer, buf = codec.Packer(table), np.zeros((2 * n, table.row_bytes), np.uint8)
     obs, _ = vec.reset()
-    live, steps, out = np.ones(n, bool), 0, ([], [], [])
-    while live.any():
-        acts = np.array([players[i].act({k: v[i] for k, v in obs.items()}, obs["action_mask"][i], rngs[i])
-                         if live[i // 2] else NOOP for i in range(2 * n)], np.int64)
-        choice = np.repeat(live, 2) & (np.asarray(obs["action_mask"]).sum(-1) > 1)
-        if choice.any():
-            packer.pack(obs, buf, 0)
-            out[0].append(buf[choice].copy())
-            out[1].append(np.flatnonzero(choice) % 2)
-            out[2].append(acts[choice])
-        steps += int(live.sum())
-        obs, _, term, trunc, _ = vec.step(acts)
-        live &= ~(term | trunc)[0::2]   # a battle's first episode only: the vec env resets it
+    live, steps, out = np.ones(n, bool), 0, ([], [], [], [])   # rows, labels, decision index, slot
+    with process_settings_kept():
+        torch.set_num_threads(1)
+        for k in itertools.count():
+            if not live.any():
+                break
+            choice = np.repeat(live, 2) & (np.asarray(obs["action_mask"]).sum(-1) > 1)
+            one = [{key: v[i] for key, v in obs.items()} for i in range(2 * n)]
+            label = np.array([rung[i].act(one[i], obs["action_mask"][i], rngs[i])
+                              if (choice[i] if net is not None else live[i // 2]) else NOOP
+                              for i in range(2 * n)], np.int64)
+            acts = label if net is None else np.concatenate([
+                net({key: v[2 * b: 2 * b + 2] for key, v in obs.items()},
+                    np.array([urngs[2 * b].random(), urngs[2 * b + 1].random()]))
+                if live[b] else np.full(2, NOOP) for b in range(n)]).astype(np.int64)
+            if choice.any():
+                packer.pack(obs, buf, 0)
+                out[0].append(buf[choice].copy())
+                out[1].append(label[choice])
+                out[2].append(np.full(int(choice.sum()), k))
+                out[3].append(2 * g0 + np.flatnonzero(choice))
+            steps += int(live.sum())
+            obs, _, term, trunc, _ = vec.step(acts)
+            live &= ~(term | trunc)[0::2]   # a battle's first episode only: the vec env resets it
     vec.close()
+    search = sum(p.steps for p in rung if isinstance(p, farm.LookaheadPlayer))
     if not out[0]:
-        raise ConfigError(f"--warm.rung {args.warm.rung}: {n} battles gave no choice row to clone")
-    return Cloned(np.concatenate(out[0]), np.concatenate(out[1]).astype(np.int64), np.concatenate(out[2]),
-                  steps)
+        return Cloned(np.zeros((0, table.row_bytes), np.uint8), *(np.zeros(0, np.int64),) * 2, steps, search,
+                      np.zeros((0, 2), np.int64))
+    slot = np.concatenate(out[3])
+    return Cloned(np.concatenate(out[0]), slot % 2, np.concatenate(out[1]), steps, search,
+                  np.stack([np.concatenate(out[2]), slot], 1))
 
 
-def warm_start(args: Args, env: Env, model: ActorCritic, quiet: bool) -> dict[str, float]:
+def student_player(student: bytes, geo: NetGeometry, args: Args, table: Any) -> NetPlayer:
+    """A DAgger round's student: the actor's weights (save_tensors) in a network of the run's
+    geometry and net section, sampling its actions (NetPlayer) on the cpu."""
+    model = ActorCritic(geo, args.net, args.master_seed)
+    model.load_state_dict({**model.state_dict(), **load_tensors(student)})
+    return NetPlayer(model.eval(), table, "cpu")
+
+
+def warm_start(args: Args, env: Env, model: ActorCritic, quiet: bool) -> dict[str, Any]:
     """Fit the actor to the rung's choices (cross-entropy, its own Adam, the PPO minibatch size and
-    gradient clip); returns the loss and the clone's agreement with the rung (its most probable
-    action is the rung's) before and after, which the console line shows, and its wall clock."""
+    gradient clip), then for each DAgger round to the rung's labels of the clone's own battles too
+    (the rows aggregated); returns, for warm.json and the console line, the rows and game-steps of
+    every round (a lookahead's scratch game-steps apart), the loss and the clone's agreement with
+    the rung (its most probable action is the rung's) on every row before and after, and its wall
+    clock."""
     t0 = time.perf_counter()
-    data = clone_rows(args, env)
-    dev, n, mb = env.device, len(data.actions), args.ppo.minibatch_size
     opt = torch.optim.Adam(model.actor_parameters(), lr=args.warm.lr, eps=args.ppo.adam_eps)
     gen = torch_generator(args.master_seed, "warm/permutation")
+    rounds = [clone_rows(args, env)]
+    before = fit_clone(args, env, model, rounds, opt, gen)
+    for r in range(1, args.warm.dagger_rounds + 1):
+        rounds.append(clone_rows(args, env, r, save_tensors(model.state_dict())))
+        fit_clone(args, env, model, rounds, opt, gen)
+    after = fit_clone(args, env, model, rounds, None, gen)   # <run>/warm.json keeps these (set_up)
+    out = {"rows": sum(len(c.actions) for c in rounds), "game_steps": sum(c.game_steps for c in rounds),
+           "search_game_steps": sum(c.search_steps for c in rounds),
+           "rounds": [{"rows": len(c.actions), "game_steps": c.game_steps} for c in rounds],
+           "loss_before": before[0], "loss_after": after[0],
+           "agree_before": before[1], "agree_after": after[1],
+           "seconds": time.perf_counter() - t0}
+    if not quiet:
+        dagger = f", {args.warm.dagger_rounds} DAgger rounds" if args.warm.dagger_rounds else ""
+        print(f"warm start: {args.warm.rung} cloned from {out['rows']:,} choice rows of {args.warm.battles} "
+              f"battles{dagger} ({out['game_steps']:,} game-steps), {args.warm.epochs} epochs: "
+              f"cross-entropy {before[0]:.3f} -> {after[0]:.3f}, "
+              f"agreement with the rung {before[1]:.3f} -> {after[1]:.3f}", flush=True)
+    return out
+
+
+def fit_clone(args: Args, env: Env, model: ActorCritic, rounds: Sequence[Cloned],
+              opt: torch.optim.Optimizer | None, gen: torch.Generator) -> tuple[float, float]:
+    """args.warm.epochs passes of cross-entropy over every round's rows (opt None: none); returns the
+    loss and the agreement on them all before the passes."""
+    rows, seats, actions = (np.concatenate([getattr(c, f) for c in rounds])
+                            for f in ("rows", "seats", "actions"))
+    dev, n, mb = env.device, len(actions), args.ppo.minibatch_size
 
     def batch(idx: np.ndarray) -> tuple[MaskedCategorical, torch.Tensor]:
-        o = codec.unpack(env.table, torch.as_tensor(data.rows[idx], device=dev), env.statics,
-                         torch.as_tensor(data.seats[idx], device=dev))
-        d, a = model.dist(o), torch.as_tensor(data.actions[idx], device=dev)
+        o = codec.unpack(env.table, torch.as_tensor(rows[idx], device=dev), env.statics,
+                         torch.as_tensor(seats[idx], device=dev))
+        d, a = model.dist(o), torch.as_tensor(actions[idx], device=dev)
         return d, placement_action(d.mask, a, model.geo, tuple(model.net.placement_cell))
 
-    def measure() -> tuple[float, float]:
-        loss = agree = 0.0
-        with torch.no_grad():
-            for i in range(0, n, mb):
-                d, a = batch(np.arange(i, min(i + mb, n)))
-                loss -= float(d.log_prob(a).sum())
-                agree += float((d.mode() == a).sum())
-        return loss / n, agree / n
-
-    before = measure()
-    for _ in range(args.warm.epochs):
+    loss = agree = 0.0
+    with torch.no_grad():
+        for i in range(0, n, mb):
+            d, a = batch(np.arange(i, min(i + mb, n)))
+            loss -= float(d.log_prob(a).sum())
+            agree += float((d.mode() == a).sum())
+    for _ in range(args.warm.epochs if opt is not None else 0):
         perm = torch.randperm(n, generator=gen).numpy()
         for i in range(0, n, mb):
             d, a = batch(perm[i:i + mb])
-            loss = -d.log_prob(a).mean()
+            step = -d.log_prob(a).mean()
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            step.backward()
             nn.utils.clip_grad_norm_(model.actor_parameters(), args.ppo.max_grad_norm)
             opt.step()
-    after = measure()   # <run>/warm.json keeps these numbers (set_up writes it)
-    if not quiet:
-        print(f"warm start: {args.warm.rung} cloned from {n:,} choice rows of {args.warm.battles} battles "
-              f"({data.game_steps:,} game-steps), {args.warm.epochs} epochs: "
-              f"cross-entropy {before[0]:.3f} -> {after[0]:.3f}, "
-              f"agreement with the rung {before[1]:.3f} -> {after[1]:.3f}", flush=True)
-    return {"rows": n, "game_steps": data.game_steps, "loss_before": before[0], "loss_after": after[0],
-            "agree_before": before[1], "agree_after": after[1], "seconds": time.perf_counter() - t0}
+    return loss / n, agree / n
 
 
 class Learner:
@@ -3420,6 +3507,9 @@ def game_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("warm.rung", not w.rung or o.frame_stack == 1,
          "be empty under --obs.frame-stack above 1 (the cloned rows are single frames)"),
         ("warm.battles", w.battles >= 1, "be >= 1"),
+        ("warm.dagger_rounds", w.dagger_rounds >= 0, "be >= 0"),
+        ("warm.dagger_battles", w.dagger_battles >= 1, "be >= 1"),
+        ("warm.workers", w.workers >= 1, "be >= 1 (processes the warm start's battles play on)"),
         ("warm.epochs", w.epochs >= 1, "be >= 1"),
         ("warm.lr", w.lr > 0, "be > 0"),
         ("warm.critic_iterations", w.critic_iterations >= 0, "be >= 0"),

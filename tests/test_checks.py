@@ -618,14 +618,19 @@ def test_play_viewer_streams_when_royalegym_has_one_and_says_so_when_not(monkeyp
 
 def test_bench_predicts_an_iteration_from_its_parts_by_plain_arithmetic():
     """[A] T=10 cycles, 4 battles, 2 shards, R=8: env 40 game-steps at 100/s = 0.4 s; 20 rounds at
-    5 ms = 0.1 s; 88 critic rows at 0.5 ms = 0.044 s; 30 learner rows at 2 ms = 0.06 s."""
+    5 ms = 0.1 s; the rectangle's 24 critic rows (smdp's, not the 88 cells) at 0.5 ms = 0.012 s; 30
+    learner rows at 2 ms = 0.06 s. Part by part beside the measured medians."""
     env = type("E", (), {"T": 10, "n_battles": 4, "n_shards": 2, "R": 8})()
     fig = lambda part, x: checks.BenchFigure(part, "u", [x - 1, x, x + 1], (0.0, 0.0))
     figs = {f.part: f for f in (fig("process farm (1 worker(s) x 2 shard(s))", 100.0), fig("inference", 5.0),
                                 fig("critic pass", 0.5), fig("PPO update", 2.0))}
-    p = checks.predict(env, figs, learner_rows=30)
-    assert p == pytest.approx({"env": 0.4, "inference": 0.1, "critic": 0.044, "update": 0.06})
+    p = checks.predict(env, figs, checks.Rig(learner_rows=30, critic_rows=24, forwarded=9))
+    assert p == pytest.approx({"env": 0.4, "inference": 0.1, "critic": 0.012, "update": 0.06})
     assert figs["inference"].median == 5.0
+    m = {"iteration": 0.75, "collection": 0.6, "inference": 0.2, "critic_pass": 0.012, "update": 0.06}
+    lines = checks.part_lines(p, m)
+    assert "| env (collection less inference) | 0.40 | 0.40 | 1.00 |" in lines
+    assert "| inference | 0.10 | 0.20 | 2.00 |" in lines and "| iteration | 0.57 | 0.75 | 1.31 |" in lines
 
 
 @pytest.mark.slow
@@ -633,13 +638,19 @@ def test_bench_on_smoke_prints_every_part_and_writes_the_table_dated(tmp_path, m
     doc = tmp_path / "throughput.md"
     doc.write_text("# throughput\n")
     monkeypatch.setattr(checks, "THROUGHPUT_DOC", doc)
-    code, out, err = run_main("bench", "--profile", "smoke", "--iterations", "2", "--write")
+    code, out, err = run_main("bench", "--profile", "smoke", "--iterations", "2", "--gate-battles", "2",
+                              "--write")
     assert code == 0, err
     table = [line for line in out.splitlines() if line.startswith("| ")]
     parts = [line.split(" | ")[0].lstrip("| ") for line in table[1:]]
-    assert parts == ["engine, one process, nothing else", "process farm (1 worker(s) x 1 shard(s))",
-                     "farm / raw loop", "codec.pack", "inference", "critic pass", "PPO update",
-                     "iteration, predicted by the parts", "iteration, measured", "measured / predicted"]
+    assert parts[:13] == ["engine, one process, nothing else", "process farm (1 worker(s) x 1 shard(s))",
+                          "farm / raw loop", "codec.pack", "inference", "critic pass", "PPO update", "gate",
+                          "iteration, predicted by the parts", "iteration, measured", "measured / predicted",
+                          "iteration / the engine's time for its game-steps", "part"]
+    assert parts[13:] == ["env (collection less inference)", "inference", "critic pass", "update",
+                          "iteration"]
+    gate = table[8].split(" | ")
+    assert gate[2] == "x the engine" and float(gate[1]) > 0 and " battles in " in gate[5]
     for line in table[1:8]:                      # every part: REPEATS positive runs, the median among them
         cells = line.split(" | ")
         runs = [float(x) for x in cells[3].split()]

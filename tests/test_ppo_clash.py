@@ -1370,6 +1370,7 @@ BAD_VALUES = [
     ("warm.rung", "scripted:nope", {}), ("warm.rung", "lookahead:defend,h=0", {}),
     ("warm.rung", "scripted:noop", {"obs.frame_stack": 2}),
     ("warm.battles", 0, {"warm.rung": "scripted:noop"}), ("warm.epochs", 0, {}), ("warm.lr", 0, {}),
+    ("warm.dagger_rounds", -1, {}), ("warm.dagger_battles", 0, {}), ("warm.workers", 0, {}),
     ("warm.critic_iterations", -1, {"warm.rung": "scripted:noop"}), ("warm.critic_iterations", 2, {}),
     ("warm.teacher_kl.start", -1.0, {}), ("warm.teacher_kl.start", 1.0, {}),
     ("warm.teacher_kl.over_env_steps", 0.0, {"warm.rung": "scripted:noop"}),
@@ -1555,6 +1556,39 @@ def test_a_warm_start_clones_a_lookahead_and_its_identity_holds_every_setting():
     full = P.parse_args([*short, "--warm.rung", P.farm.canonical_player(name)])
     other = P.parse_args([*short, "--warm.rung", "lookahead:defend,h=3,c=defend+noop"])
     assert P.algo_digest(a) == P.algo_digest(full) != P.algo_digest(other)
+
+
+@pytest.mark.slow
+def test_dagger_rounds_label_the_clones_own_battles_and_the_rows_are_the_same_on_any_number_of_workers():
+    """WarmArgs.dagger_rounds: round 0 the rung (a lookahead) against itself, then each round the
+    student against itself, its choice rows labelled by the rung; the rounds' rows, labels and
+    game-steps are the same on one process as on two (battles split between them), the warm start
+    counts every round's battles and the rung's scratch game-steps apart, and fits on them all."""
+    argv = ["--profile", "smoke", "--obs.max-steps", "40", "--warm.rung",
+            "lookahead:defend,h=2,c=defend+noop", "--warm.battles", "3", "--warm.dagger-rounds", "1",
+            "--warm.dagger-battles", "3"]
+    one, two = P.parse_args(argv), P.parse_args([*argv, "--warm.workers", "2"])
+    env = P.read_env(one)
+    model = P.ActorCritic(env.geo, one.net, one.master_seed)
+    student = P.save_tensors(model.state_dict())
+    for r, weights in ((0, None), (1, student)):
+        a, b = P.clone_rows(one, env, r, weights), P.clone_rows(two, env, r, weights)
+        assert a.rows.tobytes() == b.rows.tobytes() and np.array_equal(a.actions, b.actions)
+        assert np.array_equal(a.seats, b.seats) and np.array_equal(a.order, b.order)
+        assert (a.game_steps, a.search_steps) == (b.game_steps, b.search_steps)
+        mask = P.codec.host_mask(env.table, a.rows)
+        assert len(a.actions) > 0 and (mask.sum(1) > 1).all()
+        assert mask[np.arange(len(a.actions)), a.actions].all()
+        assert a.search_steps > 0 and a.game_steps >= len(a.actions) // 2
+    # the student's own battles: an untrained network plays other states than the rung does
+    assert P.clone_rows(one, env, 1, student).rows.tobytes() != P.clone_rows(one, env).rows.tobytes()
+    warm = P.warm_start(one, env, model, quiet=True)
+    first = P.clone_rows(one, env)
+    assert warm["rounds"][0] == {"rows": len(first.actions), "game_steps": first.game_steps}
+    assert len(warm["rounds"]) == 2 and warm["rounds"][1]["rows"] > 0    # round 1: the fitted clone's battles
+    assert warm["game_steps"] == sum(x["game_steps"] for x in warm["rounds"])
+    assert warm["search_game_steps"] > 0 and warm["rows"] == sum(x["rows"] for x in warm["rounds"])
+    assert warm["agree_after"] > warm["agree_before"]
 
 
 def test_the_bad_values_cover_every_rule_and_every_profile_keeps_them(monkeypatch):
