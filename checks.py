@@ -1368,7 +1368,7 @@ def learn_lines(cmd: "Learn", run: Path, n_iter: int, seconds: dict[str, float],
     parts = ", ".join(f"{k} {v:,.0f} s" for k, v in seconds.items())
     out = [f"--profile {cmd.profile}, master seed "
            f"{cmd.master_seed if cmd.master_seed is not None else 'the profile default'}, "
-           f"{cmd.game_steps:,} game-steps ({n_iter} iterations), "
+           f"{cmd.game_steps:,} game-steps ({n_iter} iterations, a warm start's battles included), "
            f"{rows[names[0]][0]['seeds']} seeds a rung from both sides; run {run.name}{change}", "",
            f"Wall clock on {os.cpu_count()} cpus: {sum(seconds.values()) / 60:.1f} min in all ({parts}).", "",
            "| rung | " + " | ".join(f"{n} ({players[n]})" for n in names) + " |",
@@ -1401,25 +1401,16 @@ def champion_label(run: Path, pool: "ladder.Pool", game_steps: int) -> str:
 
 
 def learn_args(cmd: "Learn") -> P.Args:
-    """The run's arguments: the profile, the --config change merged over it, the master seed."""
+    """The run's arguments: the profile, the --config change merged over it, the master seed, and
+    the budget as the run's game_step_limit: a warm start's battles (its cloning, its DAgger rounds)
+    and the iterations spend it together, the last iteration whole."""
     args = P.parse_args(["--profile", cmd.profile] + (["--config", cmd.config] if cmd.config else []))
     args.runs_dir, args.run_name = cmd.runs_dir, f"learn-{cmd.profile}"
+    # a battle's game-step gives at most its two seats' learner rows [A], so the row limit never binds
+    args.game_step_limit, args.timestep_limit = cmd.game_steps, 2 * cmd.game_steps
     if cmd.master_seed is not None:
         args.master_seed = cmd.master_seed
     return args
-
-
-def learn_iterations(cmd: "Learn", args: P.Args, env: P.Env) -> tuple[int, int]:
-    """(iterations, the cloning's game-steps): the budget counts a warm start's battles, so a clone
-    and PPO from it spend cmd.game_steps together. The cloning is replayed here to count them (it
-    is a function of the master seed: ppo_clash.clone_rows), a few seconds of scripted play."""
-    cloned = P.clone_rows(args, env).game_steps if args.warm.rung else 0
-    left = cmd.game_steps - cloned
-    if left < 1:
-        raise CheckError(f"--game-steps {cmd.game_steps}: the warm start's cloning alone plays {cloned:,} "
-                         f"game-steps (--warm.battles {args.warm.battles}); give the budget more, or "
-                         "clone less")
-    return -(-left // (env.T * env.n_battles)), cloned     # the rest in whole iterations
 
 
 def learn_command(cmd: "Learn", run: Path) -> str:
@@ -1463,24 +1454,23 @@ def cmd_learn(cmd: "Learn") -> int:
                          f"ladder.eval_seed_count = {args.ladder.eval_seed_count} (checked before hours "
                          "of training)")
     env = P.read_env(args)
-    n_iter, cloned = learn_iterations(cmd, args, env)
-    args.timestep_limit = n_iter * env.T * env.learner_rows
     run, ckpt = learn_start(cmd, args, env)
-    clone = f" after a clone of {args.warm.rung} from {cloned:,} game-steps" if args.warm.rung else ""
-    print(f"learn: --profile {cmd.profile}, {n_iter} iterations of {env.T * env.n_battles} game-steps{clone} "
-          f"({cloned + n_iter * env.T * env.n_battles:,} >= {cmd.game_steps:,}), then the yardstick"
+    clone = f"the warm start's battles ({args.warm.rung}) and " if args.warm.rung else ""
+    print(f"learn: --profile {cmd.profile}, {clone}iterations of {env.T * env.n_battles} game-steps until "
+          f"{cmd.game_steps:,} game-steps, then the yardstick"
           + (f"; continuing {run} from {ckpt.name}" if ckpt else ""), flush=True)
     t0 = time.perf_counter()
     try:
-        P.train(args, max_iterations=n_iter, quiet=cmd.quiet, resume=ckpt)
+        P.train(args, quiet=cmd.quiet, resume=ckpt)
     except (P.AlarmHalt, P.RunCrashed) as e:   # what the training said; the benchmark's own resume
         raise CheckError(f"training stopped before the budget, so nothing was measured: {e}; to finish the "
                          f"benchmark (the training, then the yardstick): {learn_command(cmd, run)}") from None
     rows = read_jsonl(run / "metrics.jsonl")
-    done = int(rows[-1]["run/iteration"]) if rows else 0
-    if done < n_iter:   # a Ctrl-C or the control file's q: checkpointed and stopped at a boundary
-        print(f"learn: stopped after iteration {done} of {n_iter}, so nothing was measured; continue it with "
-              f"{learn_command(cmd, run)}", flush=True)
+    n_iter = int(rows[-1]["run/iteration"]) if rows else 0
+    spent = P.warm_game_steps(run) + (int(rows[-1]["run/cumulative_env_steps"]) if rows else 0)
+    if spent < cmd.game_steps:   # a Ctrl-C or the control file's q: checkpointed and stopped at a boundary
+        print(f"learn: stopped after iteration {n_iter} at {spent:,} of {cmd.game_steps:,} game-steps, so "
+              f"nothing was measured; continue it with {learn_command(cmd, run)}", flush=True)
         return 1
     train_s, t0 = time.perf_counter() - t0, time.perf_counter()
     pool = ladder.read_pool(run)
@@ -1488,7 +1478,7 @@ def cmd_learn(cmd: "Learn") -> int:
         raise CheckError(f"{run}: no ladder/pool.json champion after training; nothing to measure")
     v0_is = f"the warm start's clone of {args.warm.rung}" if args.warm.rung else "untrained"
     players = {"v0": f"{pool.v0}, {v0_is}",
-               "champion": champion_label(run, pool, n_iter * env.T * env.n_battles)}
+               "champion": champion_label(run, pool, int(rows[-1]["run/cumulative_env_steps"]))}
     rows_of = {"v0": ladder.yardstick_run(run, pool.v0, cmd.seeds)}
     discarded = last_discarded(run, pool)
     if discarded is not None:   # shown before the champion; the bar is the champion's alone

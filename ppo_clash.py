@@ -543,6 +543,10 @@ class Args:
     """every random stream derives from this by name (design 2.2). In the identity"""
     timestep_limit: int = 100_000_000
     """learner transitions to train for"""
+    game_step_limit: int = 0
+    """game-steps to train for, the warm start's battles included (its warm.json's game_steps): the
+    run stops at the first iteration boundary at or past it, as a learning budget is written
+    (docs/learning.md). 0: none. Not in the identity"""
     obs: ObsArgs = field(default_factory=ObsArgs)
     reward: RewardArgs = field(default_factory=RewardArgs)
     warm: WarmArgs = field(default_factory=WarmArgs)
@@ -2114,7 +2118,7 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
     first = learner.iteration
     run.announce(env)
     try:
-        while (learner.timesteps < args.timestep_limit
+        while (learner.timesteps < args.timestep_limit and not over_budget(args, learner)
                and (max_iterations is None or learner.iteration < max_iterations)):
             iteration, t_it = learner.iteration, time.perf_counter()
             run.iteration = iteration + 1                # as its row will number it, whatever the phase
@@ -2246,6 +2250,7 @@ def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: boo
         path, rid, identity, shared = comm.share(None)   # after rank 0 wrote the run, its seeds and v0
         run = follow_run(args, env, learner, Path(path), rid, identity, resume, quiet, t0, comm.rank)
     try:   # from here a failure closes the run's files and lets go of its training lock
+        learner.warm_steps = int(cloned["game_steps"]) if cloned is not None else warm_game_steps(run.path)
         if comm.voice:
             if cloned is not None:
                 (run.path / "warm.json").write_bytes(msgspec.json.format(canonical_json(cloned)))
@@ -2537,6 +2542,17 @@ def fit_clone(args: Args, env: Env, model: ActorCritic, rounds: Sequence[Cloned]
     return loss / n, agree / n
 
 
+def warm_game_steps(run: Path) -> int:
+    """The game-steps a run's warm start played (its warm.json; 0 without one)."""
+    f = run / "warm.json"
+    return int(json.loads(f.read_bytes()).get("game_steps", 0)) if f.exists() else 0
+
+
+def over_budget(args: Args, learner: "Learner") -> bool:
+    """args.game_step_limit reached: the warm start's game-steps and the iterations' together."""
+    return bool(args.game_step_limit) and learner.warm_steps + learner.env_steps >= args.game_step_limit
+
+
 class Learner:
     """Everything that learns, and what a checkpoint restores of it (design 8): the network, the
     actor's and the critic's optimizers, the return scaler, the lr backoff, and the positions:
@@ -2552,6 +2568,7 @@ class Learner:
         self.iteration = self.env_steps = self.timesteps = self.updates = 0
         self.sched: dict[str, float] | None = None
         self.teacher: ActorCritic | None = None   # WarmArgs.teacher_kl's clone, set_up loads it from v0
+        self.warm_steps = 0                       # the warm start's game-steps (game_step_limit counts them)
 
     def schedule_values(self, args: Args) -> dict[str, float]:
         """The schedules read at this env step (design 1.3: schedules are written in game-steps)."""
@@ -3559,6 +3576,7 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
          "without '/', '\\' or '..' (the run folder is <runs_dir>/<run_name>-<run_id>)"),
         ("master_seed", 0 <= args.master_seed < 2 ** 63, "be in [0, 2**63): every stream derives from it"),
         ("timestep_limit", args.timestep_limit >= 1, "be >= 1"),
+        ("game_step_limit", args.game_step_limit >= 0, "be >= 0 (0: no game-step budget)"),
         ("metrics.image_every", args.metrics.image_every >= 0, "be >= 0 (0: no heatmaps)"),
         *game_rules(args),
         ("rollout.workers", r.workers >= 1, "be >= 1"),

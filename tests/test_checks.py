@@ -766,7 +766,7 @@ def test_learn_stops_resumes_then_measures_and_a_shipped_folder_is_measured_and_
         code, out, err = run_main(*flags)
     (run,) = (tmp_path / "runs").iterdir()
     assert code == 1 and "| scripted:" not in out, err[-3000:]
-    assert (f"stopped after iteration 1 of 2, so nothing was measured; continue it with "
+    assert (f"stopped after iteration 1 at 172 of 344 game-steps, so nothing was measured; continue it with "
             f"python checks.py learn --profile smoke --game-steps 344 --seeds 1 --config {change} "
             f"--quiet --resume {run}") in out
     code, out, err = run_main(*flags)                        # the same command again: not trained over
@@ -813,20 +813,23 @@ def test_learn_stops_resumes_then_measures_and_a_shipped_folder_is_measured_and_
     assert f"play: blue {v0} vs red scripted:noop" in out and "result: " in out
 
 
-def test_learn_counts_the_warm_start_s_cloning_in_its_budget():
-    """A clone and PPO from it spend --game-steps together (issue 36): the cloning's game-steps,
-    replayed from the master seed, come off the budget before it is cut into iterations."""
-    cmd = checks.Learn(profile="smoke", game_steps=2000)
-    plain = checks.learn_args(cmd)
-    env = P.read_env(plain)
-    per = env.T * env.n_battles
-    assert checks.learn_iterations(cmd, plain, env) == (-(-2000 // per), 0)
-    warm = checks.learn_args(cmd)
-    warm.warm.rung, warm.warm.battles = "scripted:defend", 1
-    n, cloned = checks.learn_iterations(cmd, warm, env)
-    assert cloned == P.clone_rows(warm, env).game_steps > 0 and n == -(-(2000 - cloned) // per)
-    with pytest.raises(checks.CheckError, match="the warm start's cloning alone plays"):
-        checks.learn_iterations(checks.Learn(profile="smoke", game_steps=cloned), warm, env)
+@pytest.mark.slow
+def test_learn_counts_the_warm_start_s_battles_in_its_budget(tmp_path):
+    """A warm start and PPO from it spend --game-steps together (issue 36, 47): learn gives the run
+    the budget as its game_step_limit, and the run stops at the first iteration boundary where the
+    warm start's game-steps (warm.json) and the iterations' reach it."""
+    cmd = checks.Learn(profile="smoke", game_steps=900, runs_dir=str(tmp_path))
+    args = checks.learn_args(cmd)
+    assert args.game_step_limit == 900 and P.parse_args(["--profile", "smoke"]).game_step_limit == 0
+    args.warm.rung, args.warm.battles, args.obs.max_steps = "scripted:defend", 1, 60
+    run = P.train(args, quiet=True)
+    warm = P.warm_game_steps(run)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    per = rows[0]["run/cumulative_env_steps"]
+    assert warm == json.loads((run / "warm.json").read_text())["game_steps"] == 60
+    assert len(rows) == -(-(900 - warm) // per) and warm + rows[-1]["run/cumulative_env_steps"] >= 900 > \
+        warm + rows[-2]["run/cumulative_env_steps"]
+    assert P.over_budget(args, type("L", (), {"warm_steps": warm, "env_steps": 900 - warm})())
 
 
 # --- export ------------------------------------------------------------------------------------------
