@@ -927,6 +927,14 @@ def check_worker_player(player: str) -> None:
                          f"{', '.join(SCRIPTED_NAMES)}")
 
 
+def scratch_env(spec: EnvFactorySpec) -> Any:
+    """The env a lookahead plays its candidates on: the live one's, less its reward (the player
+    scores the position itself: the potential reward computed every scratch step was an eighth of
+    its time [M: cProfile, docs/ladder.md section 13]) and its truncation (the horizon is its own)."""
+    return env_factory(msgspec.structs.replace(
+        spec, reward_fn=ComponentSpec("royalegym.reward.WinLossReward"), truncation=[]))()
+
+
 def worker_player(player: str, scratch: Callable[[], Any]) -> Any:
     """A fresh player for one seat's episode: scripted:<name> or lookahead:... (bound to its live
     battle with .bind(env, seat) before it acts). scratch() returns the scratch env a lookahead plays
@@ -1681,7 +1689,7 @@ class Seats:
         """The shard's scratch env, where its lookahead seats play their candidates on (built once,
         like the live ones)."""
         if self._scratch is None:
-            self._scratch = env_factory(self.cfg.env)()
+            self._scratch = scratch_env(self.cfg.env)
         return self._scratch
 
     def search_counts(self, r: int) -> dict[str, int]:

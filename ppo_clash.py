@@ -2427,7 +2427,7 @@ def labelled_battles(args: Args, spec: Any, table: Any, geo: NetGeometry, round_
     tag = "warm" if round_ == 0 else f"warm/round/{round_}"
     vec = farm.build_vec(spec, n, autoreset_seed_fn=lambda g, k: derive_int(
         seed, f"warm/battle/{g0 + g}/ordinal/{k}" if round_ == 0 else f"{tag}/battle/{g0 + g}"))
-    scratch = functools.cache(lambda: farm.env_factory(spec)())   # a lookahead's, one for all
+    scratch = functools.cache(lambda: farm.scratch_env(spec))   # a lookahead's, one for all
     rung = [farm.worker_player(args.warm.rung, scratch) for _ in range(2 * n)]
     for i, p in enumerate(rung):
         if isinstance(p, farm.LookaheadPlayer):

@@ -1405,7 +1405,7 @@ def test_the_lookahead_keeps_the_best_scoring_candidate_and_leaves_the_live_batt
     spec = farm.default_env_spec()
     live, o = _choice_point(spec)
     name = "lookahead:defend,vs=patient,h=6,c=defend+noop+push"
-    p = farm.worker_player(name, lambda: farm.env_factory(spec)())
+    p = farm.worker_player(name, lambda: farm.scratch_env(spec))
     p.bind(live, 0)
     before = live.engine.state_hash()
     action = p.act(o, o["action_mask"], np.random.default_rng(5))
@@ -1427,7 +1427,7 @@ def test_the_lookahead_keeps_the_best_scoring_candidate_and_leaves_the_live_batt
     assert (p.choices, p.steps) == (1, 6 * len(tried))
     assert len(set(scores)) > 1, "the candidates' positions differ at the horizon"
     # a fresh player on the same state chooses the same; a mask-only battle cannot be searched
-    q = farm.worker_player(name, lambda: farm.env_factory(spec)())
+    q = farm.worker_player(name, lambda: farm.scratch_env(spec))
     q.bind(live, 0)
     assert q.act(o, o["action_mask"], np.random.default_rng(6)) == action
     live.set_mask_only(AGENTS)
@@ -1438,7 +1438,7 @@ def test_the_lookahead_keeps_the_best_scoring_candidate_and_leaves_the_live_batt
 def test_the_score_is_the_result_once_over_and_the_potential_terms_before():
     spec = farm.default_env_spec()
     live, _ = _choice_point(spec)
-    p = farm.worker_player("lookahead:defend", lambda: farm.env_factory(spec)())
+    p = farm.worker_player("lookahead:defend", lambda: farm.scratch_env(spec))
     st = live.battle_state
     want = sum(farm.REWARD_WEIGHTS[k] * float(t.potential(st, 0)) for k, t in (
         ("crown", farm.PotentialCrownReward()), ("tower_hp", farm.PotentialTowerHPReward()),
