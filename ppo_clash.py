@@ -377,6 +377,11 @@ class GateArgs:
     """battles each"""
     bootstrap_resamples: int = _GATE.bootstrap_resamples
     """for the paired interval"""
+    sequential_battles: int = _GATE.sequential_battles
+    """0: condition (1) plays its champion_games at once. N: in looks of N battles (the same games,
+    in the same order), stopped at the first look where it is settled: promoted once a 99% Wilson
+    bound clears the bar, discarded once the bar is out of reach (ladder.sequential_settled; its
+    error rates beside the fixed design's: docs/ladder.md section 4)"""
 
 
 @dataclass(frozen=True)
@@ -3703,6 +3708,10 @@ def ladder_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("ladder.gate.stratified_games", G.stratified_games % 2 == 0 and 2 <= G.stratified_games <= twice,
          paired),
         ("ladder.gate.bootstrap_resamples", G.bootstrap_resamples >= 1, "be >= 1"),
+        ("ladder.gate.sequential_battles", G.sequential_battles == 0 or (
+            G.sequential_battles % 2 == 0 and 2 <= G.sequential_battles <= G.champion_games),
+         "be 0 (no looks) or an even count of at most ladder.gate.champion_games (each seed from both "
+         "sides)"),
     ]
 
 
@@ -4151,6 +4160,10 @@ def ladder_digest(args: Args, eval_seed_set_sha: str) -> str:
     later = {"opponent_mode": "stochastic", "seed_snapshots": (), "seat_decks": SeatDecks()}
     lad = {f.name: getattr(L, f.name) for f in dataclasses.fields(L)
            if f.name not in later or getattr(L, f.name) != later[f.name]}
+    if not L.gate.sequential_battles:   # the gate's section as it was, less the later field at 0
+        lad["gate"] = msgspec.Raw(canonical_json_ordered({f.name: getattr(L.gate, f.name)
+                                                          for f in dataclasses.fields(L.gate)
+                                                          if f.name != "sequential_battles"}))
     if L.seed_snapshots:
         lad["seed_snapshots"] = [{"name": sd.name, "sha256": sd.sha256, "weight": sd.weight}
                                  for sd in L.seed_snapshots]

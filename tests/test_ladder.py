@@ -339,15 +339,19 @@ def test_eval_seed_set_drawn_once_frozen_and_verified(tmp_path):
 # --- 4. The gate ----------------------------------------------------------------------------------------
 
 class FakeRunner:
-    """play(a, b, n): a wins the first wins[(a, b)] of n battles (seed t // 2, side t % 2)."""
+    """play(a, b, n[, first_seed, of]): battle t (seed t // 2, side t % 2) of the comparison is a's
+    win iff round(rate * (t + 1)) > round(rate * t), so any n battles from the first win
+    round(rate * n) of them and the wins are spread evenly; a look (first_seed, of) returns the
+    comparison's battles from seed first_seed."""
 
     def __init__(self, rates):
         self.rates, self.calls = rates, []
 
-    def __call__(self, a, b, n):
+    def __call__(self, a, b, n, first_seed=0, of=None):
         self.calls.append((a, b, n))
-        k = round(self.rates[(a, b)] * n)
-        return [game(a, b, 1.0 if t < k else 0.0, seed=t // 2, side=L.SIDES[t % 2]) for t in range(n)]
+        r, t0 = self.rates[(a, b)], 2 * first_seed
+        return [game(a, b, float(round(r * (t + 1)) - round(r * t)), seed=t // 2, side=L.SIDES[t % 2])
+                for t in range(t0, t0 + n)]
 
 
 def record(a, b, rate, n=200):
@@ -392,6 +396,47 @@ def test_gate_champion_condition_at_the_table_boundary(rate, passes):
     assert round(c.bound, 3) == (0.521 if passes else 0.519)
     assert d.failed == ([] if passes else ["champion"])
     assert d.outcome == ("admit+promote" if passes else "discard")
+
+
+def test_a_sequential_look_settles_by_a_99_percent_bound_early_and_the_bar_out_of_reach():
+    """[A] sequential_settled: 0.70 over 100 clears 0.52 even at 99% (Wilson lower bound 0.572);
+    0.40 over 100 cannot reach it in 500 more (at the rate's 95% upper bound 0.498 the final rate is
+    0.481, its lower bound 0.441); 0.56 over 100 plays on (its 99% bound 0.431; at its 95% upper
+    bound 0.654 the final rate 0.638 would clear the bar); at the cap, the fixed design's verdict."""
+    assert L.wilson_interval(0.70, 100, L.Z_EARLY)[0] == pytest.approx(0.572, abs=1e-3)
+    assert L.sequential_settled(0.70, 100, 600, 0.52) is True
+    assert L.sequential_settled(0.40, 100, 600, 0.52) is False
+    assert L.sequential_settled(0.56, 100, 600, 0.52) is None
+    assert L.sequential_settled(0.60, 100, 600, 0.52) is None          # 0.60 clears 95%, not 99%
+    assert L.wilson_interval(0.60, 100)[0] > 0.5 > L.wilson_interval(0.60, 100, L.Z_EARLY)[0] - 0.03
+    for rate in (0.552, 0.550):       # at n = total: exactly the fixed gate's bound (0.521 / 0.519)
+        assert L.sequential_settled(rate, 1000, 1000, 0.52) is (rate == 0.552)
+
+
+@pytest.mark.parametrize("rate", [0.70, 0.40, 0.552])
+def test_a_sequential_gate_plays_the_fixed_gates_games_in_looks_and_stops_when_settled(rate):
+    """GateConfig.sequential_battles: condition (1)'s battles in looks (first_seed, of), each look
+    the fixed comparison's own seeds and streams, stopped at the first settled look; a candidate
+    that never settles early plays every battle and gets the fixed verdict."""
+    gate, run, members, table, hist = gate_setup(champ_rate=rate, pool_rate=0.7)
+    fixed, _ = gate.evaluate("C", "K", members, table, run, hist)
+    calls = []
+    real = run.__call__
+
+    def looked(a, b, n, **part):
+        calls.append((a, b, n, part))
+        return real(a, b, n, **part)
+    seq = L.WilsonGate(L.GateConfig(sequential_battles=100), master_seed=1, eval_seed_set_sha="f" * 64)
+    d, played = seq.evaluate("C", "K", members, table, looked, hist)
+    looks = [c for c in calls if c[:2] == ("C", "K")]
+    assert [c[3] for c in looks] == [{"first_seed": 50 * i, "of": 1000} for i in range(len(looks))]
+    c = d.conditions["champion"]
+    assert c.n == 100 * len(looks) and d.conditions["pool"].n == fixed.conditions["pool"].n
+    want = {0.70: (1, True), 0.40: (1, False), 0.552: (10, True)}[rate]
+    assert (len(looks), c.passed) == want and d.promote is c.passed
+    if rate == 0.552:
+        f = fixed.conditions["champion"]
+        assert (c.observed, c.bound) == (f.observed, f.bound)
 
 
 def test_gate_anchor_regression_fails_alone_and_is_named():
@@ -1107,6 +1152,20 @@ def test_eval_runner_feeds_each_seat_its_own_named_stream_and_plays_full_matches
             r.register(resolved, live)
     with pytest.raises(ValueError, match="unknown scripted player"):
         runner(None, seeds).play("scripted:nobody", "scripted:noop", 2)
+
+
+def test_a_comparison_played_in_looks_is_the_whole_comparison_game_for_game():
+    """EvalRunner.play(first_seed=, of=): a sequential gate's looks play the whole comparison's own
+    seeds, comparison id and acting streams, so its games are the whole comparison's."""
+    whole, looks = [], []
+    with runner(None, battles_at_once=4) as r:
+        whole = r.play("scripted:random_legal", "scripted:random", 4)
+        looks = r.play("scripted:random_legal", "scripted:random", 2, of=4) + \
+            r.play("scripted:random_legal", "scripted:random", 2, first_seed=1, of=4)
+    assert msgspec.json.encode(looks) == msgspec.json.encode(whole)
+    assert [g.seed_index for g in looks] == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="from seed 5 needs an even count of at most 2 x 1"):
+        runner(None).play("scripted:random_legal", "scripted:random", 4, first_seed=5, of=8)
 
 
 @pytest.mark.slow
