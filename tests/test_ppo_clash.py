@@ -1413,6 +1413,7 @@ BAD_VALUES = [
     ("ladder.gate.anchor_games", 3, {}), ("ladder.gate.anchor_tolerance_pp", -1, {}),
     ("ladder.gate.stratified_snapshots", -1, {}), ("ladder.gate.stratified_games", 0, {}),
     ("ladder.gate.bootstrap_resamples", 0, {}), ("ladder.gate.sequential_battles", 3, {}),
+    ("game_step_limit", -1, {}),
     ("checkpoint.every_env_steps", 0, {}),
     ("checkpoint.keep", 0, {}),
     ("alarms.ev_negative_patience", 0, {}), ("determinism.torch_threads", 0, {}),
@@ -3247,15 +3248,19 @@ def test_a_decode_mode_is_checked_at_config_time_and_a_plugins_code_is_part_of_t
         [Path(__file__).resolve().parents[1] / "docs/experiments/sharpen.py"]
     assert "sharpen.py" in P.user_code_digest(extra=P.plugin_files(ex)) and \
         "sharpen.py" not in P.user_code_digest()
-    args = P.parse_args(["--profile", "cpu"])
+    args = P.parse_args(["--profile", "cpu", "--ladder.gate.sequential-battles", "0"])
     L = args.ladder
     Old = dataclasses.make_dataclass("Old", [(f.name, f.type) for f in dataclasses.fields(L) if f.name
                                              not in ("opponent_mode", "seed_snapshots", "seat_decks")])
+    OldGate = dataclasses.make_dataclass("OldGate", [(f.name, f.type) for f in dataclasses.fields(L.gate)
+                                                     if f.name != "sequential_battles"])
     old = Old(**{f.name: getattr(L, f.name) for f in dataclasses.fields(Old)})
+    old.gate = OldGate(**{f.name: getattr(L.gate, f.name) for f in dataclasses.fields(OldGate)})
     assert P.ladder_digest(args,
                            "s") == P.sha256_hex(P.canonical_json({"ladder": old, "eval_seed_set_sha": "s"}))
-    moved = P.parse_args(["--profile", "cpu", "--ladder.opponent-mode", "argmax"])
-    assert P.ladder_digest(moved, "s") != P.ladder_digest(args, "s")
+    for moved in (P.parse_args(["--profile", "cpu", "--ladder.opponent-mode", "argmax"]),
+                  P.parse_args(["--profile", "cpu", "--ladder.gate.sequential-battles", "60"])):
+        assert P.ladder_digest(moved, "s") != P.ladder_digest(args, "s")
 
 
 def test_seed_snapshots_from_a_config_file_are_checked_by_entry_and_hashed_without_their_path(tmp_path):
