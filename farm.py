@@ -963,6 +963,7 @@ class LookaheadPlayer:
         self.env: Any = None
         self.seat = -1
         self.choices = self.steps = 0
+        self.last: tuple[list[int], list[float]] = ([], [])   # the last act's candidates and scores
 
     def bind(self, env: Any, seat: int) -> None:
         """The live battle this seat plays (a ClashParallelEnv; it must build both seats' full
@@ -973,6 +974,7 @@ class LookaheadPlayer:
         proposals = [int(p.act(obs, mask, rng)) for p in self.proposers]
         tried = list(dict.fromkeys(proposals))
         if len(tried) == 1:
+            self.last = (tried, [0.0])
             return tried[0]
         try:
             snap = self.env.snapshot()
@@ -984,6 +986,7 @@ class LookaheadPlayer:
         seed = int(rng.integers(2**62))
         scores = [sum(self._play_on(snap, a, m, np.random.default_rng(seed)) for m in self.models)
                   for a in tried]
+        self.last = (tried, scores)
         return tried[int(np.argmax(scores))]       # the first of the best: the base's on a tie
 
     def _play_on(self, snap: Any, first: int, model: Any, rng: np.random.Generator) -> float:

@@ -190,6 +190,10 @@ class WarmArgs:
     """battles a DAgger round plays"""
     workers: int = 1
     """processes the warm start's battles play on (its rows are the same for any count)"""
+    soft_targets: float = 0.0
+    """0: the clone learns the rung's choice. T > 0: a lookahead rung's candidates weighted by
+    softmax(score / T) (its scores are the potential reward's units: 0.005 is one elixir), so
+    candidates it finds equal share the mass and the clone keeps entropy for PPO to spend"""
     critic_iterations: int = 0
     """PPO's first iterations step the critic only, so the clone plays on unchanged until a critic
     fitted to its own play judges it (an untrained critic's advantages are noise at full weight:
@@ -2392,6 +2396,9 @@ class Cloned(NamedTuple):
     search_steps: int = 0   # game-steps a lookahead rung's scratch battles played, apart from those
     order: np.ndarray | None = None   # (n, 2): each row's decision index and global slot, which
     #                                   sort the rows of several processes as one process has them
+    tried: np.ndarray | None = None   # int64 (n, K): the rung's candidates at the row (-1: none), a
+    #                                   lookahead's every candidate, a scripted rung's its action
+    scores: np.ndarray | None = None  # float32 (n, K): their scores (the lookahead's), for soft targets
 
 
 def clone_rows(args: Args, env: Env, round_: int = 0, student: bytes | None = None) -> Cloned:
@@ -2416,8 +2423,10 @@ def clone_rows(args: Args, env: Env, round_: int = 0, student: bytes | None = No
                           "to clone")
     order = np.concatenate([p.order for p in parts])
     keep = np.lexsort((order[:, 1], order[:, 0]))      # decision-major, slots ascending
-    joined = (np.concatenate([getattr(p, f) for p in parts])[keep] for f in ("rows", "seats", "actions"))
-    return Cloned(*joined, sum(p.game_steps for p in parts), sum(p.search_steps for p in parts), order[keep])
+    rows, seats, actions, tried, scores = (np.concatenate([getattr(p, f) for p in parts])[keep]
+                                           for f in ("rows", "seats", "actions", "tried", "scores"))
+    return Cloned(rows, seats, actions, sum(p.game_steps for p in parts), sum(p.search_steps for p in parts),
+                  order[keep], tried, scores)
 
 
 def labelled_battles(args: Args, spec: Any, table: Any, geo: NetGeometry, round_: int, student: bytes | None,
@@ -2441,8 +2450,11 @@ def labelled_battles(args: Args, spec: Any, table: Any, geo: NetGeometry, round_
     net = None if student is None else student_player(student, geo, args, table)
     urngs = [derive_generator(seed, f"{tag}/student/{2 * g0 + i}") for i in range(2 * n)]
     packer, buf = codec.Packer(table), np.zeros((2 * n, table.row_bytes), np.uint8)
+    K = len(farm.parse_lookahead(args.warm.rung).candidates) if args.warm.rung.startswith(farm.LOOKAHEAD) \
+        else 1
     obs, _ = vec.reset()
-    live, steps, out = np.ones(n, bool), 0, ([], [], [], [])   # rows, labels, decision index, slot
+    # rows, labels, decision index, slot, candidates, their scores
+    live, steps, out = np.ones(n, bool), 0, ([], [], [], [], [], [])
     with process_settings_kept():
         torch.set_num_threads(1)
         for k in itertools.count():
@@ -2463,6 +2475,9 @@ def labelled_battles(args: Args, spec: Any, table: Any, geo: NetGeometry, round_
                 out[1].append(label[choice])
                 out[2].append(np.full(int(choice.sum()), k))
                 out[3].append(2 * g0 + np.flatnonzero(choice))
+                tried = [candidates(rung[i], int(label[i]), K) for i in np.flatnonzero(choice)]
+                out[4].append(np.stack([t[0] for t in tried]))
+                out[5].append(np.stack([t[1] for t in tried]))
             steps += int(live.sum())
             obs, _, term, trunc, _ = vec.step(acts)
             live &= ~(term | trunc)[0::2]   # a battle's first episode only: the vec env resets it
@@ -2470,10 +2485,19 @@ def labelled_battles(args: Args, spec: Any, table: Any, geo: NetGeometry, round_
     search = sum(p.steps for p in rung if isinstance(p, farm.LookaheadPlayer))
     if not out[0]:
         return Cloned(np.zeros((0, table.row_bytes), np.uint8), *(np.zeros(0, np.int64),) * 2, steps, search,
-                      np.zeros((0, 2), np.int64))
+                      np.zeros((0, 2), np.int64), np.zeros((0, K), np.int64), np.zeros((0, K), np.float32))
     slot = np.concatenate(out[3])
     return Cloned(np.concatenate(out[0]), slot % 2, np.concatenate(out[1]), steps, search,
-                  np.stack([np.concatenate(out[2]), slot], 1))
+                  np.stack([np.concatenate(out[2]), slot], 1), np.concatenate(out[4]), np.concatenate(out[5]))
+
+
+def candidates(player: Any, label: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """What the rung weighed at its last act, padded to K: a lookahead's candidates and scores
+    (farm.LookaheadPlayer.last), a scripted rung's action alone (score 0)."""
+    tried, scores = player.last if isinstance(player, farm.LookaheadPlayer) else ([label], [0.0])
+    a, s = np.full(K, -1, np.int64), np.full(K, -np.inf, np.float32)
+    a[:len(tried)], s[:len(tried)] = tried, scores
+    return a, s
 
 
 def student_player(student: bytes, geo: NetGeometry, args: Args, table: Any) -> NetPlayer:
@@ -2517,17 +2541,28 @@ def warm_start(args: Args, env: Env, model: ActorCritic, quiet: bool) -> dict[st
 
 def fit_clone(args: Args, env: Env, model: ActorCritic, rounds: Sequence[Cloned],
               opt: torch.optim.Optimizer | None, gen: torch.Generator) -> tuple[float, float]:
-    """args.warm.epochs passes of cross-entropy over every round's rows (opt None: none); returns the
-    loss and the agreement on them all before the passes."""
-    rows, seats, actions = (np.concatenate([getattr(c, f) for c in rounds])
-                            for f in ("rows", "seats", "actions"))
+    """args.warm.epochs passes of cross-entropy over every round's rows (opt None: none): against the
+    rung's choice, or under warm.soft_targets against its candidates weighted by softmax(score /
+    soft_targets); returns the loss (against the choice) and the agreement on them all before the
+    passes."""
+    rows, seats, actions, tried, scores = (np.concatenate([getattr(c, f) for c in rounds])
+                                           for f in ("rows", "seats", "actions", "tried", "scores"))
     dev, n, mb = env.device, len(actions), args.ppo.minibatch_size
+    cell = tuple(model.net.placement_cell)
+    soft = soft_targets(scores, args.warm.soft_targets) if args.warm.soft_targets > 0 else None
+    tried = np.where(tried >= 0, tried, actions[:, None])       # a padded candidate weighs 0
 
     def batch(idx: np.ndarray) -> tuple[MaskedCategorical, torch.Tensor]:
         o = codec.unpack(env.table, torch.as_tensor(rows[idx], device=dev), env.statics,
                          torch.as_tensor(seats[idx], device=dev))
         d, a = model.dist(o), torch.as_tensor(actions[idx], device=dev)
-        return d, placement_action(d.mask, a, model.geo, tuple(model.net.placement_cell))
+        return d, placement_action(d.mask, a, model.geo, cell)
+
+    def soft_loss(d: MaskedCategorical, idx: np.ndarray) -> torch.Tensor:
+        cand = torch.as_tensor(tried[idx], device=dev)
+        cand = torch.stack([placement_action(d.mask, cand[:, k], model.geo, cell)
+                            for k in range(cand.shape[1])], 1)
+        return -(torch.as_tensor(soft[idx], device=dev) * d.logp.gather(1, cand)).sum(1).mean()
 
     loss = agree = 0.0
     with torch.no_grad():
@@ -2539,12 +2574,20 @@ def fit_clone(args: Args, env: Env, model: ActorCritic, rounds: Sequence[Cloned]
         perm = torch.randperm(n, generator=gen).numpy()
         for i in range(0, n, mb):
             d, a = batch(perm[i:i + mb])
-            step = -d.log_prob(a).mean()
+            step = -d.log_prob(a).mean() if soft is None else soft_loss(d, perm[i:i + mb])
             opt.zero_grad(set_to_none=True)
             step.backward()
             nn.utils.clip_grad_norm_(model.actor_parameters(), args.ppo.max_grad_norm)
             opt.step()
     return loss / n, agree / n
+
+
+def soft_targets(scores: np.ndarray, temperature: float) -> np.ndarray:
+    """(n, K) float32: each row's candidates weighted by softmax(score / temperature), a padded one
+    (score -inf) 0: tied candidates share the mass the rung's own tie-break gave one of them."""
+    z = (scores - scores.max(1, keepdims=True)) / temperature
+    w = np.exp(z, where=np.isfinite(z), out=np.zeros_like(z))
+    return (w / w.sum(1, keepdims=True)).astype(np.float32)
 
 
 def warm_game_steps(run: Path) -> int:
@@ -3532,6 +3575,7 @@ def game_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("warm.dagger_rounds", w.dagger_rounds >= 0, "be >= 0"),
         ("warm.dagger_battles", w.dagger_battles >= 1, "be >= 1"),
         ("warm.workers", w.workers >= 1, "be >= 1 (processes the warm start's battles play on)"),
+        ("warm.soft_targets", w.soft_targets >= 0, "be >= 0 (0: the rung's choice alone)"),
         ("warm.epochs", w.epochs >= 1, "be >= 1"),
         ("warm.lr", w.lr > 0, "be > 0"),
         ("warm.critic_iterations", w.critic_iterations >= 0, "be >= 0"),

@@ -1371,6 +1371,7 @@ BAD_VALUES = [
     ("warm.rung", "scripted:noop", {"obs.frame_stack": 2}),
     ("warm.battles", 0, {"warm.rung": "scripted:noop"}), ("warm.epochs", 0, {}), ("warm.lr", 0, {}),
     ("warm.dagger_rounds", -1, {}), ("warm.dagger_battles", 0, {}), ("warm.workers", 0, {}),
+    ("warm.soft_targets", -0.1, {}),
     ("warm.critic_iterations", -1, {"warm.rung": "scripted:noop"}), ("warm.critic_iterations", 2, {}),
     ("warm.teacher_kl.start", -1.0, {}), ("warm.teacher_kl.start", 1.0, {}),
     ("warm.teacher_kl.over_env_steps", 0.0, {"warm.rung": "scripted:noop"}),
@@ -1540,6 +1541,7 @@ def test_a_warm_start_clones_the_rungs_own_choices_deterministically_and_only_a_
         P.algo_digest(stages) != P.algo_digest(base)
 
 
+@pytest.mark.slow
 def test_a_warm_start_clones_a_lookahead_and_its_identity_holds_every_setting():
     """farm.py section 6b: --warm.rung lookahead:... plays the lookahead against itself, each seat
     searching its own battle; the rows are its choices (waits among them, which defend alone never
@@ -1555,6 +1557,14 @@ def test_a_warm_start_clones_a_lookahead_and_its_identity_holds_every_setting():
     assert set(data.seats.tolist()) == {0, 1} and (data.actions == 0).any() and (data.actions != 0).any()
     again = P.clone_rows(a, env)
     assert np.array_equal(again.actions, data.actions) and np.array_equal(again.rows, data.rows)
+    # what it weighed: its candidates and scores a row, its choice the first best of them
+    assert data.tried.shape == data.scores.shape == (len(data.actions), 2)
+    best = data.tried[np.arange(len(data.actions)), np.argmax(data.scores, 1)]
+    assert np.array_equal(best, data.actions) and (data.tried[:, 0] >= 0).all()
+    assert (np.isfinite(data.scores) == (data.tried >= 0)).all() and (data.tried[:, 1] >= 0).any()
+    soft = P.parse_args([*short, "--warm.rung", name, "--warm.soft-targets", "0.005"])
+    fitted = P.warm_start(soft, env, P.ActorCritic(env.geo, soft.net, soft.master_seed), quiet=True)
+    assert fitted["rows"] == len(data.actions) and fitted["loss_after"] < fitted["loss_before"]
     full = P.parse_args([*short, "--warm.rung", P.farm.canonical_player(name)])
     other = P.parse_args([*short, "--warm.rung", "lookahead:defend,h=3,c=defend+noop"])
     assert P.algo_digest(a) == P.algo_digest(full) != P.algo_digest(other)
@@ -1591,6 +1601,17 @@ def test_dagger_rounds_label_the_clones_own_battles_and_the_rows_are_the_same_on
     assert warm["game_steps"] == sum(x["game_steps"] for x in warm["rounds"])
     assert warm["search_game_steps"] > 0 and warm["rows"] == sum(x["rows"] for x in warm["rounds"])
     assert warm["agree_after"] > warm["agree_before"]
+
+
+def test_soft_targets_weigh_the_candidates_by_their_scores_and_tied_ones_alike():
+    """[A] softmax(score / T) over a row's candidates, a padded one (-inf) 0: scores 0.01 and 0 at
+    T 0.01 weigh e : 1; a tie splits evenly; T small goes to the best alone."""
+    s = np.array([[0.01, 0.0, -np.inf], [0.02, 0.02, 0.0], [0.0, -1.0, -np.inf]], np.float32)
+    q = P.soft_targets(s, 0.01)
+    assert q[0] == pytest.approx([math.e / (1 + math.e), 1 / (1 + math.e), 0.0], abs=1e-6)
+    assert q[1, 0] == q[1, 1] and q[1, 2] == pytest.approx(q[1, 0] * math.exp(-2), rel=1e-5)
+    assert q.sum(1) == pytest.approx(np.ones(3)) and q[2, 0] == pytest.approx(1.0)
+    assert P.soft_targets(s, 1e-4)[0] == pytest.approx([1.0, 0.0, 0.0])
 
 
 def test_the_bad_values_cover_every_rule_and_every_profile_keeps_them(monkeypatch):
