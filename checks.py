@@ -1155,7 +1155,8 @@ def _rig_figures(s: P.Setup, args: P.Args, env: P.Env) -> tuple[list[BenchFigure
     rig = Rig(int(roll.trainable.sum()), crit.rows, roll.rows_forward)
     rounds = max(roll.rounds, 1)
     return [timed_figure("inference", "ms/round",
-                         lambda: 1e3 * replay_inference(roll, view, learner, lad, env),
+                         lambda: 1e3 * replay_inference(roll, view, learner, lad, env,
+                                                        args.determinism.inference_threads),
                          f"{rig.learner_rows / rounds:.1f} learner rows a shard-round, pool seats included; "
                          f"{rig.forwarded / rounds:.1f} forwarded (forced rows: no forward)"),
             timed_figure("critic pass", "ms/row", lambda: 1e3 * P.critic_pass(
@@ -1175,7 +1176,8 @@ def gate_figure(s: P.Setup, args: P.Args, env: P.Env, battles: int, engine_rate:
     r = args.rollout
     before = loadavg()
     with P.ladder.EvalRunner(env.spec, P.ladder.read_run_seeds(s.run.path), battles_at_once=r.eval_workers
-                             * r.eval_games_per_worker, workers=r.eval_workers, table=env.table) as ev:
+                             * r.eval_games_per_worker, workers=r.eval_workers, table=env.table) as ev, \
+            P.torch_threads(args.determinism.inference_threads):
         for name in ("bench:a", "bench:b"):
             ev.register(name, P.NetPlayer(s.learner.model, env.table, env.device, args.ladder.release_mode))
         ev.play("bench:a", "bench:b", battles, comparison_id="bench/gate")
@@ -1198,17 +1200,20 @@ def timed_update(s: P.Setup, roll: P.Rollout, crit: P.Critic, adv: P.Advantages,
     return seconds
 
 
-def replay_inference(roll: P.Rollout, view: P.RectView, learner: P.Learner, lad: Any, env: P.Env) -> float:
+def replay_inference(roll: P.Rollout, view: P.RectView, learner: P.Learner, lad: Any, env: P.Env,
+                     threads: int) -> float:
     """Seconds per shard-round of act_round over the collected rectangle's rounds, the same seats
     and groups as collection had (each shard's slots, in the order the farm served them), on
-    fresh uniforms; what collection's time/inference measures, without the workers around it."""
+    fresh uniforms and collection's threads; what collection's time/inference measures, without the
+    workers around it."""
     scratch, rounds, t0 = P.Rollout.empty(env.T, env.R), 0, time.perf_counter()
-    for t in range(env.T):
-        u = torch.rand(env.R, generator=torch.Generator().manual_seed(t)).to(env.device)
-        for shard in np.array_split(np.arange(env.R), env.n_shards):
-            rnd = SimpleNamespace(slots=shard, group=roll.group[t, shard])
-            P.act_round(rnd, t, u, view, learner.model, lad, env.geo, scratch)
-            rounds += 1
+    with P.torch_threads(threads):
+        for t in range(env.T):
+            u = torch.rand(env.R, generator=torch.Generator().manual_seed(t)).to(env.device)
+            for shard in np.array_split(np.arange(env.R), env.n_shards):
+                rnd = SimpleNamespace(slots=shard, group=roll.group[t, shard])
+                P.act_round(rnd, t, u, view, learner.model, lad, env.geo, scratch)
+                rounds += 1
     return (time.perf_counter() - t0) / rounds
 
 

@@ -523,6 +523,11 @@ class DeterminismArgs:
     """run_exact: deterministic kernels, bit-identical metric rows on the same device class (design 2.1)"""
     torch_threads: int = 1
     """thread count changes CPU float reduction order"""
+    inference_threads: int = 1
+    """torch threads of the parent's forwards while workers step: collection, gates and probes (the
+    update keeps torch_threads). One leaves the workers their cores: on the 2-core machine the
+    cpu profile's collection took 2.6-2.8 s on one thread against 3.3-4.7 s on two [M: docs/
+    throughput.md]. Like torch_threads it changes the forwards' last bits"""
 
 
 @dataclass
@@ -626,9 +631,14 @@ def profile_args(name: str) -> Args:
                      "net.value_hidden": 32 if smoke else 128,
                      "determinism.torch_threads": 1 if smoke else 2,
                      "rollout.source": "inline" if smoke else "process",
-                     "rollout.workers": 1, "rollout.games_per_worker": 4 if smoke else 16,
-                     "rollout.shards_per_worker": 1 if smoke else 2,
-                     "rollout.eval_workers": 1, "rollout.eval_games_per_worker": 4,
+                     # cpu: two workers of one shard, and the gate on both cores, the parent's
+                     # forwards on one thread (determinism.inference_threads): the iteration 4.3-4.4 s
+                     # against 4.5-4.6 on one worker of two shards, a gate's battles 1.4x the engine
+                     # against 1.8-2.2x [M, docs/throughput.md, issue 48]
+                     "rollout.workers": 1 if smoke else 2, "rollout.games_per_worker": 4 if smoke else 8,
+                     "rollout.shards_per_worker": 1,
+                     "rollout.eval_workers": 1 if smoke else 2,
+                     "rollout.eval_games_per_worker": 4 if smoke else 8,
                      "ppo.timesteps_per_iteration": 256 if smoke else 4096,
                      "ppo.forced_rows": "critic_only" if smoke else "smdp",
                      "ppo.batch_size": 64 if smoke else 96, "ppo.minibatch_size": 64 if smoke else 96,
@@ -661,7 +671,8 @@ def profile_args(name: str) -> Args:
                                              anchor_tolerance_pp=_GATE.anchor_tolerance_pp if smoke else 15.0,
                                              stratified_snapshots=1 if smoke else 2,
                                              stratified_games=4 if smoke else 20,
-                                             bootstrap_resamples=200 if smoke else 2000),
+                                             bootstrap_resamples=200 if smoke else 2000,
+                                             sequential_battles=0 if smoke else 100),
                      "checkpoint.every_env_steps": 2_000 if smoke else 100_000,
                      "timestep_limit": 3 * 256 if smoke else 100_000_000}.items():
             _set(a, k, v)
@@ -2175,8 +2186,10 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
             learner.advance(schedule, env, n_rows, update)
             verdict = Verdict()
             if comm.voice:
-                # 6. the ladder's share: train results, gate, floor admit, refit, probe (design 7)
-                ladder_row = ladder_step(ladder_loop, learner, rollout.episodes, env, args, quiet)
+                # 6. the ladder's share: train results, gate, floor admit, refit, probe (design 7),
+                #    its forwards on inference threads, as collection's: its workers keep their cores
+                with torch_threads(args.determinism.inference_threads):
+                    ladder_row = ladder_step(ladder_loop, learner, rollout.episodes, env, args, quiet)
                 # 7. record: the row, the episodes, the alarms; then what happens next: a halt saves
                 #    and stops, a checkpoint on its cadence, a stop asked for (design 9, 8)
                 row = metric_row(args, env, learner, run, ladder_loop, rollout, critic, advantage, update,
@@ -2221,6 +2234,18 @@ def process_settings_kept() -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(saved[0])
         torch.set_num_threads(saved[1])
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads at n inside, put back after: the parent's forwards while its
+    workers step run on determinism.inference_threads, the update on torch_threads."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 class Setup(NamedTuple):
@@ -2881,23 +2906,25 @@ def collect(source: Any, view: RectView, model: ActorCritic, lad: ladder.LadderL
     function of (seed, iteration, cycle, slot) alone. Cycle T is the bootstrap row: read, not acted."""
     T, R = env.T, env.R
     roll = Rollout.empty(T, R)
-    for t in range(T + 1):
-        run.between_cycles(iteration + 1, t, T, roll.rounds, time.perf_counter() - t_it)
-        u = torch.as_tensor(derive_generator(env.seed, f"act/iteration/{iteration}/cycle/{t}").random(R),
-                            dtype=torch.float32, device=env.device)
-        for _ in range(env.n_shards):
-            rnd = source.next_round()
-            if t > 0 or iteration == first:   # later iterations carried cycle 0 over in new_iteration
-                view.mark_round(t, rnd.slots, rnd.new_episode)
-            elif rnd.new_episode.any():        # but a restarted worker's battles reset at cycle 0
-                view.mark_round(t, rnd.slots[rnd.new_episode], rnd.new_episode[rnd.new_episode])
-            if t == T:
-                continue
-            t0 = time.perf_counter()
-            acts = act_round(rnd, t, u, view, model, lad, env.geo, roll)
-            roll.t_inference += time.perf_counter() - t0
-            source.submit(acts, gamma)
-            roll.rounds += 1
+    with torch_threads(run.args.determinism.inference_threads):   # the workers keep their cores
+        for t in range(T + 1):
+            run.between_cycles(iteration + 1, t, T, roll.rounds, time.perf_counter() - t_it)
+            u = torch.as_tensor(
+                derive_generator(env.seed, f"act/iteration/{iteration}/cycle/{t}").random(R),
+                dtype=torch.float32, device=env.device)
+            for _ in range(env.n_shards):
+                rnd = source.next_round()
+                if t > 0 or iteration == first:   # later iterations carried cycle 0 over in new_iteration
+                    view.mark_round(t, rnd.slots, rnd.new_episode)
+                elif rnd.new_episode.any():        # but a restarted worker's battles reset at cycle 0
+                    view.mark_round(t, rnd.slots[rnd.new_episode], rnd.new_episode[rnd.new_episode])
+                if t == T:
+                    continue
+                t0 = time.perf_counter()
+                acts = act_round(rnd, t, u, view, model, lad, env.geo, roll)
+                roll.t_inference += time.perf_counter() - t0
+                source.submit(acts, gamma)
+                roll.rounds += 1
     roll.t_collect = time.perf_counter() - t_it
     # design 3.7: the iteration completes with a failed worker's cells dead; the worker restarts
     # at the next begin_iteration, so the counters are read after tend_workers asked for it
@@ -3703,6 +3730,7 @@ def config_rules(args: Args) -> list[tuple[str, bool, str]]:
         ("checkpoint.keep", args.checkpoint.keep >= 1, "be >= 1"),
         ("alarms.ev_negative_patience", args.alarms.ev_negative_patience >= 1, "be >= 1"),
         ("determinism.torch_threads", args.determinism.torch_threads >= 1, "be >= 1"),
+        ("determinism.inference_threads", args.determinism.inference_threads >= 1, "be >= 1"),
         ("doctor.ram_budget_mb", args.doctor.ram_budget_mb >= 1, "be >= 1"),
         ("doctor.vram_headroom_mb", args.doctor.vram_headroom_mb >= 0, "be >= 0 (0 turns the gate off)"),
     ]

@@ -339,13 +339,21 @@ def test_eval_seed_set_drawn_once_frozen_and_verified(tmp_path):
 # --- 4. The gate ----------------------------------------------------------------------------------------
 
 class FakeRunner:
-    """play(a, b, n[, first_seed, of]): battle t (seed t // 2, side t % 2) of the comparison is a's
-    win iff round(rate * (t + 1)) > round(rate * t), so any n battles from the first win
-    round(rate * n) of them and the wins are spread evenly; a look (first_seed, of) returns the
-    comparison's battles from seed first_seed."""
+    """play(a, b, n): a wins the first wins[(a, b)] of n battles (seed t // 2, side t % 2)."""
 
     def __init__(self, rates):
         self.rates, self.calls = rates, []
+
+    def __call__(self, a, b, n):
+        self.calls.append((a, b, n))
+        k = round(self.rates[(a, b)] * n)
+        return [game(a, b, 1.0 if t < k else 0.0, seed=t // 2, side=L.SIDES[t % 2]) for t in range(n)]
+
+
+class SpreadRunner(FakeRunner):
+    """play(a, b, n[, first_seed, of]): battle t (seed t // 2, side t % 2) of a comparison is a's win
+    iff round(rate * (t + 1)) > round(rate * t): any first n battles win round(rate * n), spread
+    evenly, and a look (first_seed, of) is the comparison's battles from seed first_seed."""
 
     def __call__(self, a, b, n, first_seed=0, of=None):
         self.calls.append((a, b, n))
@@ -419,6 +427,7 @@ def test_a_sequential_gate_plays_the_fixed_gates_games_in_looks_and_stops_when_s
     the fixed comparison's own seeds and streams, stopped at the first settled look; a candidate
     that never settles early plays every battle and gets the fixed verdict."""
     gate, run, members, table, hist = gate_setup(champ_rate=rate, pool_rate=0.7)
+    run = SpreadRunner(run.rates)
     fixed, _ = gate.evaluate("C", "K", members, table, run, hist)
     calls = []
     real = run.__call__

@@ -1286,7 +1286,7 @@ TABLE_1_2 = {
     "laptop": (3, 32, 2, 32_768, 64, 4, 4_096, 256, "cuda", "bfloat16", "process"),
     "workstation": (12, 64, 2, 131_072, 96, 8, 16_384, 2_048, "cuda", "bfloat16", "process"),
     "many_core": (24, 64, 2, 262_144, 128, 12, 32_768, 8_192, "cuda", "bfloat16", "process"),
-    "cpu": (1, 16, 2, 4_096, 16, 2, 96, 96, "cpu", "float32", "process"),
+    "cpu": (2, 8, 1, 4_096, 16, 2, 96, 96, "cpu", "float32", "process"),
     "smoke": (1, 4, 1, 256, 8, 1, 64, 64, "cpu", "float32", "inline"),
 }
 
@@ -1414,7 +1414,7 @@ BAD_VALUES = [
     ("ladder.gate.anchor_games", 3, {}), ("ladder.gate.anchor_tolerance_pp", -1, {}),
     ("ladder.gate.stratified_snapshots", -1, {}), ("ladder.gate.stratified_games", 0, {}),
     ("ladder.gate.bootstrap_resamples", 0, {}), ("ladder.gate.sequential_battles", 3, {}),
-    ("game_step_limit", -1, {}),
+    ("game_step_limit", -1, {}), ("determinism.inference_threads", 0, {}),
     ("checkpoint.every_env_steps", 0, {}),
     ("checkpoint.keep", 0, {}),
     ("alarms.ev_negative_patience", 0, {}), ("determinism.torch_threads", 0, {}),
