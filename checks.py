@@ -9,15 +9,17 @@ that farm.py builds from a run's config.
 
     python checks.py doctor [--profile P | --config F]    the start-up gates; design 3.8
     python checks.py identity [--profile P | --config F | RUN_DIR] [--diff RUN_A RUN_B]
-    python checks.py verify-resume [--profile P]          smoke by default; design 8.3
+    python checks.py verify-resume [--script S] [--profile P]   smoke by default; design 8.3
     python checks.py replay RUN_DIR --episode N [--all]   re-simulate episodes.jsonl records
     python checks.py replay FILE [--episode N]           re-simulate a battle `play --save` wrote
     python checks.py play --blue PLAYER --red PLAYER [--run RUN_DIR] [--seed S] [--every K]
                           [--save F] [--viewer]           watch one battle; design 7.5
-    python checks.py bench [--profile P] [--iterations N] [--write]   this machine's budget; design 1.2
-    python checks.py learn [--profile P] [--game-steps G] [--seeds N] [--config F] [--write]
+    python checks.py bench [--script S] [--profile P] [--iterations N] [--write]   this machine's
+                          budget; design 1.2
+    python checks.py learn [--script S] [--profile P] [--game-steps G] [--seeds N] [--config F] [--write]
                           [--resume RUN]  the learning benchmark: train, then the yardstick on v0
                           and the champion; --resume RUN continues a stopped one; docs/learning.md
+    --script S: learn, bench and verify-resume train S, a fork of ppo_clash.py beside this file
     python checks.py export --checkpoint runs/<id>/checkpoints/<step> --out models/experiments/<name>
                           a checkpoint's actor as a snapshot folder, as the gate writes one
 
@@ -77,6 +79,10 @@ import ladder
 import ppo_clash as P
 
 ROOT = Path(P.__file__).resolve().parent
+# P is the training script. learn, bench and verify-resume take --script: a fork of ppo_clash.py
+# beside this file (cp ppo_clash.py ppo_myidea.py), which main() loads and binds to P before the
+# command runs (use_script), so every P.train, P.Args and P.set_up below is the fork's own and the
+# tools measure the fork, not the file it was copied from.
 
 
 # --- 1. Shared readers ----------------------------------------------------------------------------
@@ -86,6 +92,28 @@ ROOT = Path(P.__file__).resolve().parent
 
 class CheckError(ValueError):
     """Bad input to a check: names the file or field and the remedy. Exit 2."""
+
+
+def use_script(name: str) -> None:
+    """Bind P to the training script `name`, a file beside checks.py, loaded as ladder.py loads the
+    script a snapshot names (ladder.training_script): one module under its own name, so a run's
+    snapshots, its gates and the yardstick play the fork's network with the fork's code."""
+    global P
+    if name == Path(P.__file__).name:
+        return
+    path = ROOT / name
+    if Path(name).name != name or path.suffix != ".py" or not path.is_file():
+        raise CheckError(f"--script {name}: not a .py file beside checks.py in {ROOT}; a fork is a copy "
+                         f"of ppo_clash.py there (cp ppo_clash.py ppo_myidea.py; --script ppo_myidea.py)")
+    try:
+        P = ladder.training_script(name)
+    except ladder.CliError as e:
+        raise CheckError(f"--script {name}: {e}") from None
+
+
+def script_name() -> str:
+    """The training script the command runs (ppo_clash.py, or the fork --script named)."""
+    return Path(P.__file__).name
 
 
 def run_dir(path: str | Path) -> Path:
@@ -289,8 +317,8 @@ def make_resumed_pair(profile: str, config: str | None, work: Path,
                          "the checkpoint cadence did not land on the split")
     shutil.rmtree(ck_b)
     shutil.copytree(ck_a, ck_b)   # resume from the straight run's own checkpoint
-    say(f"resume: python ppo_clash.py --resume {b} --checkpoint {ck_b}   (a fresh process)")
-    proc = subprocess.run([sys.executable, str(ROOT / "ppo_clash.py"), "--resume", str(b),
+    say(f"resume: python {script_name()} --resume {b} --checkpoint {ck_b}   (a fresh process)")
+    proc = subprocess.run([sys.executable, str(ROOT / script_name()), "--resume", str(b),
                            "--checkpoint", str(ck_b)], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -1268,7 +1296,8 @@ def bench_lines(profile: str, env: P.Env, figs: list[BenchFigure], whole: Whole)
     p, m = whole.predicted, whole.measured
     ratio = m["iteration"] / sum(p.values())
     engine_s = env.T * env.n_battles / next(f for f in figs if f.part.startswith("engine, one")).median
-    out = [f"`python checks.py bench --profile {profile}`: {os.cpu_count()} cpus, torch threads "
+    script = f"--script {script_name()} " * (script_name() != "ppo_clash.py")
+    out = [f"`python checks.py bench {script}--profile {profile}`: {os.cpu_count()} cpus, torch threads "
            f"{torch.get_num_threads()}, device {env.device}; T={env.T} cycles x R={env.R} slots, "
            f"{env.n_battles} battles; medians of {REPEATS} repeats",
            "", "| part | median | unit | repeats | load before/after | note |", "|---|---|---|---|---|---|"]
@@ -1298,7 +1327,7 @@ def cmd_bench(cmd: "Bench") -> int:
     env = P.read_env(args)
     work = Path(tempfile.mkdtemp(prefix="bench-"))
     try:
-        print(f"bench --profile {cmd.profile}: the engine and the farm ...", flush=True)
+        print(f"bench {script_name()} --profile {cmd.profile}: the engine and the farm ...", flush=True)
         figs = engine_figures(args, env) + [codec_figure()]
         print(f"bench: inference, critic and update on one collected rectangle; a gate of {cmd.gate_battles} "
               "battles ...", flush=True)
@@ -1371,7 +1400,7 @@ def learn_lines(cmd: "Learn", run: Path, n_iter: int, seconds: dict[str, float],
     change = (f"; the change, --config {cmd.config}: "
               f"{json.dumps(P.read_config_file(cmd.config), separators=(',', ':'))}" if cmd.config else "")
     parts = ", ".join(f"{k} {v:,.0f} s" for k, v in seconds.items())
-    out = [f"--profile {cmd.profile}, master seed "
+    out = [f"{script_name()} --profile {cmd.profile}, master seed "
            f"{cmd.master_seed if cmd.master_seed is not None else 'the profile default'}, "
            f"{cmd.game_steps:,} game-steps ({n_iter} iterations, a warm start's battles included), "
            f"{rows[names[0]][0]['seeds']} seeds a rung from both sides; run {run.name}{change}", "",
@@ -1410,7 +1439,7 @@ def learn_args(cmd: "Learn") -> P.Args:
     the budget as the run's game_step_limit: a warm start's battles (its cloning, its DAgger rounds)
     and the iterations spend it together, the last iteration whole."""
     args = P.parse_args(["--profile", cmd.profile] + (["--config", cmd.config] if cmd.config else []))
-    args.runs_dir, args.run_name = cmd.runs_dir, f"learn-{cmd.profile}"
+    args.runs_dir, args.run_name = cmd.runs_dir, f"{args.run_name}-learn-{cmd.profile}"
     # a battle's game-step gives at most its two seats' learner rows [A], so the row limit never binds
     args.game_step_limit, args.timestep_limit = cmd.game_steps, 2 * cmd.game_steps
     if cmd.master_seed is not None:
@@ -1420,7 +1449,8 @@ def learn_args(cmd: "Learn") -> P.Args:
 
 def learn_command(cmd: "Learn", run: Path) -> str:
     """The command that continues `run` where its last checkpoint left it: this one, with --resume."""
-    flags = [f"--profile {cmd.profile}", f"--game-steps {cmd.game_steps}", f"--seeds {cmd.seeds}"]
+    flags = ([f"--script {cmd.script}"] * (cmd.script != "ppo_clash.py")
+             + [f"--profile {cmd.profile}", f"--game-steps {cmd.game_steps}", f"--seeds {cmd.seeds}"])
     flags += ([f"--master-seed {cmd.master_seed}"] * (cmd.master_seed is not None)
               + [f"--config {cmd.config}"] * bool(cmd.config))
     flags += ["--quiet"] * cmd.quiet + ["--write"] * cmd.write
@@ -1461,8 +1491,8 @@ def cmd_learn(cmd: "Learn") -> int:
     env = P.read_env(args)
     run, ckpt = learn_start(cmd, args, env)
     clone = f"the warm start's battles ({args.warm.rung}) and " if args.warm.rung else ""
-    print(f"learn: --profile {cmd.profile}, {clone}iterations of {env.T * env.n_battles} game-steps until "
-          f"{cmd.game_steps:,} game-steps, then the yardstick"
+    print(f"learn: {script_name()} --profile {cmd.profile}, {clone}iterations of {env.T * env.n_battles} "
+          f"game-steps until {cmd.game_steps:,} game-steps, then the yardstick"
           + (f"; continuing {run} from {ckpt.name}" if ckpt else ""), flush=True)
     t0 = time.perf_counter()
     try:
@@ -1580,6 +1610,8 @@ class Identity:
 class VerifyResume:
     """Prove resume on this machine (design 8.3): four iterations straight, against two, a
     checkpoint, and two more in a fresh process; compared file, row and field."""
+    script: str = "ppo_clash.py"
+    """the training script to run: ppo_clash.py or a fork of it beside checks.py (ppo_myidea.py)"""
     profile: str = "smoke"
     """the profile to prove (battles are played whole: the checkpoint finds them mid-episode)"""
     config: Optional[str] = None
@@ -1641,6 +1673,8 @@ class Bench:
     """This machine's budget for a profile (design 1.2): the engine, the farm, codec.pack,
     inference, the critic pass and the update, each timed alone (medians of 3, load average
     beside), then real iterations beside the time the parts predict."""
+    script: str = "ppo_clash.py"
+    """the training script to run: ppo_clash.py or a fork of it beside checks.py (ppo_myidea.py)"""
     profile: str = "cpu"
     """the profile to measure (laptop, workstation, many_core, cpu, smoke)"""
     iterations: int = 4
@@ -1656,6 +1690,8 @@ class Learn:
     """The learning benchmark (docs/learning.md): train the profile for a game-step budget, then
     the yardstick on v0 and on the final champion; --write appends the table to docs/learning.md.
     A stopped one (exit 1, or a crash) continues with the same command and --resume RUN."""
+    script: str = "ppo_clash.py"
+    """the training script to run: ppo_clash.py or a fork of it beside checks.py (ppo_myidea.py)"""
     profile: str = "cpu"
     """the profile to train (the protocol's is cpu)"""
     game_steps: int = 1_000_000
@@ -1668,7 +1704,7 @@ class Learn:
     """a JSON object of fields merged over the profile, as ppo_clash.py --config: an experiment's
     one change (docs/learning.md section 3)"""
     runs_dir: str = "runs"
-    """where the benchmark's run directory goes (learn-<profile>-<run_id>)"""
+    """where the benchmark's run directory goes (<script>-learn-<profile>-<run_id>)"""
     quiet: bool = False
     """no per-iteration console"""
     write: bool = False
@@ -1699,6 +1735,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    prog="checks.py", description="Checks of a clash-ppo run: doctor, identity, "
                    "verify-resume, replay, play, bench, learn, export.")
     try:
+        if isinstance(cmd, (VerifyResume, Bench, Learn)):
+            use_script(cmd.script)
         return COMMANDS[type(cmd)](cmd)
     except (CheckError, P.ConfigError, ladder.LadderSetupChanged, ladder.SnapshotMismatch,
             P.CheckpointFormatError, P.ArchMismatch, P.IdentityMismatch) as exc:

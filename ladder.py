@@ -1012,7 +1012,7 @@ class SnapshotSpec(msgspec.Struct, frozen=True):
     arch: dict[str, Any] = {}          # the network builder's arguments
     actor_sha256: str = ""             # sha256 of actor.safetensors; filled by save()
     # the training script whose network plays it, when it is not DEFAULT_BUILDER: a fork's own
-    # (_builder_script). Unset for ppo_clash.py, and an unset field is not written, so its
+    # (training_script). Unset for ppo_clash.py, and an unset field is not written, so its
     # snapshots' bytes, and so their ids, are what they were before the field existed
     builder: Union[str, msgspec.UnsetType] = msgspec.UNSET
 
@@ -2687,15 +2687,16 @@ def snapshot_builder(run: Path | None, device: str, **kw: Any) -> PolicyBuilder:
     def build(snapshot_id: str) -> ActFn:
         name = store.spec(snapshot_id).script()
         if name not in made:
-            made[name] = _builder_script(name).snapshot_policy_builder(run, device=device,
+            made[name] = training_script(name).snapshot_policy_builder(run, device=device,
                                                                        **{**kw, "store": store})
         return made[name](snapshot_id)
     return build
 
 
-def _builder_script(name: str) -> Any:
-    """The training script a snapshot names, from this file's folder, loaded once as the module of
-    its name (a script already imported, as in a training run's own process, is the one used)."""
+def training_script(name: str) -> Any:
+    """The training script a snapshot names (or checks.py's --script), from this file's folder,
+    loaded once as the module of its name (a script already imported, as in a training run's own
+    process, is the one used)."""
     path = Path(__file__).resolve().parent / name
     if Path(name).name != name or path.suffix != ".py":
         raise CliError(f"a snapshot names its builder {name!r}, not a script's file name")

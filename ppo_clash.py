@@ -49,14 +49,18 @@ copy; codec.py, farm.py and ladder.py stay shared. The usual places:
   head          PointerHead / FactoredHead and HEADS (section 4); the mask meets the logits in
                 MaskedCategorical (section 3)
   trunk         Trunk and ResBlock (section 4)
-  loss          minibatch_loss (section 6), the one function the loop's ppo_update calls for it
+  loss          minibatch_loss (section 6), the one function the loop's ppo_update calls for it:
+                its Minibatch carries every column a loss reads (old log-prob and value, advantage,
+                return, masks, n_legal), and the row's statistics read the loss's own parts, so a
+                clipped value loss or another clip range is an edit of minibatch_loss alone
   a new metric  put the key in the row (metric_row, section 11, or the update's dict) and give it
                 a SCHEMA entry (section 11): the run refuses a key without one at its first row
   a new setting a field in the Args tree (section 1); every ppo, advantage and net field is in
                 the run's identity already
 What keeps the fork honest needs no edit: its run_id hashes its own code by file name, its
-architecture digest is read off the network it builds (arch_description), and the commands it
-prints (a resume, a halt's bundle) name the fork's file.
+architecture digest is read off the network it builds (arch_description), its run folder and the
+commands it prints (a resume, a halt's bundle) name the fork's file, and checks.py's learn, bench
+and verify-resume measure it (--script ppo_myidea.py).
 """
 from __future__ import annotations
 
@@ -549,8 +553,9 @@ class Args:
 
     profile: str = "laptop"
     """which preset the defaults came from: laptop, workstation, many_core, cpu, smoke"""
-    run_name: str = "clash"
-    """cosmetic: the run folder is <runs_dir>/<run_name>-<run_id>. Not in the identity"""
+    run_name: str = Path(__file__).stem
+    """cosmetic: the run folder is <runs_dir>/<run_name>-<run_id>, by default the script's name
+    (ppo_clash, or a fork's: CleanRL's exp_name). Not in the identity"""
     runs_dir: str = "runs"
     """where run folders live. Not in the identity"""
     master_seed: int = 20260921
@@ -1594,9 +1599,13 @@ CHOICE_MEAN = ("critic_only_choice_mean", "smdp")   # the actor's terms divided 
 
 
 class Minibatch(NamedTuple):
+    """Everything a PPO loss reads of its rows, together from the rollout to minibatch_loss: a loss
+    variant (a clipped value loss, a changed clip) edits minibatch_loss alone. The rows' masks are
+    obs.mask; a row's kind is n_legal (1: a forced row, design 6.5)."""
     obs: Any                 # codec.Obs on the device
     action: torch.Tensor     # (n,) int64
     log_prob: torch.Tensor   # (n,) float32, stored at rollout
+    value: torch.Tensor      # (n,) float32, the critic pass's value before the update (scaled returns)
     adv: torch.Tensor        # (n,) float32, standardised once per iteration
     ret: torch.Tensor        # (n,) float32
     n_legal: torch.Tensor    # (n,) int64: the stored mask-count column (design 6.5)
@@ -1735,16 +1744,17 @@ def _debug_checks(m: Minibatch, data: Any, idx: np.ndarray) -> None:
 
 
 class LossParts(NamedTuple):
-    """What a minibatch's loss was made of, kept for UpdateStats (which reads them without grad).
-    The actor's fields are None when the minibatch held no row the actor runs on."""
-    sq: torch.Tensor                  # (n,) the critic's squared errors, every row
+    """What a minibatch's loss was made of, kept for UpdateStats, which reads them without grad and
+    recomputes nothing, so a changed loss reports its own clip fractions and value loss. The actor's
+    fields are None when the minibatch held no row the actor runs on."""
+    sq: torch.Tensor                  # (n,) the critic's loss a row (squared error unless a fork changes it)
     sel: torch.Tensor | None          # (n,) bool: the actor's rows (None: every row, forced_rows=all)
     adv_all: torch.Tensor             # (n,) every row's advantage (a forced row's surrogate, ratio 1)
     dist: MaskedCategorical | None    # the actor's distribution on its rows
     ratio: torch.Tensor | None        # (a,) pi / pi_old on the actor's rows
     adv: torch.Tensor | None          # (a,) their advantages
     n_legal: torch.Tensor | None      # (a,) their legal-action counts
-    obj: torch.Tensor | None          # (a,) the clipped surrogate
+    surrogate: "Surrogate | None"     # (a,) the clipped surrogate, and which rows it clipped
     entropy: torch.Tensor | None      # (a,) the policy's entropy
     noop_entropy: torch.Tensor | None  # (a,) the play-or-wait entropy
     stages: tuple[torch.Tensor, ...] | None   # (a,) x 3: entropy by stage (entropy_coef_stages)
@@ -1770,7 +1780,7 @@ def minibatch_loss(ac: ActorCritic, m: Minibatch, n_actor: int, ppo: "PPOArgs", 
     obs = m.obs if sel is None else obs_rows(m.obs, sel)
     dist = ac.dist(obs, check_noop=check_noop)
     ratio = torch.exp(dist.log_prob(rows(m.action)) - rows(m.log_prob))
-    obj = clipped_surrogate(ratio, rows(m.adv), ppo.clip_range, ppo.dual_clip_c)
+    surr = clipped_surrogate(ratio, rows(m.adv), ppo.clip_range, ppo.dual_clip_c)
     entropy, noop_entropy = dist.entropy(), dist.noop_entropy()
     stages = None
     if ppo.entropy_coef_stages is None:
@@ -1778,22 +1788,31 @@ def minibatch_loss(ac: ActorCritic, m: Minibatch, n_actor: int, ppo: "PPOArgs", 
     else:
         stages = dist.entropy_split(ac.geo.hand_size, ac.geo.tiles[0] * ac.geo.tiles[1])
         bonus = sum(c * h for c, h in zip(ppo.entropy_coef_stages, stages, strict=True))
-    loss = loss + (-obj.sum() - bonus.sum() - ent_coef_noop * noop_entropy.sum()) / scale.actor
+    loss = loss + (-surr.obj.sum() - bonus.sum() - ent_coef_noop * noop_entropy.sum()) / scale.actor
     kl_teacher = None
     if teacher is not None:
         kl_teacher = teacher_kl(teacher[0], obs, dist)
         loss = loss + teacher[1] * kl_teacher.sum() / scale.actor
-    return loss, LossParts(sq, sel, m.adv, dist, ratio, rows(m.adv), rows(m.n_legal), obj, entropy,
+    return loss, LossParts(sq, sel, m.adv, dist, ratio, rows(m.adv), rows(m.n_legal), surr, entropy,
                            noop_entropy, stages, kl_teacher)
 
 
+class Surrogate(NamedTuple):
+    obj: torch.Tensor       # (a,) the per-row objective, to be maximised
+    clipped: torch.Tensor   # (a,) bool: the ratio lay outside [1 - clip, 1 + clip] (ppo/clip_fraction)
+    dual: torch.Tensor      # (a,) bool: the dual clip's floor bound (ppo/dual_clip_fraction)
+
+
 def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_range: float,
-                      dual_clip_c: float) -> torch.Tensor:
+                      dual_clip_c: float) -> Surrogate:
     """Per-sample PPO objective L_i (to be maximised). For A < 0 the plain min does not bound
     the loss below, and in a masked space of thousands of actions a rarely sampled action's ratio can be
-    enormous, so the dual clip floors it at c * A (design 6.3)."""
+    enormous, so the dual clip floors it at c * A (design 6.3). It says which rows each clip bound,
+    at the range it was given, for the row's clip fractions."""
     surr = torch.min(ratio * adv, ratio.clamp(1 - clip_range, 1 + clip_range) * adv)
-    return torch.where(adv < 0, torch.max(surr, dual_clip_c * adv), surr)
+    dual = (adv < 0) & (dual_clip_c * adv > surr)
+    return Surrogate(torch.where(adv < 0, torch.max(surr, dual_clip_c * adv), surr),
+                     (ratio - 1).abs() > clip_range, dual)
 
 
 def teacher_kl(teacher: ActorCritic, obs: Any, dist: MaskedCategorical) -> torch.Tensor:
@@ -1867,17 +1886,14 @@ class UpdateStats:
         """One minibatch's sums; the kl, clip and entropy means are over choice rows only."""
         self.add("value_sq", p.sq.sum())
         if p.ratio is not None:
-            ppo = self.ppo
             self.actor_rows += len(p.ratio)
             self.actor_forwards += 1
             chf = (p.n_legal > 1).to(torch.float32)
-            surr = torch.min(p.ratio * p.adv, p.ratio.clamp(1 - ppo.clip_range, 1 + ppo.clip_range) * p.adv)
             kl = (((p.ratio - 1) - torch.log(p.ratio)) * chf).sum()
-            clip = (((p.ratio - 1).abs() > ppo.clip_range) & (p.n_legal > 1)).to(torch.float32).sum()
+            clip = (p.surrogate.clipped.to(torch.float32) * chf).sum()
             self.add("kl", kl)
             self.add("clip", clip)
-            self.add("dual", ((p.adv < 0) & (ppo.dual_clip_c * p.adv > surr) & (p.n_legal > 1))
-                     .to(torch.float32).sum())
+            self.add("dual", (p.surrogate.dual.to(torch.float32) * chf).sum())
             self.add("entropy", (p.entropy * chf).sum())
             self.add("entropy_norm",
                      (p.entropy / torch.log(p.dist.n_legal().clamp_min(2).to(torch.float32)) * chf).sum())
@@ -1889,8 +1905,8 @@ class UpdateStats:
                                   strict=True):
                     self.add(key, (h * chf).sum())
                 self.add("p_act", ((1.0 - p.dist.logp[:, 0].exp()) * chf).sum())
-            self.add("policy_obj_choice", (p.obj * chf).sum())
-            self.add("policy_obj_all", p.obj.sum())
+            self.add("policy_obj_choice", (p.surrogate.obj * chf).sum())
+            self.add("policy_obj_all", p.surrogate.obj.sum())
             self.epoch_kl[epoch] = self.epoch_kl[epoch] + kl
             self.epoch_clip[epoch] = self.epoch_clip[epoch] + clip
         if p.sel is not None:   # the skipped forced rows' constant surrogate, added back (ratio is 1)
@@ -3175,32 +3191,32 @@ def no_update(roll: Rollout) -> tuple[Advantages, dict[str, Any]]:
 
 def update_rows(view: RectView, roll: Rollout, crit: Critic, adv: Advantages) -> RectData:
     """The rows ppo_update (section 6) trains on: the trainable cells, or under smdp the choice
-    cells and the critic's sample of the forced ones (design 6.6), with their columns."""
+    cells and the critic's sample of the forced ones (design 6.6), with every Minibatch column."""
     cells = roll.trainable if crit.sample is None else (roll.trainable & (crit.n_legal > 1)) | crit.sample
     ct, cr = np.nonzero(cells)
-    return RectData(view, ct, cr, roll.action[ct, cr], roll.log_prob[ct, cr], adv.adv[ct, cr],
-                    adv.ret[ct, cr], crit.n_legal[ct, cr])
+    return RectData(view, ct, cr, {"action": roll.action[ct, cr].astype(np.int64),
+                                   "log_prob": roll.log_prob[ct, cr].astype(np.float32),
+                                   "value": crit.values[ct, cr].astype(np.float32),
+                                   "adv": adv.adv[ct, cr].astype(np.float32),
+                                   "ret": adv.ret[ct, cr].astype(np.float32),
+                                   "n_legal": crit.n_legal[ct, cr].astype(np.int64)})
 
 
 class RectData:
     """UpdateData over the rectangle (section 6's two-method seam): one minibatch's rows, with
-    their frame stacks, decoded on the learner's device, beside the columns the update reads."""
+    their frame stacks, decoded on the learner's device, beside the columns the update reads (one
+    a Minibatch field, named as it is)."""
 
-    def __init__(self, view: RectView, cells_t: np.ndarray, cells_r: np.ndarray, action: np.ndarray,
-                 log_prob: np.ndarray, adv: np.ndarray, ret: np.ndarray, n_legal: np.ndarray) -> None:
+    def __init__(self, view: RectView, cells_t: np.ndarray, cells_r: np.ndarray,
+                 cols: dict[str, np.ndarray]) -> None:
         self.view, self.t, self.r = view, cells_t, cells_r
         self.n = int(len(cells_t))
-        self.cols = {name: torch.as_tensor(v, device=view.device) for name, v in
-                     (("action", action.astype(np.int64)), ("log_prob", log_prob.astype(np.float32)),
-                      ("adv", adv.astype(np.float32)), ("ret", ret.astype(np.float32)),
-                      ("n_legal", n_legal.astype(np.int64)))}
-        self.n_legal = n_legal.astype(np.int64)
+        self.cols = {name: torch.as_tensor(cols[name], device=view.device) for name in Minibatch._fields[1:]}
+        self.n_legal = cols["n_legal"]
 
     def gather(self, idx: np.ndarray) -> Minibatch:
         i = torch.as_tensor(idx, device=self.view.device)
-        c = self.cols
-        return Minibatch(self.view.obs(self.t[idx], self.r[idx]), c["action"][i], c["log_prob"][i],
-                         c["adv"][i], c["ret"][i], c["n_legal"][i])
+        return Minibatch(self.view.obs(self.t[idx], self.r[idx]), **{k: c[i] for k, c in self.cols.items()})
 
     def label(self, idx: Sequence[int]) -> list[str]:
         return [f"(cycle {int(self.t[i])}, slot {int(self.r[i])})" for i in idx]

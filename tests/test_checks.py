@@ -10,9 +10,10 @@ import io
 import json
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 import pytest
@@ -814,6 +815,42 @@ def test_learn_stops_resumes_then_measures_and_a_shipped_folder_is_measured_and_
 
 
 @pytest.mark.slow
+def test_learn_trains_and_measures_the_fork_its_script_names(tmp_path):
+    """`checks.py learn --script ppo_myidea.py` trains the fork beside it, not ppo_clash.py: a copy
+    with one line of the head changed (a hidden layer before the no-op logit), in a checkout of its
+    own. The run's folder is named after the fork, its identity hashes the fork's file, its
+    checkpoint holds the fork's network, the yardstick plays the fork's snapshots and the record
+    names the fork. A --script that is not beside checks.py is one line, exit 2, before training."""
+    for lib in ("codec.py", "farm.py", "ladder.py", "ppo_clash.py", "checks.py"):
+        shutil.copy(checks.ROOT / lib, tmp_path / lib)
+    src = (checks.ROOT / "ppo_clash.py").read_text()
+    old = "        self.noop = nn.Linear(2 * C, 1)\n"
+    assert src.count(old) == 1, "the fork's anchor line moved"
+    (tmp_path / "ppo_myidea.py").write_text(src.replace(old, "        self.noop = nn.Sequential("
+                                            "nn.Linear(2 * C, 2 * C), nn.ReLU(), nn.Linear(2 * C, 1))\n"))
+    learn = [sys.executable, "checks.py", "learn", "--profile", "smoke", "--game-steps", "172",
+             "--seeds", "1", "--runs-dir", "runs", "--quiet"]
+    bad = subprocess.run(learn + ["--script", "ppo_nope.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert bad.returncode == 2 and not (tmp_path / "runs").exists(), bad.stderr[-2000:]
+    assert bad.stderr.startswith("checks.py learn: --script ppo_nope.py: not a .py file beside checks.py")
+    done = subprocess.run(learn + ["--script", "ppo_myidea.py"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    assert run.name.startswith("ppo_myidea-learn-smoke-")
+    assert sorted(json.loads((run / "identity.json").read_bytes())["user_code"]) == \
+        ["codec.py", "farm.py", "ladder.py", "ppo_myidea.py"]
+    arch = json.loads((P.latest_checkpoint(run) / "actor_critic" / "arch.json").read_bytes())
+    assert "policy.noop.2 Linear" in arch["modules"]
+    v0 = json.loads((run / "ladder" / "pool.json").read_text())["v0"].removeprefix("snap:")
+    spec = json.loads((run / "ladder" / "snapshots" / v0 / "spec.json").read_bytes())
+    assert spec["builder"] == "ppo_myidea.py"
+    assert "ppo_myidea.py --profile smoke, master seed the profile default" in done.stdout
+    table = [x for x in done.stdout.splitlines() if x.startswith("| scripted:")]
+    assert [x.split()[1] for x in table] == [f"scripted:{n}" for n in farm.SCRIPTED_NAMES]
+
+
+@pytest.mark.slow
 def test_learn_counts_the_warm_start_s_battles_in_its_budget(tmp_path):
     """A warm start and PPO from it spend --game-steps together (issue 36, 47): learn gives the run
     the budget as its game_step_limit, and the run stops at the first iteration boundary where the
@@ -864,3 +901,57 @@ def test_export_writes_a_checkpoints_actor_as_the_gate_writes_its_candidate(tmp_
     assert code == 2 and "exists and is not an empty folder" in err
     code, _, err = run_main("export", "--checkpoint", str(run), "--out", str(tmp_path / "n"))
     assert code == 2 and "no manifest.json there" in err
+
+
+# --- the README's commands (issue 49) --------------------------------------------------------------
+
+def readme_commands() -> list[list[str]]:
+    """Every command line of the README's bash blocks, split as a shell splits it (comments off, a
+    `&&` chain into its commands), its placeholders (<dir>, <step>, ...) given a name."""
+    import shlex
+    text = (checks.ROOT / "README.md").read_text()
+    lines = [x for b in re.findall(r"```bash\n(.*?)```", text, re.S) for x in b.splitlines()]
+    cmds: list[list[str]] = []
+    for line in lines:
+        words = shlex.split(re.sub(r"<(\w+)>", r"x\1", line), comments=True)
+        while words:
+            cut = words.index("&&") if "&&" in words else len(words)
+            cmds.append(words[:cut])
+            words = words[cut + 1:]
+    return cmds
+
+
+def test_every_command_in_the_readme_parses_as_its_script_parses_it():
+    """A newcomer copies the README's commands, so each must be one its script accepts: make's
+    targets exist, a script's flags parse as its own main parses them (ppo_clash.py's profile,
+    config and field flags; ladder.py's and checks.py's subcommands), a module imports. The README
+    stays short (at most 130 lines), and its python snippet compiles and reads a shipped folder."""
+    import importlib.util
+
+    import tyro
+
+    import ladder
+    text = (checks.ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 130
+    targets = set(re.findall(r"^([\w.-]+):", (checks.ROOT / "Makefile").read_text(), re.M))
+    cmds = readme_commands()
+    assert len(cmds) >= 20 and {c[1] for c in cmds if c[0] == "python"} >= \
+        {"ppo_clash.py", "ladder.py", "checks.py", "-m"}
+    for cmd in cmds:
+        if cmd[0] == "make":
+            assert cmd[1] in targets, cmd
+            continue
+        assert cmd[0] == "python", cmd
+        if cmd[1] == "-m":
+            assert importlib.util.find_spec(cmd[2]) is not None, cmd
+        elif cmd[1] == "ppo_clash.py":   # main's own flags, then the rest as parse_args reads it
+            rest = [w for prev, w in zip(cmd[1:], cmd[2:], strict=False) if "--resume" not in (prev, w)]
+            P.parse_args(rest)
+        else:
+            commands = {"ladder.py": ladder.COMMANDS, "checks.py": checks.COMMANDS}[cmd[1]]
+            with contextlib.redirect_stdout(io.StringIO()):
+                tyro.cli(Union[tuple(commands)], args=cmd[2:])   # type: ignore[arg-type]
+    (snippet,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    compile(snippet, "README.md", "exec")
+    for folder in re.findall(r'"(models/[\w/.-]+?)(?:/eval_env\.json)?"', snippet):
+        assert (checks.ROOT / folder).exists(), folder

@@ -577,11 +577,11 @@ def test_a_snapshot_names_the_script_that_builds_it_only_when_it_is_a_fork(tmp_p
     assert plain != fork
     with pytest.raises(L.CliError,
                        match=r"trained by ppo_gone.py, which is not beside ladder.py in .*: put the "):
-        L._builder_script("ppo_gone.py")
+        L.training_script("ppo_gone.py")
     for bad in ("../ppo_clash.py", "ppo_clash", "sub/ppo_clash.py"):
         with pytest.raises(L.CliError,
                            match=rf"names its builder {re.escape(repr(bad))}, not a script's file name"):
-            L._builder_script(bad)
+            L.training_script(bad)
 
 
 def test_a_seed_snapshot_is_checked_against_its_pinned_hash_and_the_runs_digests_then_copied_byte_for_byte(

@@ -58,9 +58,10 @@ class TensorData:
 
     def __init__(self, obs: Any, action: torch.Tensor, log_prob: torch.Tensor, adv: torch.Tensor,
                  ret: torch.Tensor, n_legal: torch.Tensor | None = None,
-                 labels: Sequence[str] | None = None) -> None:
+                 labels: Sequence[str] | None = None, value: torch.Tensor | None = None) -> None:
         self.obs, self.action, self.log_prob, self.adv, self.ret = \
             obs, action.long(), log_prob.float(), adv.float(), ret.float()
+        self.value = torch.zeros_like(self.ret) if value is None else value.float()
         nl = obs.mask.sum(-1) if n_legal is None else n_legal
         self.n_legal_t = nl.long()
         self.n_legal = self.n_legal_t.cpu().numpy()
@@ -69,8 +70,8 @@ class TensorData:
 
     def gather(self, idx: np.ndarray) -> P.Minibatch:
         i = torch.as_tensor(idx, dtype=torch.long, device=self.action.device)
-        return P.Minibatch(P.obs_rows(self.obs, i), self.action[i], self.log_prob[i], self.adv[i],
-                           self.ret[i], self.n_legal_t[i])
+        return P.Minibatch(P.obs_rows(self.obs, i), self.action[i], self.log_prob[i], self.value[i],
+                           self.adv[i], self.ret[i], self.n_legal_t[i])
 
     def label(self, idx: Sequence[int]) -> list[str]:
         return [self.labels[int(i)] for i in idx]
@@ -929,7 +930,7 @@ def _reference_grads(geo, net, data, ppo, mode, seed=0):
     m = data.gather(np.arange(data.n))
     d = ac.dist(m.obs)
     obj = P.clipped_surrogate(torch.exp(d.log_prob(m.action) - m.log_prob), m.adv, ppo.clip_range,
-                              ppo.dual_clip_c)
+                              ppo.dual_clip_c).obj
     ent, ent2 = d.entropy(), d.noop_entropy()
     ch = m.n_legal > 1
     if mode in P.CHOICE_MEAN:   # the actor's mean over choice rows (critic_only_choice_mean, smdp)
@@ -1033,15 +1034,17 @@ def test_the_dual_clip_binds_only_for_negative_advantages():
     r = torch.tensor([0.1, 1.0, 1.1, 5.0, 100.0])
     pos = P.clipped_surrogate(r, torch.ones(5), 0.2, 3.0)
     neg = P.clipped_surrogate(r, -torch.ones(5), 0.2, 3.0)
-    assert pos.tolist() == pytest.approx([0.1, 1.0, 1.1, 1.2, 1.2])       # plain PPO clip, no floor
-    assert neg.tolist() == pytest.approx([-0.8, -1.0, -1.1, -3.0, -3.0])  # floored at c * A = -3
+    assert pos.obj.tolist() == pytest.approx([0.1, 1.0, 1.1, 1.2, 1.2])       # plain PPO clip, no floor
+    assert neg.obj.tolist() == pytest.approx([-0.8, -1.0, -1.1, -3.0, -3.0])  # floored at c * A = -3
     plain = torch.min(r * -1, r.clamp(0.8, 1.2) * -1)
-    assert (neg != plain).tolist() == [False, False, False, True, True]
+    assert (neg.obj != plain).tolist() == neg.dual.tolist() == [False, False, False, True, True]
+    assert pos.clipped.tolist() == neg.clipped.tolist() == [True, False, False, True, True]
+    assert not pos.dual.any()
 
 
 def test_ratio_one_gives_exactly_minus_mean_advantage():
     adv = torch.randn(257, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(-P.clipped_surrogate(torch.ones(257), adv, 0.2, 3.0).mean(), -adv.mean())
+    assert torch.equal(-P.clipped_surrogate(torch.ones(257), adv, 0.2, 3.0).obj.mean(), -adv.mean())
     # and through the update: old log-probs equal to the model's own, one batch, no entropy
     geo, net, data = make_data(perturb=0.0)
     ppo = P.PPOArgs(forced_rows="all", batch_size=data.n, minibatch_size=data.n, n_epochs=1)
@@ -4756,3 +4759,30 @@ def test_a_fork_s_metric_without_a_schema_entry_stops_its_first_row(tmp_path):
     assert done.returncode == 1
     assert "metric row key(s) fork/extra have no SCHEMA entry" in done.stderr
     assert "SCHEMA in ppo_fork2.py" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_loss_variant_is_an_edit_of_minibatch_loss_alone(tmp_path):
+    """Two forks that change minibatch_loss and nothing else (issue 49): a clipped value loss, which
+    reads the old value the Minibatch carries from the critic pass, and a clip range of 1e-4 in the
+    surrogate's call. Both train, and the row reports each fork's own loss: iteration 1 starts both
+    from the same data and critic, and a value clip of 1e-3 holds the critic near its old values,
+    so its ppo/value_loss stays above the plain loss's; ppo/clip_fraction follows the fork's clip
+    range, since UpdateStats reads which rows the surrogate clipped instead of recomputing them."""
+    plain_sq = "    sq = (ac.value(m.obs) - m.ret) ** 2\n"
+    clipped_sq = ("    v = ac.value(m.obs)\n"
+                  "    v_clip = m.value + (v - m.value).clamp(-1e-3, 1e-3)\n"
+                  "    sq = torch.max((v - m.ret) ** 2, (v_clip - m.ret) ** 2)\n")
+    call = "    surr = clipped_surrogate(ratio, rows(m.adv), ppo.clip_range, ppo.dual_clip_c)\n"
+    runs = {}
+    for name, old, new in (("ppo_vclip.py", plain_sq, clipped_sq),
+                           ("ppo_clip.py", call, call.replace("ppo.clip_range", "1e-4"))):
+        (tmp_path / name[:-3]).mkdir()
+        # a clip range of 1e-4 clips most rows by design, which the clip_pinned alarm would halt
+        done = _run_fork(_fork(tmp_path / name[:-3], name, old, new), "--alarms.clip-pinned", "1.0")
+        assert done.returncode == 0, done.stderr[-2000:]
+        (run,) = (tmp_path / name[:-3] / "runs").iterdir()
+        runs[name] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    vclip, clip = runs["ppo_vclip.py"], runs["ppo_clip.py"]
+    assert vclip[0]["ppo/value_loss"] > clip[0]["ppo/value_loss"] > 0
+    assert max(r["ppo/clip_fraction"] for r in vclip) < 0.05 < min(r["ppo/clip_fraction"] for r in clip[1:])
