@@ -43,8 +43,8 @@ $(VENV): $(VENV)/.installed
 # cache, so neither overwrites the other's last failures. pytest exits 5 when a marker selects no
 # test; a half may legitimately be empty.
 PYTEST_FAST         = $(VPY) -m pytest -q
-PYTEST_SLOW_LEARNER = $(VPY) -m pytest -q -m slow -o cache_dir=.pytest_cache/slow-learner tests/test_ppo_clash.py || [ $$? -eq 5 ]
-PYTEST_SLOW_REST    = $(VPY) -m pytest -q -m slow --ignore tests/test_ppo_clash.py || [ $$? -eq 5 ]
+PYTEST_SLOW_LEARNER = $(VPY) -m pytest -q --durations=12 -m slow -o cache_dir=.pytest_cache/slow-learner tests/test_ppo_clash.py || [ $$? -eq 5 ]
+PYTEST_SLOW_REST    = $(VPY) -m pytest -q --durations=12 -m slow --ignore tests/test_ppo_clash.py || [ $$? -eq 5 ]
 
 # The linter first: a second, and a lint error fails before ten minutes of tests
 # (pyproject.toml's [tool.ruff] says which rules and why).

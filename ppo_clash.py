@@ -653,9 +653,10 @@ def profile_args(name: str) -> Args:
                      "ppo.ent_coef": Schedule("constant", 0.003, 0.003, 1.0),
                      "ppo.ent_coef_noop": Schedule("linear", 0.02, 0.0, 2e6),
                      "ppo.critic_chunk": 512,
-                     # a gate every ~15-19 minutes of cpu training [A: 2,736 game-steps an iteration,
-                     # 74 iterations at 6.6-8.2 s, then the gate's 6.5-8.5 min]; at n=600 Wilson's bound
-                     # clears 0.52 from an observed 0.56 [A, design 7.7] (docs/running.md section 6).
+                     # a gate every ~8-10 minutes of cpu training [A: 2,736 game-steps an iteration,
+                     # 73 iterations at 5.1 s, then the gate's 2-3.5 min, M: docs/learning.md 3.8];
+                     # at n=600 Wilson's bound clears 0.52 from an observed 0.56 [A, design 7.7]
+                     # (docs/running.md section 6).
                      # smoke gates only when asked.
                      "ladder.candidate_every_env_steps": 200_000,
                      "ladder.floor_admit_every_env_steps": 100_000_000 if smoke else 2_000_000,
@@ -2559,10 +2560,19 @@ def warm_start(args: Args, env: Env, model: ActorCritic, quiet: bool) -> dict[st
     t0 = time.perf_counter()
     opt = torch.optim.Adam(model.actor_parameters(), lr=args.warm.lr, eps=args.ppo.adam_eps)
     gen = torch_generator(args.master_seed, "warm/permutation")
+    def progress(r: int) -> None:   # a lookahead's round takes minutes: say where it is
+        if not quiet:
+            c = rounds[-1]
+            print(f"warm start: round {r} of {args.warm.dagger_rounds} ({'the rung' if r == 0 else 'DAgger'}"
+                  f"): {len(c.actions):,} rows, {c.game_steps:,} game-steps, {c.search_steps:,} scratch "
+                  f"game-steps, {time.perf_counter() - t0:.0f} s so far", flush=True)
+
     rounds = [clone_rows(args, env)]
+    progress(0)
     before = fit_clone(args, env, model, rounds, opt, gen)
     for r in range(1, args.warm.dagger_rounds + 1):
         rounds.append(clone_rows(args, env, r, save_tensors(model.state_dict())))
+        progress(r)
         fit_clone(args, env, model, rounds, opt, gen)
     after = fit_clone(args, env, model, rounds, None, gen)   # <run>/warm.json keeps these (set_up)
     out = {"rows": sum(len(c.actions) for c in rounds), "game_steps": sum(c.game_steps for c in rounds),

@@ -1574,7 +1574,8 @@ def test_a_warm_start_clones_a_lookahead_and_its_identity_holds_every_setting():
 
 
 @pytest.mark.slow
-def test_dagger_rounds_label_the_clones_own_battles_and_the_rows_are_the_same_on_any_number_of_workers():
+def test_dagger_rounds_label_the_clones_own_battles_and_the_rows_are_the_same_on_any_number_of_workers(
+        capsys):
     """WarmArgs.dagger_rounds: round 0 the rung (a lookahead) against itself, then each round the
     student against itself, its choice rows labelled by the rung; the rounds' rows, labels and
     game-steps are the same on one process as on two (battles split between them), the warm start
@@ -1597,9 +1598,16 @@ def test_dagger_rounds_label_the_clones_own_battles_and_the_rows_are_the_same_on
         assert a.search_steps > 0 and a.game_steps >= len(a.actions) // 2
     # the student's own battles: an untrained network plays other states than the rung does
     assert P.clone_rows(one, env, 1, student).rows.tobytes() != P.clone_rows(one, env).rows.tobytes()
-    warm = P.warm_start(one, env, model, quiet=True)
+    capsys.readouterr()
+    warm = P.warm_start(one, env, model, quiet=False)
     first = P.clone_rows(one, env)
     assert warm["rounds"][0] == {"rows": len(first.actions), "game_steps": first.game_steps}
+    # a round's line as it ends (a lookahead's round takes minutes), then the summary
+    said = capsys.readouterr().out.splitlines()
+    assert said[0].startswith(f"warm start: round 0 of 1 (the rung): {len(first.actions):,} rows, "
+                              f"{first.game_steps:,} game-steps, {first.search_steps:,} scratch game-steps")
+    assert said[1].startswith(f"warm start: round 1 of 1 (DAgger): {warm['rounds'][1]['rows']:,} rows")
+    assert said[2].startswith("warm start: lookahead:defend,h=2,c=defend+noop cloned from") and len(said) == 3
     assert len(warm["rounds"]) == 2 and warm["rounds"][1]["rows"] > 0    # round 1: the fitted clone's battles
     assert warm["game_steps"] == sum(x["game_steps"] for x in warm["rounds"])
     assert warm["search_game_steps"] > 0 and warm["rows"] == sum(x["rows"] for x in warm["rounds"])
