@@ -36,15 +36,16 @@ $(VENV)/.installed: pyproject.toml
 $(VENV): $(VENV)/.installed
 
 # Two pytest processes side by side (make -j2): tests/test_ppo_clash.py's slow tests in one, the
-# fast tests and then the other files' slow tests in the other. A test trains on one torch thread
+# fast tests and then the other files' slow tests in the other, with the learner's tests marked
+# other_half, so the halves end together (tests/conftest.py). A test trains on one torch thread
 # (the smoke profile's), so one after the other, one core of a 2-core machine sat idle (the README
 # has the times). Each recipe line's output prints whole when it ends, the fast tests' first;
 # either half failing fails the target; Ctrl-C stops both. The learner's half keeps its own pytest
 # cache, so neither overwrites the other's last failures. pytest exits 5 when a marker selects no
 # test; a half may legitimately be empty.
 PYTEST_FAST         = $(VPY) -m pytest -q
-PYTEST_SLOW_LEARNER = $(VPY) -m pytest -q --durations=12 -m slow -o cache_dir=.pytest_cache/slow-learner tests/test_ppo_clash.py || [ $$? -eq 5 ]
-PYTEST_SLOW_REST    = $(VPY) -m pytest -q --durations=12 -m slow --ignore tests/test_ppo_clash.py || [ $$? -eq 5 ]
+PYTEST_SLOW_LEARNER = $(VPY) -m pytest -q --durations=12 -m learner_half -o cache_dir=.pytest_cache/slow-learner tests/test_ppo_clash.py || [ $$? -eq 5 ]
+PYTEST_SLOW_REST    = $(VPY) -m pytest -q --durations=12 -m "slow and not learner_half" || [ $$? -eq 5 ]
 
 # The linter first: a second, and a lint error fails before ten minutes of tests
 # (pyproject.toml's [tool.ruff] says which rules and why).

@@ -2045,6 +2045,7 @@ assert ("ppo_clash", "ladder") in edges and ("farm", "codec") in edges   # the w
 
 
 @pytest.mark.slow
+@pytest.mark.other_half
 def test_the_import_direction_holds_at_run_time(tmp_path):
     """codec <- farm <- ladder <- ppo_clash, while a run trains, gates a candidate against v0 on the
     evaluation farm, checkpoints, is rated and has a snapshot played by `ladder.py eval`: every
@@ -3419,6 +3420,7 @@ def gated_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.other_half
 def test_every_cycle_collects_exactly_the_planned_learner_rows_and_pool_seats_are_acted_by_their_snapshot(
         gated_run):
     args, run, seen = gated_run
@@ -3449,6 +3451,7 @@ def test_every_cycle_collects_exactly_the_planned_learner_rows_and_pool_seats_ar
 
 
 @pytest.mark.slow
+@pytest.mark.other_half
 def test_a_run_with_a_seed_snapshot_trains_against_it_alone_and_refuses_a_wrong_one_before_writing(
         gated_run, tmp_path, capsys):
     """ladder.seed_snapshots (design 7.3): the gated run's v0 as a seed of another run. Under mix
@@ -3550,6 +3553,7 @@ def test_a_warm_started_run_admits_the_clone_as_v0_and_records_the_cloning(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.other_half
 def test_a_smoke_run_with_tiny_cadences_gates_end_to_end(gated_run):
     args, run, _ = gated_run
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -3611,6 +3615,7 @@ def test_a_smoke_run_with_tiny_cadences_gates_end_to_end(gated_run):
 
 
 @pytest.mark.slow
+@pytest.mark.other_half
 def test_ladder_py_eval_plays_a_snapshot_through_snapshot_policy_builder(gated_run):
     import subprocess
     import sys
@@ -3628,6 +3633,7 @@ def test_ladder_py_eval_plays_a_snapshot_through_snapshot_policy_builder(gated_r
 
 
 @pytest.mark.slow
+@pytest.mark.other_half
 def test_ladder_py_yardstick_plays_the_champion_against_every_rung_and_rate_places_them(gated_run, tmp_path):
     """The champion (v0 here) against each of farm.SCRIPTED_NAMES, one seed from both sides, one
     line a rung; the games are kind=eval, so rate's table then holds every rung."""
@@ -3653,6 +3659,7 @@ def test_ladder_py_yardstick_plays_the_champion_against_every_rung_and_rate_plac
 
 
 @pytest.mark.slow
+@pytest.mark.other_half
 def test_ladder_py_yardstick_under_another_release_mode_plays_the_decode_and_records_nothing(
         gated_run, monkeypatch, capsys):
     """`ladder.py yardstick --release-mode plugin:<module>:<function>`: the snapshot acts by that
@@ -4794,3 +4801,27 @@ def test_a_loss_variant_is_an_edit_of_minibatch_loss_alone(tmp_path):
     vclip, clip = runs["ppo_vclip.py"], runs["ppo_clip.py"]
     assert vclip[0]["ppo/value_loss"] > clip[0]["ppo/value_loss"] > 0
     assert max(r["ppo/clip_fraction"] for r in vclip) < 0.05 < min(r["ppo/clip_fraction"] for r in clip[1:])
+
+
+def test_make_tests_two_halves_build_each_shared_run_in_one_process():
+    """tests/conftest.py: this file's slow tests marked other_half run in make test's other pytest
+    process. A module fixture (one trained run read by many tests) read from both halves would be
+    trained twice, so every reader of one is in the same half, and only slow tests are moved."""
+    import ast
+    tree = ast.parse(Path(__file__).read_text())
+    shared = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)
+              and any("fixture" in ast.unparse(d) and "module" in ast.unparse(d) for d in n.decorator_list)}
+    halves: dict[str, set[str]] = {f: set() for f in shared}
+    moved = 0
+    for n in tree.body:
+        if not (isinstance(n, ast.FunctionDef) and n.name.startswith("test_")):
+            continue
+        marks = {ast.unparse(d) for d in n.decorator_list}
+        moved += "pytest.mark.other_half" in marks
+        assert "pytest.mark.other_half" not in marks or "pytest.mark.slow" in marks, n.name
+        for a in n.args.args:
+            if a.arg in shared:
+                halves[a.arg].add("other" if "pytest.mark.other_half" in marks else "learner")
+    assert {"as_built", "gated_run", "straight_smoke"} <= shared and moved > 0
+    assert all(len(halves[f]) == 1 for f in ("as_built", "gated_run", "straight_smoke")), halves
+    assert all(len(h) <= 1 for h in halves.values()), halves   # an autouse fixture has no readers
