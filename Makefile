@@ -37,7 +37,7 @@ $(VENV): $(VENV)/.installed
 
 # Two pytest processes side by side (make -j2): tests/test_ppo_clash.py's slow tests in one, the
 # fast tests and then the other files' slow tests in the other, with the learner's tests marked
-# other_half, so the halves end together (tests/conftest.py). A test trains on one torch thread
+# other_half, to bring the halves' lengths close (tests/conftest.py). A test trains on one torch thread
 # (the smoke profile's), so one after the other, one core of a 2-core machine sat idle (the README
 # has the times). Each recipe line's output prints whole when it ends, the fast tests' first;
 # either half failing fails the target; Ctrl-C stops both. The learner's half keeps its own pytest

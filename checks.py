@@ -1220,11 +1220,17 @@ def timed_update(s: P.Setup, roll: P.Rollout, crit: P.Critic, adv: P.Advantages,
                  args: P.Args) -> float:
     """Seconds of one update from the weights that collected the rectangle: each repeat starts
     from the same learner state (the ratio invariant holds the update to it, design 6.4)."""
-    before = s.learner.files(args.master_seed)
+    learner, it = s.learner, s.learner.iteration
+    before = P.learner_state(learner, args.master_seed)
     rows = P.update_rows(s.view, roll, crit, adv)
-    seconds = P.ppo_update(s.learner.model, s.learner.opt_a, s.learner.opt_c, rows, args.ppo,
-                           **s.learner.update_knobs(sched, args))["time/update"]
-    s.learner.restore(before)
+    debug = it < args.ppo.debug_assert_iterations   # the settings the loop's update has at this iteration
+    seconds = P.ppo_update(
+        learner.model, learner.opt_a, learner.opt_c, rows, args.ppo, ent_coef=sched["ent_coef"],
+        ent_coef_noop=sched["ent_coef_noop"], master_seed=args.master_seed, iteration=it, debug=debug,
+        check_ratio=debug or it % args.ppo.check_ratio_invariant_every == 0, ratio_atol=P.ratio_atol(args),
+        comm=learner.comm, actor_steps=it >= args.warm.critic_iterations,
+        teacher=None if learner.teacher is None else (learner.teacher, sched["teacher_kl"]))["time/update"]
+    P.restore_learner(learner, before)
     return seconds
 
 

@@ -22,8 +22,19 @@ Writes: <runs_dir>/<run_name>-<run_id>/: config.json, identity.json, metrics.jso
 
 How to read it. Sections 1-7 are the method and section 8 is the loop that runs it; a reader who
 stops after the loop has read the whole method. Below one marked line, sections 9-12 are the run's
-machinery, which a fork of the method need not touch (the update sums over torchrun's ranks
-through Comm, section 9; one process sums nothing).
+machinery, which a fork of the method need not touch. Sections 1-8 reach it through these names
+alone (a test holds the list to the code):
+  Comm, SOLO        torchrun's ranks (section 9): the update sums its counts, gradients and
+                    statistics over them; SOLO, one process, sums nothing
+  Run               the run's directory (section 9): collection reports its progress and dead
+                    workers to it, and the loop saves, halts and stops through it
+  EnvFacts          the engine's and the codec's digests, which Env carries for the identity
+  set_up            what the loop builds once, in order (section 9)
+  record_iteration  the loop's step 7: the row, the episodes and the alarms written, and what
+                    happens next (section 11)
+  NetPlayer         a network as a ladder player (section 12): a DAgger round's student plays as one
+
+The sections:
   1. Arguments and profiles        what can be set, and the presets (start with Args)
   2. Geometry, read off the env    every width the network needs, never a literal
   3. The masked distribution       where a mask meets a logit; the factored head's three stages
@@ -33,11 +44,12 @@ through Comm, section 9; one process sums nothing).
                                    minibatch_loss, the loss in one place; forced rows, the ratio
                                    invariant
   7. Iteration invariants          what must hold before a batch is trained on
-  8. The loop                      train(): plan and collect -> critic pass -> advantages ->
+  8. The loop                      _train(): plan and collect -> critic pass -> advantages ->
                                    update -> ladder step -> record
   9. The run                       the arguments read and checked (--config, the command line,
                                    the rules); torchrun's ranks (Comm); run_id and why a resume
-                                   may refuse; the start-up gates; the run directory
+                                   may refuse; the start-up gates; the run directory; train(),
+                                   the entry point, and set_up
  10. Checkpoints                   atomic, hashed, resumable byte for byte
  11. Metrics, alarms and sinks     the row's schema, the alarm table, the console
  12. Snapshots and the ladder      snapshots written and played; NETS, the networks handed to
@@ -86,7 +98,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Literal, NamedTuple, NoReturn, Sequence
 
 import msgspec
 import numpy as np
@@ -697,7 +709,6 @@ def ratio_atol(args: Args) -> float:
     return args.ppo.ratio_atol_bf16 if args.net.autocast_dtype == "bfloat16" else args.ppo.ratio_atol_fp32
 
 
-
 # --- 2. Geometry, read off the env -------------------------------------------------------------
 # The network is built from this small description and from nothing else, so a plane added
 # upstream changes the stem's width without an edit here (design 5.1: "never a literal").
@@ -782,7 +793,6 @@ def geometry_from_env(obs_space: Any, builder: Any, frame_stack: int = 1) -> Net
     for name in (HAND_CARDS, HAND_COST, HAND_AFFORDABLE):
         geo.field(name)  # fail now, naming the field, not halfway through a run (design 5.1)
     return geo
-
 
 
 # --- 3. The masked distribution (design 5.3) -----------------------------------------------------
@@ -1587,7 +1597,6 @@ def credit_horizon_seconds(decision_ms: int, gamma: float, lam: float) -> float:
     return decision_ms / 1000.0 / (1.0 - gamma * lam)
 
 
-
 # --- 6. The PPO update (design 6.3, 6.4, 6.5) ---------------------------------------------------
 # The update reads its samples through a two-method seam, UpdateData (n, n_legal, gather(idx)),
 # so the rectangle buffer and the tests feed it the same way. Minibatches never drop a sample:
@@ -2048,7 +2057,6 @@ class LrBackoff:
                                                      float(d["lr_critic"]))
 
 
-
 # --- 7. Iteration invariants (design 10.1) -------------------------------------------------------
 # Judged on what collection wrote, before anything learns from it: a refused batch is never
 # trained on. Each raises a named exception carrying the offending slot and cycle.
@@ -2115,35 +2123,13 @@ def check_iteration(*, rounds: int, expected_rounds: int, trainable: np.ndarray,
                                     f"and the no-op (design 6.5); not so at {_cells(bad)}")
 
 
-
 # --- 8. The loop (design 10.1) ---------------------------------------------------------------------
-# train() reads top to bottom: set up once, then per iteration plan and collect -> critic pass ->
-# invariants -> advantages -> update -> ladder step -> record. Each step is a named call defined
-# below it; what lives across iterations sits in two small structures, the Learner (what learns
-# and what its checkpoint restores) and the Run (the directory and what is written into it).
-
-
-def train(args: Args, *, max_iterations: int | None = None, quiet: bool = False, resume: Path | None = None,
-          allow_identity_drift: bool = False) -> Path:
-    """Train until args.timestep_limit learner transitions (or max_iterations); return the run
-    directory. With `resume` (a checkpoint folder) the run continues in its own directory: the
-    identity must equal the checkpoint's field for field (design 2.4), and the learner, the RNG,
-    the farm's episode ordinals and the ladder are restored. The process-wide determinism settings
-    are put back on the way out, so a caller in the same process (a test, checks.py) keeps its own."""
-    check_consistency(args)   # design 1.3: an Args built in code is held to the rules the command line is
-    # where the run will write, before the start-up gates' seconds: a file, or a read-only disk, in its way
-    check_writable(Path(resume).parent.parent if resume else Path(args.runs_dir),
-                   "--resume" if resume else "--runs-dir")
-    comm = open_comm(args)    # torchrun's ranks, or SOLO (design 3.10)
-    try:
-        with process_settings_kept():
-            path = _train(args, max_iterations, quiet, resume, allow_identity_drift, comm)
-        if comm.on:   # no rank tears gloo down while a peer's last exchange with it is in flight
-            import torch.distributed as dist
-            dist.barrier()
-        return path
-    finally:
-        close_comm(comm)
+# _train() reads top to bottom: set up once, then per iteration plan and collect -> critic pass ->
+# invariants -> advantages -> update -> ladder step -> record. Each step of the method is a named
+# call defined below it; the run's own steps (set_up, record_iteration and the Run's methods) are
+# section 9's and 11's. What lives across iterations sits in two small structures, the Learner (what
+# learns) and the Run (the directory and what is written into it). train() (section 9), the entry
+# point, checks the arguments, joins torchrun's ranks and calls _train.
 
 
 def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | None, allow_drift: bool,
@@ -2193,53 +2179,52 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
                 # 5. the PPO update over the update's rows (under smdp the choice cells and the
                 #    critic's sample, design 6.6), then the kl backoff (design 6.3)
                 data = update_rows(view, rollout, critic, advantage)
-                update = ppo_update(learner.model, learner.opt_a, learner.opt_c, data, args.ppo,
-                                    **learner.update_knobs(schedule, args))
+                debug = iteration < args.ppo.debug_assert_iterations   # the mask asserts (design 5.3)
+                update = ppo_update(
+                    learner.model, learner.opt_a, learner.opt_c, data, args.ppo,
+                    ent_coef=schedule["ent_coef"], ent_coef_noop=schedule["ent_coef_noop"],
+                    master_seed=args.master_seed, iteration=iteration, debug=debug,
+                    # the ratio invariant on its cadence (design 6.4)
+                    check_ratio=debug or iteration % args.ppo.check_ratio_invariant_every == 0,
+                    ratio_atol=ratio_atol(args), comm=comm,
+                    # the critic alone for the warm start's first iterations, then the clone kept as
+                    # a teacher at its scheduled weight (WarmArgs)
+                    actor_steps=iteration >= args.warm.critic_iterations,
+                    teacher=None if learner.teacher is None else (learner.teacher, schedule["teacher_kl"]))
                 update["run/lr_backoff"] = learner.back_off(update["ppo/kl"])
             # under torchrun every rank now holds the same weights, or the run stops naming the rank;
             # rank 0, the one voice, takes every rank's episodes for the ladder and the row (design 3.10)
-            same_weights(comm, learner)
-            rollout.episodes = every_episode(comm, rollout.episodes, env.n_battles)
+            comm.same_weights(learner)
+            rollout.episodes = comm.every_episode(rollout.episodes, env.n_battles)
             learner.advance(schedule, env, n_rows, update)
-            verdict = Verdict()
+            verdict = None
             if comm.voice:
                 # 6. the ladder's share: train results, gate, floor admit, refit, probe (design 7),
                 #    its forwards on inference threads, as collection's: its workers keep their cores
                 with torch_threads(args.determinism.inference_threads):
                     ladder_row = ladder_step(ladder_loop, learner, rollout.episodes, env, args, quiet)
-                # 7. record: the row, the episodes, the alarms; then what happens next: a halt saves
-                #    and stops, a checkpoint on its cadence, a stop asked for (design 9, 8)
-                row = metric_row(args, env, learner, run, ladder_loop, rollout, critic, advantage, update,
-                                 ladder_row)
-                run.phase = "boundary"
-                halts = [(a, v) for a, v in run.record(row, rollout.episodes) if a.severity == "halt"]
-                save_play_heatmaps(run.path, learner.iteration, rollout, env, args.metrics.image_every)
-                ctl = "" if halts else read_control(run.path, quiet) or run.stop.asked  # Ctrl-C, SIGTERM: "q"
-                verdict = Verdict(halts, checkpoint_due(learner, env, args, ctl, ladder_row), ctl == "q",
-                                  ladder_loop.shared())
+                # 7. record: the row, the episodes, the alarms; then what happens next (a Verdict): a
+                #    halt saves and stops, a checkpoint on its cadence, a stop asked for (design 9, 8)
+                verdict = record_iteration(args, env, learner, run, ladder_loop, rollout, critic, advantage,
+                                           update, ladder_row, quiet)
             verdict = comm.share(verdict)   # every rank acts on rank 0's decisions
             ladder_loop.follow(verdict.pool)
-            halt_if_asked(run, learner, source, ladder_loop, verdict.halts, update["outliers"])
+            run.halt_if_asked(learner, source, ladder_loop, verdict.halts, update["outliers"])
             if verdict.save:
                 run.timed_save(learner, boundary_now(source, ladder_loop))
             if verdict.stop:
                 run.say_stopped(learner)   # where it stopped, and the resume command
                 break
-        # the limit: save on the way out unless the last save holds it
-        if run.last_saved != learner.env_steps:
-            save_checkpoint(run, learner, boundary_now(source, ladder_loop))
+        run.save_at_limit(learner, boundary_now(source, ladder_loop))
     except (Exception, KeyboardInterrupt) as exc:   # KeyboardInterrupt is named: it is not an Exception
-        saved = emergency_save(run, learner, source, ladder_loop, exc)
-        if isinstance(exc, AlarmHalt):                 # its own row, checkpoint and bundle (design 9.4)
-            raise
-        raise RunCrashed(crash_line(run, learner, exc, saved), isinstance(exc, KeyboardInterrupt)) from exc
+        run.crashed(learner, source, ladder_loop, exc)   # an emergency save where it can; raises
     finally:
         source.close()
         run.close()
     return run.path
 
 
-# The set-up, once: set_up() and the steps it calls, in order.
+# The process-wide torch settings the loop and the warm start change, and put back.
 
 @contextlib.contextmanager
 def process_settings_kept() -> Iterator[None]:
@@ -2249,8 +2234,16 @@ def process_settings_kept() -> Iterator[None]:
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(saved[0])
+        deterministic_kernels(saved[0])
         torch.set_num_threads(saved[1])
+
+
+def deterministic_kernels(on: bool) -> None:
+    """torch's deterministic-kernels flag (design 2.1), set as torch.use_deterministic_algorithms
+    sets it, less that function's import of torch._inductor to mark its compiler deterministic
+    too: 1.4-1.6 s of CPU at every process's start [M: docs/throughput.md, issue 49] for a compiler
+    this project never runs (a fork that compiles calls the public function)."""
+    torch._C._set_deterministic_algorithms(on, warn_only=False)
 
 
 @contextlib.contextmanager
@@ -2263,84 +2256,6 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(saved)
-
-
-class Setup(NamedTuple):
-    """What train() builds once, before its first iteration, and the loop reads."""
-    env: Env
-    learner: Learner
-    run: Run
-    lad: ladder.LadderLoop
-    opening: list[Any] | None    # the farm's opening assignment table (a resume's), else None
-    source: Any                  # the farm: farm.ProcessFarm or farm.InlineFarm
-    view: RectView
-
-
-def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: bool = False,
-           t_start: float | None = None, comm: Comm | None = None) -> Setup:
-    """Everything train() does once, in order (design 10.1); checks.py bench builds its rig with it.
-    Under torchrun rank 0 opens the run and its ladder first; the other ranks then follow it."""
-    comm = SOLO if comm is None else comm
-    apply_determinism(args)                   # design 2.1: before the first tensor exists
-    stale = farm.stale_segments_line(farm.remove_stale_segments())   # a dead run's shared memory (design 3.7)
-    if stale and not quiet and comm.voice:
-        print(stale, flush=True)
-    env = read_env(args, comm)                # geometry, codec table and T x R, read off a reset env
-    check_gates([ram_gate(args, env, parameter_count(args, env))])  # design 3.8 step 9, before any allocation
-    learner = Learner(args, env, comm)        # the network, its optimizers, scaler, backoff, positions
-    # before any long step
-    seeds = check_seeds(args, env, learner.model) if comm.voice and resume is None else []
-    run_startup_gates(args, env, learner.model, quiet or not comm.voice)   # design 3.8
-    # a warm start (WarmArgs) makes v0 the clone of a scripted rung; every rank clones alike
-    cloned = (warm_start(args, env, learner.model, quiet or not comm.voice)
-              if resume is None and args.warm.rung else None)
-    t0 = time.perf_counter() if t_start is None else t_start
-    if comm.voice:
-        run = open_run(args, env, learner, resume, allow_drift, quiet, t0)    # identity; a resume restores
-    else:
-        path, rid, identity, shared = comm.share(None)   # after rank 0 wrote the run, its seeds and v0
-        run = follow_run(args, env, learner, Path(path), rid, identity, resume, quiet, t0, comm.rank)
-    try:   # from here a failure closes the run's files and lets go of its training lock
-        learner.warm_steps = int(cloned["game_steps"]) if cloned is not None else warm_game_steps(run.path)
-        if comm.voice:
-            if cloned is not None:
-                (run.path / "warm.json").write_bytes(msgspec.json.format(canonical_json(cloned)))
-            lad = ladder.LadderLoop(args, NETS, run.path, run.rid, args.master_seed, env.n_battles, env.spec,
-                                    env.table, env.device, env.seed)
-            # v0 and the seeds, or the checkpoint's pool
-            opening = start_ladder(lad, run, learner, env, seeds)
-            comm.share((str(run.path), run.rid, run.identity, lad.shared()))
-        else:
-            lad = ladder.LadderLoop(args, NETS, run.path, run.rid, args.master_seed, env.n_battles, env.spec,
-                                    env.table, env.device, env.seed, voice=False)
-            opening = lad.load(run.ladder_saved) if run.ladder_saved is not None else None
-            lad.follow(shared)
-        lad.join(comm)
-        # v0's snapshot, the clone in fp16: a fresh run, a resume, every rank alike
-        if teacher_on(args.warm):
-            v0 = lad.store.load(lad.pool.snapshot_id(lad.pool.v0))
-            learner.teacher = actor_from_snapshot(*v0, env.device)
-            learner.teacher.requires_grad_(False)
-        source = open_farm(args, env, run.start_ordinals, lad.assign, lad.mm.roles, run.start_generations,
-                           run.start_in_flight)
-    except BaseException:
-        run.close()
-        raise
-    view = RectView(source.rect, env, args.obs.frame_stack)
-    view.resume(run.start_in_flight or [])   # the battles the farm re-simulated are mid-episode
-    return Setup(env, learner, run, lad, opening, source, view)
-
-
-def apply_determinism(args: Args) -> None:
-    """Determinism tier run_exact (design 2.1): deterministic kernels, no tf32, fixed thread count."""
-    torch.set_num_threads(args.determinism.torch_threads)
-    if args.determinism.tier == "run_exact":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=False)
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
 
 
 @dataclass
@@ -2372,59 +2287,6 @@ class Env:
         return self.T * self.n_battles * self.world
 
 
-def read_env(args: Args, comm: Comm | None = None) -> Env:
-    """Build one env, reset it, and read off it everything the run needs: the codec table, the
-    network's geometry, the engine's digests; then size the rectangle (T cycles of R slots) so an
-    iteration holds ppo.timesteps_per_iteration learner rows (a rank's: the profile's rollout
-    numbers are per rank). Under torchrun rank r's battles, acting uniforms and matchmaking draw
-    from master seed derive_int(master_seed, "rank/{r}"): the rank is in every stream's path, so
-    no two ranks play the same battle (design 3.10)."""
-    comm = SOLO if comm is None else comm
-    device = resolve_device(args)
-    k, seed = args.obs.frame_stack, args.master_seed
-    spec = farm.default_env_spec(reveal_spell_aim="enemy_spell_aim" in args.obs.reveal,
-                                 max_steps=args.obs.max_steps or None, reward=reward_spec(args.reward))
-    spec = msgspec.structs.replace(spec, decision_ms=args.obs.decision_ms)
-    try:
-        env_spec, table = farm.preflight(spec, frame_stack=k, master_seed=seed)
-    except RuntimeError as e:   # design 3.8 step 1: a stale engine build refuses here, before cycle 0
-        refusal = stale_build_refusal(e)
-        if refusal is None:
-            raise
-        raise refusal from e
-    vec = farm.build_vec(spec, 1)
-    obs0, _ = vec.reset(seed=0)
-    statics = torch.as_tensor(codec.static_planes(table, obs0), device=device)
-    geo = geometry_from_env(vec.single_observation_space, vec.envs[0].obs_builder, k)
-    eng_cfg = vec.envs[0].config()
-    cards = sorted(vec.envs[0].engine.cards(), key=lambda c: c.card_id)
-    vec.close()
-    deal_check(args.ladder.seat_decks, cards)
-    n_battles = args.rollout.workers * args.rollout.games_per_worker
-    # sizing only: the learner's row count follows from the roles, not from the pool
-    mm = ladder.Matchmaker(seed, n_battles, ladder.match_config(args.ladder))
-    learner_rows = ladder.learner_rows(mm.plan(0, [0] * n_battles, ladder.Pool(), None))
-    facts = EnvFacts(engine_build=engine_build_from_config(eng_cfg, "RustEngine"),
-                     env_spec_digest=env_spec.env_value_digest, obs_digest=env_spec.obs_digest,
-                     action_digest=sha256_hex(canonical_json({"n_actions": geo.n_actions, "tiles": geo.tiles,
-                                                              "hand_size": geo.hand_size})),
-                     codec_version=codec.CODEC_VERSION, codec_table_digest=table.digest(),
-                     royalegym_version=_pkg_version("royalegym"))
-    return Env(spec=spec, table=table, statics=statics, geo=geo, facts=facts, device=device,
-               n_battles=n_battles, R=2 * n_battles, T=-(-args.ppo.timesteps_per_iteration // learner_rows),
-               learner_rows=learner_rows, n_shards=args.rollout.workers * args.rollout.shards_per_worker,
-               seed=derive_int(seed, f"rank/{comm.rank}") if comm.on else seed, world=comm.world,
-               rank=comm.rank,
-               backend=comm.backend, card_names=tuple(c.name for c in cards))
-
-
-def reward_spec(reward: RewardArgs) -> farm.ComponentSpec | None:
-    """The env's reward with the weights that differ from farm.REWARD_WEIGHTS (None: the default
-    reward, so a run at the defaults keeps its env spec, and its id)."""
-    kw = {k: w for k, w in dataclasses.asdict(reward).items() if w != farm.REWARD_WEIGHTS[k]}
-    return farm.ComponentSpec("farm.default_potential_reward", kw) if kw else None
-
-
 # The warm start (WarmArgs, design 5.4): the rung plays itself, both seats' choice rows (more
 # than one legal action) are packed with the run's codec table, and the actor is fitted to the
 # rung's actions by cross-entropy. Its battles and permutations draw from streams of their own
@@ -2443,12 +2305,12 @@ class Cloned(NamedTuple):
     scores: np.ndarray | None = None  # float32 (n, K): their scores (the lookahead's), for soft targets
 
 
-def clone_rows(args: Args, env: Env, round_: int = 0, student: bytes | None = None) -> Cloned:
+def clone_rows(args: Args, env: Env, round_: int = 0, student: Weights | None = None) -> Cloned:
     """One round of the warm start's battles, one episode each, on the run's env, spread over
     args.warm.workers processes (the rows in battle order, the same for any count). Round 0: the
-    rung against itself, args.warm.battles of them. A DAgger round (student: the actor's weights,
-    save_tensors): the student against itself, args.warm.dagger_battles of them, each of its choice
-    rows labelled with what the rung plays there."""
+    rung against itself, args.warm.battles of them. A DAgger round (student: the network's weights as
+    arrays, which a spawned process receives whole): the student against itself,
+    args.warm.dagger_battles of them, each of its choice rows labelled with what the rung plays there."""
     n = args.warm.battles if round_ == 0 else args.warm.dagger_battles
     chunks = [c for c in np.array_split(np.arange(n), max(1, min(args.warm.workers, n))) if c.size]
     job = functools.partial(labelled_battles, args, env.spec, env.table, env.geo, round_, student)
@@ -2471,8 +2333,8 @@ def clone_rows(args: Args, env: Env, round_: int = 0, student: bytes | None = No
                   order[keep], tried, scores)
 
 
-def labelled_battles(args: Args, spec: Any, table: Any, geo: NetGeometry, round_: int, student: bytes | None,
-                     battles: np.ndarray) -> Cloned:
+def labelled_battles(args: Args, spec: Any, table: Any, geo: NetGeometry, round_: int,
+                     student: Weights | None, battles: np.ndarray) -> Cloned:
     """clone_rows' battles `battles` (consecutive), in this process on one torch thread. Battle g
     resets from warm/battle/{g}/ordinal/0 (round 0) or warm/round/{r}/battle/{g}, the rung of slot
     i = 2g + seat draws from warm/slot/{i} (round 0) or warm/round/{r}/slot/{i}, the student from
@@ -2542,11 +2404,15 @@ def candidates(player: Any, label: int, K: int) -> tuple[np.ndarray, np.ndarray]
     return a, s
 
 
-def student_player(student: bytes, geo: NetGeometry, args: Args, table: Any) -> NetPlayer:
-    """A DAgger round's student: the actor's weights (save_tensors) in a network of the run's
+Weights = dict[str, np.ndarray]
+"""A network's state_dict as arrays: how a DAgger round's student reaches the processes it plays in."""
+
+
+def student_player(student: Weights, geo: NetGeometry, args: Args, table: Any) -> NetPlayer:
+    """A DAgger round's student: the network's weights as arrays in a network of the run's
     geometry and net section, sampling its actions (NetPlayer) on the cpu."""
     model = ActorCritic(geo, args.net, args.master_seed)
-    model.load_state_dict({**model.state_dict(), **load_tensors(student)})
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in student.items()})
     return NetPlayer(model.eval(), table, "cpu")
 
 
@@ -2571,7 +2437,8 @@ def warm_start(args: Args, env: Env, model: ActorCritic, quiet: bool) -> dict[st
     progress(0)
     before = fit_clone(args, env, model, rounds, opt, gen)
     for r in range(1, args.warm.dagger_rounds + 1):
-        rounds.append(clone_rows(args, env, r, save_tensors(model.state_dict())))
+        student = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+        rounds.append(clone_rows(args, env, r, student))
         progress(r)
         fit_clone(args, env, model, rounds, opt, gen)
     after = fit_clone(args, env, model, rounds, None, gen)   # <run>/warm.json keeps these (set_up)
@@ -2704,26 +2571,10 @@ class Learner:
         self.sched = dict(sched)
 
     def positions(self) -> dict[str, Any]:
-        """The schedule positions a checkpoint stores and state_digest hashes (design 2.4)."""
+        """The schedule positions a checkpoint stores and state_digest hashes (design 2.4); the
+        checkpoint's side of the Learner is section 10's (learner_state, restore_learner)."""
         return {**(self.sched or {}), "backoff": self.backoff.state(), "iteration": self.iteration,
                 "env_steps": self.env_steps, "timesteps": self.timesteps, "updates": self.updates}
-
-    def digest(self) -> str:
-        return state_digest(self.model, [self.opt_a, self.opt_c], self.scaler, self.positions())
-
-    def files(self, master_seed: int) -> dict[str, bytes]:
-        return learner_files(self.model, self.opt_a, self.opt_c, self.scaler, self.positions(),
-                             capture_rng(master_seed, self.iteration),
-                             {"cumulative_model_updates": self.updates})
-
-    def restore(self, files: dict[str, bytes]) -> None:
-        """The inverse of files(): weights, moments, scaler, backoff, RNG and the counters."""
-        pos, rng, _ = load_learner(files, self.model, self.opt_a, self.opt_c, self.scaler)
-        self.backoff.load_state(pos["backoff"])
-        self.backoff.apply(self.opt_a, self.opt_c)
-        restore_rng(rng)
-        self.iteration, self.env_steps = int(pos["iteration"]), int(pos["env_steps"])
-        self.timesteps, self.updates = int(pos["timesteps"]), int(pos["updates"])
 
 
 class Boundary(NamedTuple):
@@ -2742,58 +2593,6 @@ def boundary_now(source: Any, lad: ladder.LadderLoop) -> Boundary:
     """The boundary the farm and the ladder stand on now (between iterations)."""
     return Boundary([int(x) for x in source.ordinals], lad.state(list(source.assignment)),
                     [int(g) for g in source.generation], source.in_flight())
-
-
-def start_ladder(lad: ladder.LadderLoop, run: Run, learner: Learner, env: Env,
-                 seeds: Sequence[Any]) -> list[Any] | None:
-    """A resumed run restores the pool and returns the saved assignment table (the farm's opening
-    plan). A new run admits v0, the initial actor, as the first champion, so the pool and the
-    gauge exist from the first iteration (design 7.4), and its seed snapshots (`seeds`: their
-    specs, check_seeds)."""
-    if run.ladder_saved is not None:
-        return lad.load(run.ladder_saved)
-    # with seed snapshots the training pool is theirs (design 7.3): v0 is the champion, not drawn
-    lad.admit(lad.snapshot(learner.model, learner.env_steps, env.facts.action_digest), learner.env_steps,
-              promote=True, sample=not seeds)
-    lad.admit_seeds(seeds)
-    return None
-
-
-def check_seeds(args: Args, env: Env, model: ActorCritic) -> list[Any]:
-    """design 7.3: each of ladder.seed_snapshots read before the run directory exists, so a wrong
-    one stops with nothing written: its weights must hash to the sha256 the config pins and its
-    spec carry this run's arch, observation (the evaluation env's) and codec table digests.
-    Returns their specs, in order."""
-    if not args.ladder.seed_snapshots:
-        return []
-    es, _, _ = ladder._eval_preflight(msgspec.json.encode(ladder.eval_env_spec(env.spec)), args.master_seed)
-    expect = {"arch_digest": arch_digest(model.geo, model.net), "obs_digest": es.obs_digest,
-              "codec_table_digest": env.table.digest()}
-    specs = []
-    for i, sd in enumerate(args.ladder.seed_snapshots):
-        try:
-            specs.append(ladder.check_seed(f"ladder.seed_snapshots[{i}] (seed:{sd.name})", sd.path, sd.sha256,
-                                           expect))
-        except ladder.SnapshotMismatch as e:
-            raise ConfigError(str(e)) from None
-    return specs
-
-
-def open_farm(args: Args, env: Env, start_ordinals: list[int] | None, assign: Any, roles: np.ndarray,
-              start_generations: list[int] | None = None, start_in_flight: list[Any] | None = None) -> Any:
-    """The farm of workers (process) or its byte-identical reference (inline), T cycles deep;
-    roles: the battles' (the matchmaker's), which seat_deals deals by."""
-    r = args.rollout
-    cfg = farm.FarmConfig(env=env.spec, master_seed=env.seed, workers=r.workers,
-                          shards_per_worker=r.shards_per_worker, games_per_worker=r.games_per_worker,
-                          cycles=env.T, frame_stack=args.obs.frame_stack, spin_us=r.spin_us,
-                          round_timeout_s=r.round_timeout_s, launch_delay_s=r.launch_delay_s,
-                          max_restarts_per_worker=r.max_restarts_per_worker,
-                          viewer=r.source == "process" and args.metrics.viser and env.rank == 0,
-                          start_ordinals=start_ordinals,
-                          start_generations=start_generations, start_in_flight=start_in_flight or None,
-                          deals=seat_deals(args.ladder.seat_decks, roles))
-    return (farm.InlineFarm if r.source == "inline" else farm.ProcessFarm)(cfg, env.table, assign)
 
 
 def frame_stack_rows(t: np.ndarray, k: int) -> np.ndarray:
@@ -2998,6 +2797,19 @@ def tend_workers(source: Any, run: Run, failures: list[Any], before_plan: bool =
         raise WorkerFailed(f"rollout worker {w} (generation {g}) failed ({mine[0].kind}) and {why}; "
                            f"its traceback is in {path}")
     return failures
+
+
+def decision_facts(v: np.ndarray, a: np.ndarray, geo: NetGeometry) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per acted row, from its vector v (float32, the host's copy of the one the pointer head
+    resolves its hand from) and action a: the card id the played hand slot held (-1 for the no-op
+    or a button) and the row's own elixir (None when the env declares no own_elixir field):
+    rollout_policy_metrics' card and elixir."""
+    hw, P = geo.tiles[0] * geo.tiles[1], geo.hand_size
+    play = (a >= 1) & (a < 1 + P * hw)
+    ids = v[:, geo.field(HAND_CARDS)].reshape(len(a), P, -1).argmax(-1)
+    card = np.where(play, ids[np.arange(len(a)), np.clip((a - 1) // hw, 0, P - 1)], -1)
+    elixir = v[:, geo.field(OWN_ELIXIR)][:, 0] if OWN_ELIXIR in dict(geo.vector_layout) else None
+    return card, elixir
 
 
 def act_round(rnd: Any, t: int, u: torch.Tensor, view: RectView, model: ActorCritic, lad: ladder.LadderLoop,
@@ -3272,171 +3084,6 @@ def ladder_step(lad: ladder.LadderLoop, learner: Learner, episodes: list[Any], e
 
 
 # 7. Record: the halt, the control file and the checkpoint cadence.
-
-class Verdict(NamedTuple):
-    """What rank 0 decided at the end of an iteration, which every rank then acts on (design 3.10):
-    the halting alarms that fired, whether to checkpoint, whether to stop, and the ladder's pool
-    and ratings (ladder.LadderLoop.shared). One process decides and acts on it in the same place."""
-    halts: list[tuple[Alarm, float]] = []
-    save: bool = False
-    stop: bool = False
-    pool: Any = None
-
-
-def halt_if_asked(run: Run, learner: Learner, source: Any, lad: ladder.LadderLoop,
-                  halts: list[tuple[Alarm, float]], outliers: list[dict[str, Any]]) -> None:
-    """A halting alarm stops the run after its row is on disk, with a checkpoint of the learner
-    the row describes and a diagnostic bundle beside it (design 9.4)."""
-    if not halts:
-        return
-    ck = save_checkpoint(run, learner, boundary_now(source, lad))
-    (alarm, value), it = halts[0], learner.iteration
-    if not run.voice:
-        raise AlarmHalt(f"halted at iteration {it} by {alarm.name}: rank 0 says why")
-    bundle = write_bundle(run.path, it, alarm, value, run.tail, ck, run.args, run.identity,
-                          episodes=run.ep_tail, alarm_rows=run.alarm_rows, ratio_outliers=outliers,
-                          episode_lines=run.lines["episodes"])
-    raise AlarmHalt(f"halted at iteration {it} by {alarm.name} ({alarm.key} = {value:.4g}); checkpoint {ck}; "
-                    f"bundle {bundle}; resume: {resume_command(run.path, learner.comm.world)} "
-                    f"--checkpoint {ck}")
-
-
-def control_letter(f: Path) -> str:
-    """The first letter of <run>/control, "" when there is none (a person may remove it any time)."""
-    try:
-        return f.read_text().strip()[:1]
-    except FileNotFoundError:
-        return ""
-
-
-def wait_while_paused(f: Path, quiet: bool) -> str:
-    """Block while <run>/control says "p" (checked every second); return what it says then. Called
-    every cycle of collection as well as at the boundary, so a pause frees the machine within a
-    round; its seconds land in that iteration's time/iteration (design 10.3)."""
-    cmd = control_letter(f)
-    if cmd == "p" and not quiet:
-        print(f"\npaused: edit or remove {f} to continue", flush=True)
-    while cmd == "p":
-        time.sleep(1.0)
-        cmd = control_letter(f)
-    return cmd
-
-
-def read_control(run: Path, quiet: bool) -> str:
-    """Read <run>/control at the iteration boundary (the only point a resume can start from):
-    "c" checkpoint now, "q" checkpoint and quit, "p" pause until the file says otherwise. The file
-    is removed once acted on. A "c" or "q" written mid-iteration waits here, for the iteration's
-    end; a "p" is also obeyed between cycles (Run.between_cycles)."""
-    f = run / "control"
-    cmd = wait_while_paused(f, quiet)
-    f.unlink(missing_ok=True)
-    return cmd
-
-
-def checkpoint_due(learner: Learner, env: Env, args: Args, ctl: str, lad_row: dict[str, Any]) -> bool:
-    """On the every_env_steps cadence, when the control file asks, and after every gate whatever it
-    decided (design 7.4), so a candidate's learner can always be resumed."""
-    every, step = max(args.checkpoint.every_env_steps, 1), learner.env_steps
-    return step // every > (step - env.game_steps) // every or ctl in ("c", "q") or "time/gate" in lad_row
-
-
-def emergency_save(run: Run, learner: Learner, source: Any, lad: ladder.LadderLoop,
-                   exc: BaseException) -> Path | None:
-    """On a crash or a second Ctrl-C (design 10.3): only a learner on an iteration boundary can be
-    resumed, so save while collecting (the learner is still the last boundary's, and so is the
-    saved boundary) or after the row, never halfway through an update. The save must not hide
-    the original failure. Returns the checkpoint written, or None."""
-    if (isinstance(exc, AlarmHalt) or learner.sched is None or run.phase == "learn"
-            or run.last_saved == learner.env_steps):
-        return None
-    if disk_fault(exc, run.path):   # the write would fail too, leaving a .partial: the last checkpoint stands
-        return None
-    if learner.comm.on:   # every rank's farm would have to answer, and a failed rank cannot (design 3.10)
-        return None
-    try:
-        return save_checkpoint(run, learner,
-                               run.boundary if run.phase == "collect" else boundary_now(source, lad))
-    except Exception as e2:
-        print(f"emergency checkpoint failed: {e2!r}", file=sys.stderr)
-        return None
-
-
-class RunCrashed(RuntimeError):
-    """The loop stopped on an exception or a second Ctrl-C: one line for the person (what, where,
-    the traceback's file, the resume command); the original is its __cause__."""
-
-    def __init__(self, line: str, interrupted: bool) -> None:
-        super().__init__(line)
-        self.interrupted = interrupted
-
-
-def crash_line(run: Run, learner: Learner, exc: BaseException, saved: Path | None) -> str:
-    """The full traceback appended to <run>/crash-iteration-<k>.txt (k the iteration in flight,
-    numbered as its row: a gate after iteration k's update is k's, not k + 1's; appended, so a
-    second crash there loses nothing), and the one line that names it."""
-    k, comm = run.iteration or learner.iteration + 1, learner.comm
-    path = run.path / (f"crash-iteration-{k}-rank-{comm.rank}.txt" if comm.on else f"crash-iteration-{k}.txt")
-    try:
-        with path.open("a") as f:
-            f.write(f"--- {ladder.utc_now()} iteration {k}, phase {run.phase}\n"
-                    + "".join(traceback.format_exception(exc)))
-        told = f"full traceback in {path}"
-    except OSError as e:   # the disk that failed the run fails this too: the line is all there is
-        told = f"no traceback written ({path}: {e.strerror})"
-    what = "interrupted (a second Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else "crashed"
-    said = "; ".join(x for x in [(str(exc).strip().splitlines() or [""])[0], disk_fault(exc, run.path)] if x)
-    last = saved or latest_checkpoint(run.path)
-    kept = (None if last is None else f"emergency checkpoint {last}" if saved
-            else f"the last checkpoint is {last}")
-    resume = (f"{kept}; resume: {resume_command(run.path, comm.world)}" if kept else
-              f"no checkpoint yet: the same command, or {resume_command(run.path, comm.world)}, "
-              "starts it again from its start")
-    return (f"{f'rank {comm.rank} ' if comm.on else ''}{what} in iteration {k} ({run.phase}): "
-            f"{type(exc).__name__}{': ' + said if said else ''}; {told}; {resume}")
-
-
-# A disk that takes no more writes, anywhere in a run: full, over a quota, or mounted read-only.
-DISK_FAULTS = {errno.ENOSPC: "is full", errno.EDQUOT: "is over its quota", errno.EROFS: "is read-only"}
-
-
-def disk_fault(exc: BaseException | None, where: Path | str) -> str | None:
-    """The remedy when `exc`, or an exception it came from, is a disk that takes no more writes
-    (DISK_FAULTS), naming the file it failed on (`where`, the run folder, when the error does not
-    name one: a write to a file already open); None for any other exception."""
-    while exc is not None:
-        if isinstance(exc, OSError) and exc.errno in DISK_FAULTS:
-            return (f"the disk holding {exc.filename or where} {DISK_FAULTS[exc.errno]}: free space on it "
-                    "(or remount it writable), or move the run to a disk with room")
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
-class StopSignals:
-    """Ctrl-C and SIGTERM as the control file's quit (design 10.3): the first asks the loop to
-    checkpoint and stop at the end of the iteration in flight (`asked` reads "q" from then on);
-    a second stops now, as a KeyboardInterrupt, through the emergency path. The farm's workers
-    ignore SIGINT, so a terminal's Ctrl-C reaches the parent alone. Signals can be caught only
-    on the main thread; elsewhere (a run started from a thread) nothing is installed."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.asked, self.saved = "", {}
-        if threading.current_thread() is threading.main_thread():
-            self.saved = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.asked:
-            raise KeyboardInterrupt
-        self.asked = "q"
-        print(f"\n{signal.Signals(signum).name}: checkpoint and stop at the end of this iteration; "
-              "send it again to stop now", file=sys.stderr, flush=True)
-
-    def restore(self) -> None:
-        for sig, handler in self.saved.items():
-            signal.signal(sig, handler)
-        self.saved = {}
-
 
 # ======================================================================================================
 # Below this line, the run's machinery: the arguments read and checked, torchrun's ranks, the run's
@@ -3967,6 +3614,32 @@ class Comm:
         dist.all_gather_object(out, obj)
         return out
 
+    def same_weights(self, learner: Learner) -> None:
+        """Every rank's state_digest (weights, optimizer moments, scaler, positions) equal after the
+        update, checked every iteration: summed gradients and statistics keep them equal, and this
+        says so rather than trusting it (design 3.10)."""
+        if not self.on:
+            return
+        digests = self.everyone(learner_digest(learner))
+        bad = [r for r, d in enumerate(digests) if d != digests[0]]
+        if bad:
+            raise RanksDiverged(f"after iteration {learner.iteration + 1}'s update rank(s) {bad} hold "
+                                f"state_digest {[digests[r][:16] for r in bad]}, rank 0 {digests[0][:16]}: "
+                                "the ranks' learners diverged (a reduction missed, or a rank-local "
+                                "decision); the last checkpoint resumes")
+
+    def every_episode(self, episodes: list[Any], n_battles: int) -> list[Any]:
+        """Rank 0 gets every rank's finished episodes, in rank order, each battle numbered in the job
+        (rank r's battle b is battle r x n_battles + b), so episodes.jsonl reads as one farm's; the
+        other ranks keep none (they write nothing)."""
+        if not self.on:
+            return episodes
+        got = self.everyone(episodes)
+        if not self.voice:
+            return []
+        return [msgspec.structs.replace(e, battle=e.battle + r * n_battles)
+                for r, eps in enumerate(got) for e in eps]
+
 
 SOLO = Comm()
 """The one-process Comm: what every caller outside torchrun gets."""
@@ -4004,34 +3677,6 @@ def close_comm(comm: Comm) -> None:
 
 class RanksDiverged(RuntimeError):
     """Two torchrun ranks hold different learners after an update: names the ranks and the iteration."""
-
-
-def same_weights(comm: Comm, learner: Learner) -> None:
-    """Every rank's state_digest (weights, optimizer moments, scaler, positions) equal after the
-    update, checked every iteration: summed gradients and statistics keep them equal, and this
-    says so rather than trusting it (design 3.10)."""
-    if not comm.on:
-        return
-    digests = comm.everyone(learner.digest())
-    bad = [r for r, d in enumerate(digests) if d != digests[0]]
-    if bad:
-        raise RanksDiverged(f"after iteration {learner.iteration + 1}'s update rank(s) {bad} hold "
-                            f"state_digest {[digests[r][:16] for r in bad]}, rank 0 {digests[0][:16]}: "
-                            "the ranks' learners diverged (a reduction missed, or a rank-local decision); "
-                            "the last checkpoint resumes")
-
-
-def every_episode(comm: Comm, episodes: list[Any], n_battles: int) -> list[Any]:
-    """Rank 0 gets every rank's finished episodes, in rank order, each battle numbered in the job
-    (rank r's battle b is battle r x n_battles + b), so episodes.jsonl reads as one farm's; the
-    other ranks keep none (they write nothing)."""
-    if not comm.on:
-        return episodes
-    got = comm.everyone(episodes)
-    if not comm.voice:
-        return []
-    return [msgspec.structs.replace(e, battle=e.battle + r * n_battles)
-            for r, eps in enumerate(got) for e in eps]
 
 
 # The run's identity.
@@ -4671,7 +4316,7 @@ def _resume_run(args: Args, env: Env, learner: Learner, path: Path, resume: Path
         (path / "drift.json").write_bytes(canonical_json({"checkpoint": str(resume), "differences": diff}))
     for line in config_diff(man.config, args):   # the excluded fields: printed, allowed
         print(f"resume: config differs from the checkpoint's: {line}")
-    learner.restore(files)
+    restore_learner(learner, files)
     if not quiet:
         print(f"resumed {resume} at iteration {learner.iteration}; state_digest {man.state_digest[:16]}")
     saved = saved_boundary(files, 0)
@@ -4725,6 +4370,104 @@ def check_writable(path: Path, name: str) -> None:
                               "folder); pass a folder you can write in")
     except OSError as e:   # a name the file system refuses to look up (too long, say)
         raise ConfigError(f"{name} {path}: cannot be looked up ({e.strerror}); pass another folder") from None
+
+
+# A disk that takes no more writes, anywhere in a run: full, over a quota, or mounted read-only.
+DISK_FAULTS = {errno.ENOSPC: "is full", errno.EDQUOT: "is over its quota", errno.EROFS: "is read-only"}
+
+
+def disk_fault(exc: BaseException | None, where: Path | str) -> str | None:
+    """The remedy when `exc`, or an exception it came from, is a disk that takes no more writes
+    (DISK_FAULTS), naming the file it failed on (`where`, the run folder, when the error does not
+    name one: a write to a file already open); None for any other exception."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in DISK_FAULTS:
+            return (f"the disk holding {exc.filename or where} {DISK_FAULTS[exc.errno]}: free space on it "
+                    "(or remount it writable), or move the run to a disk with room")
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class StopSignals:
+    """Ctrl-C and SIGTERM as the control file's quit (design 10.3): the first asks the loop to
+    checkpoint and stop at the end of the iteration in flight (`asked` reads "q" from then on);
+    a second stops now, as a KeyboardInterrupt, through the emergency path. The farm's workers
+    ignore SIGINT, so a terminal's Ctrl-C reaches the parent alone. Signals can be caught only
+    on the main thread; elsewhere (a run started from a thread) nothing is installed."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.asked, self.saved = "", {}
+        if threading.current_thread() is threading.main_thread():
+            self.saved = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.asked:
+            raise KeyboardInterrupt
+        self.asked = "q"
+        print(f"\n{signal.Signals(signum).name}: checkpoint and stop at the end of this iteration; "
+              "send it again to stop now", file=sys.stderr, flush=True)
+
+    def restore(self) -> None:
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+        self.saved = {}
+
+
+class RunCrashed(RuntimeError):
+    """The loop stopped on an exception or a second Ctrl-C: one line for the person (what, where,
+    the traceback's file, the resume command); the original is its __cause__."""
+
+    def __init__(self, line: str, interrupted: bool) -> None:
+        super().__init__(line)
+        self.interrupted = interrupted
+
+
+def emergency_save(run: Run, learner: Learner, source: Any, lad: ladder.LadderLoop,
+                   exc: BaseException) -> Path | None:
+    """On a crash or a second Ctrl-C (design 10.3): only a learner on an iteration boundary can be
+    resumed, so save while collecting (the learner is still the last boundary's, and so is the
+    saved boundary) or after the row, never halfway through an update. The save must not hide
+    the original failure. Returns the checkpoint written, or None."""
+    if (isinstance(exc, AlarmHalt) or learner.sched is None or run.phase == "learn"
+            or run.last_saved == learner.env_steps):
+        return None
+    if disk_fault(exc, run.path):   # the write would fail too, leaving a .partial: the last checkpoint stands
+        return None
+    if learner.comm.on:   # every rank's farm would have to answer, and a failed rank cannot (design 3.10)
+        return None
+    try:
+        return save_checkpoint(run, learner,
+                               run.boundary if run.phase == "collect" else boundary_now(source, lad))
+    except Exception as e2:
+        print(f"emergency checkpoint failed: {e2!r}", file=sys.stderr)
+        return None
+
+
+def crash_line(run: Run, learner: Learner, exc: BaseException, saved: Path | None) -> str:
+    """The full traceback appended to <run>/crash-iteration-<k>.txt (k the iteration in flight,
+    numbered as its row: a gate after iteration k's update is k's, not k + 1's; appended, so a
+    second crash there loses nothing), and the one line that names it."""
+    k, comm = run.iteration or learner.iteration + 1, learner.comm
+    path = run.path / (f"crash-iteration-{k}-rank-{comm.rank}.txt" if comm.on else f"crash-iteration-{k}.txt")
+    try:
+        with path.open("a") as f:
+            f.write(f"--- {ladder.utc_now()} iteration {k}, phase {run.phase}\n"
+                    + "".join(traceback.format_exception(exc)))
+        told = f"full traceback in {path}"
+    except OSError as e:   # the disk that failed the run fails this too: the line is all there is
+        told = f"no traceback written ({path}: {e.strerror})"
+    what = "interrupted (a second Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else "crashed"
+    said = "; ".join(x for x in [(str(exc).strip().splitlines() or [""])[0], disk_fault(exc, run.path)] if x)
+    last = saved or latest_checkpoint(run.path)
+    kept = (None if last is None else f"emergency checkpoint {last}" if saved
+            else f"the last checkpoint is {last}")
+    resume = (f"{kept}; resume: {resume_command(run.path, comm.world)}" if kept else
+              f"no checkpoint yet: the same command, or {resume_command(run.path, comm.world)}, "
+              "starts it again from its start")
+    return (f"{f'rank {comm.rank} ' if comm.on else ''}{what} in iteration {k} ({run.phase}): "
+            f"{type(exc).__name__}{': ' + said if said else ''}; {told}; {resume}")
 
 
 def hold_run(path: Path) -> Any:
@@ -4786,7 +4529,7 @@ def follow_run(args: Args, env: Env, learner: Learner, path: Path, rid: str, voi
     if resume is None:
         return Run(args, path, identity, rid, quiet, t_start, rank=rank)
     _, files = read_checkpoint(Path(resume))
-    learner.restore(files)
+    restore_learner(learner, files)
     return Run(args, path, identity, rid, quiet, t_start, rank=rank, last_saved=learner.env_steps,
                **saved_boundary(files, rank))
 
@@ -4903,6 +4646,37 @@ class Run:
         return {**{f"{name}.jsonl": n for name, n in self.lines.items()},
                 "ladder/games.jsonl": count_lines(ladder.ResultLog(self.path).path)}
 
+    def halt_if_asked(self, learner: Learner, source: Any, lad: ladder.LadderLoop,
+                      halts: list[tuple[Alarm, float]], outliers: list[dict[str, Any]]) -> None:
+        """A halting alarm stops the run after its row is on disk, with a checkpoint of the learner
+        the row describes and a diagnostic bundle beside it (design 9.4)."""
+        if not halts:
+            return
+        ck = save_checkpoint(self, learner, boundary_now(source, lad))
+        (alarm, value), it = halts[0], learner.iteration
+        if not self.voice:
+            raise AlarmHalt(f"halted at iteration {it} by {alarm.name}: rank 0 says why")
+        bundle = write_bundle(self.path, it, alarm, value, self.tail, ck, self.args, self.identity,
+                              episodes=self.ep_tail, alarm_rows=self.alarm_rows, ratio_outliers=outliers,
+                              episode_lines=self.lines["episodes"])
+        raise AlarmHalt(f"halted at iteration {it} by {alarm.name} ({alarm.key} = {value:.4g}); checkpoint "
+                        f"{ck}; bundle {bundle}; resume: {resume_command(self.path, learner.comm.world)} "
+                        f"--checkpoint {ck}")
+
+    def crashed(self, learner: Learner, source: Any, lad: ladder.LadderLoop, exc: BaseException) -> NoReturn:
+        """The loop's exception, raised on: a halt as it is (its own row, checkpoint and bundle, design
+        9.4); anything else, after an emergency save where one can be made, as RunCrashed, the one line
+        that names it (crash_line), from the original."""
+        saved = emergency_save(self, learner, source, lad, exc)
+        if isinstance(exc, AlarmHalt):
+            raise exc
+        raise RunCrashed(crash_line(self, learner, exc, saved), isinstance(exc, KeyboardInterrupt)) from exc
+
+    def save_at_limit(self, learner: Learner, boundary: Boundary) -> None:
+        """The loop's end at its limit: a checkpoint on the way out unless the last save holds it."""
+        if self.last_saved != learner.env_steps:
+            save_checkpoint(self, learner, boundary)
+
     def timed_save(self, learner: Learner, boundary: Boundary) -> None:
         """A checkpoint on the cadence, then pruning; its time goes into the next row."""
         t0 = time.perf_counter()
@@ -4934,6 +4708,217 @@ class Run:
             self.tb.close()
         if self.lock is not None:   # last: every log above is closed
             self.lock.close()
+
+
+# The run's start. train() is the entry point: the arguments held to the rules, the disk checked,
+# torchrun's ranks joined, then the loop (_train, section 8). set_up builds, once and in order, what
+# the loop reads: the env, the Learner, the start-up gates, the warm start, the Run, the ladder and
+# the farm.
+
+def train(args: Args, *, max_iterations: int | None = None, quiet: bool = False, resume: Path | None = None,
+          allow_identity_drift: bool = False) -> Path:
+    """Train until args.timestep_limit learner transitions (or max_iterations); return the run
+    directory. With `resume` (a checkpoint folder) the run continues in its own directory: the
+    identity must equal the checkpoint's field for field (design 2.4), and the learner, the RNG,
+    the farm's episode ordinals and the ladder are restored. The process-wide determinism settings
+    are put back on the way out, so a caller in the same process (a test, checks.py) keeps its own."""
+    check_consistency(args)   # design 1.3: an Args built in code is held to the rules the command line is
+    # where the run will write, before the start-up gates' seconds: a file, or a read-only disk, in its way
+    check_writable(Path(resume).parent.parent if resume else Path(args.runs_dir),
+                   "--resume" if resume else "--runs-dir")
+    comm = open_comm(args)    # torchrun's ranks, or SOLO (design 3.10)
+    try:
+        with process_settings_kept():
+            path = _train(args, max_iterations, quiet, resume, allow_identity_drift, comm)
+        if comm.on:   # no rank tears gloo down while a peer's last exchange with it is in flight
+            import torch.distributed as dist
+            dist.barrier()
+        return path
+    finally:
+        close_comm(comm)
+
+
+class Setup(NamedTuple):
+    """What train() builds once, before its first iteration, and the loop reads."""
+    env: Env
+    learner: Learner
+    run: Run
+    lad: ladder.LadderLoop
+    opening: list[Any] | None    # the farm's opening assignment table (a resume's), else None
+    source: Any                  # the farm: farm.ProcessFarm or farm.InlineFarm
+    view: RectView
+
+
+def set_up(args: Args, quiet: bool, resume: Path | None = None, allow_drift: bool = False,
+           t_start: float | None = None, comm: Comm | None = None) -> Setup:
+    """Everything train() does once, in order (design 10.1); checks.py bench builds its rig with it.
+    Under torchrun rank 0 opens the run and its ladder first; the other ranks then follow it."""
+    comm = SOLO if comm is None else comm
+    apply_determinism(args)                   # design 2.1: before the first tensor exists
+    stale = farm.stale_segments_line(farm.remove_stale_segments())   # a dead run's shared memory (design 3.7)
+    if stale and not quiet and comm.voice:
+        print(stale, flush=True)
+    env = read_env(args, comm)                # geometry, codec table and T x R, read off a reset env
+    check_gates([ram_gate(args, env, parameter_count(args, env))])  # design 3.8 step 9, before any allocation
+    learner = Learner(args, env, comm)        # the network, its optimizers, scaler, backoff, positions
+    # before any long step
+    seeds = check_seeds(args, env, learner.model) if comm.voice and resume is None else []
+    run_startup_gates(args, env, learner.model, quiet or not comm.voice)   # design 3.8
+    # a warm start (WarmArgs) makes v0 the clone of a scripted rung; every rank clones alike
+    cloned = (warm_start(args, env, learner.model, quiet or not comm.voice)
+              if resume is None and args.warm.rung else None)
+    t0 = time.perf_counter() if t_start is None else t_start
+    if comm.voice:
+        run = open_run(args, env, learner, resume, allow_drift, quiet, t0)    # identity; a resume restores
+    else:
+        path, rid, identity, shared = comm.share(None)   # after rank 0 wrote the run, its seeds and v0
+        run = follow_run(args, env, learner, Path(path), rid, identity, resume, quiet, t0, comm.rank)
+    try:   # from here a failure closes the run's files and lets go of its training lock
+        learner.warm_steps = int(cloned["game_steps"]) if cloned is not None else warm_game_steps(run.path)
+        if comm.voice:
+            if cloned is not None:
+                (run.path / "warm.json").write_bytes(msgspec.json.format(canonical_json(cloned)))
+            lad = ladder.LadderLoop(args, NETS, run.path, run.rid, args.master_seed, env.n_battles, env.spec,
+                                    env.table, env.device, env.seed)
+            # v0 and the seeds, or the checkpoint's pool
+            opening = start_ladder(lad, run, learner, env, seeds)
+            comm.share((str(run.path), run.rid, run.identity, lad.shared()))
+        else:
+            lad = ladder.LadderLoop(args, NETS, run.path, run.rid, args.master_seed, env.n_battles, env.spec,
+                                    env.table, env.device, env.seed, voice=False)
+            opening = lad.load(run.ladder_saved) if run.ladder_saved is not None else None
+            lad.follow(shared)
+        lad.join(comm)
+        # v0's snapshot, the clone in fp16: a fresh run, a resume, every rank alike
+        if teacher_on(args.warm):
+            v0 = lad.store.load(lad.pool.snapshot_id(lad.pool.v0))
+            learner.teacher = actor_from_snapshot(*v0, env.device)
+            learner.teacher.requires_grad_(False)
+        source = open_farm(args, env, run.start_ordinals, lad.assign, lad.mm.roles, run.start_generations,
+                           run.start_in_flight)
+    except BaseException:
+        run.close()
+        raise
+    view = RectView(source.rect, env, args.obs.frame_stack)
+    view.resume(run.start_in_flight or [])   # the battles the farm re-simulated are mid-episode
+    return Setup(env, learner, run, lad, opening, source, view)
+
+
+def apply_determinism(args: Args) -> None:
+    """Determinism tier run_exact (design 2.1): deterministic kernels, no tf32, fixed thread count."""
+    torch.set_num_threads(args.determinism.torch_threads)
+    if args.determinism.tier == "run_exact":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        deterministic_kernels(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def read_env(args: Args, comm: Comm | None = None) -> Env:
+    """Build one env, reset it, and read off it everything the run needs: the codec table, the
+    network's geometry, the engine's digests; then size the rectangle (T cycles of R slots) so an
+    iteration holds ppo.timesteps_per_iteration learner rows (a rank's: the profile's rollout
+    numbers are per rank). Under torchrun rank r's battles, acting uniforms and matchmaking draw
+    from master seed derive_int(master_seed, "rank/{r}"): the rank is in every stream's path, so
+    no two ranks play the same battle (design 3.10)."""
+    comm = SOLO if comm is None else comm
+    device = resolve_device(args)
+    k, seed = args.obs.frame_stack, args.master_seed
+    spec = farm.default_env_spec(reveal_spell_aim="enemy_spell_aim" in args.obs.reveal,
+                                 max_steps=args.obs.max_steps or None, reward=reward_spec(args.reward))
+    spec = msgspec.structs.replace(spec, decision_ms=args.obs.decision_ms)
+    try:
+        env_spec, table = farm.preflight(spec, frame_stack=k, master_seed=seed)
+    except RuntimeError as e:   # design 3.8 step 1: a stale engine build refuses here, before cycle 0
+        refusal = stale_build_refusal(e)
+        if refusal is None:
+            raise
+        raise refusal from e
+    vec = farm.build_vec(spec, 1)
+    obs0, _ = vec.reset(seed=0)
+    statics = torch.as_tensor(codec.static_planes(table, obs0), device=device)
+    geo = geometry_from_env(vec.single_observation_space, vec.envs[0].obs_builder, k)
+    eng_cfg = vec.envs[0].config()
+    cards = sorted(vec.envs[0].engine.cards(), key=lambda c: c.card_id)
+    vec.close()
+    deal_check(args.ladder.seat_decks, cards)
+    n_battles = args.rollout.workers * args.rollout.games_per_worker
+    # sizing only: the learner's row count follows from the roles, not from the pool
+    mm = ladder.Matchmaker(seed, n_battles, ladder.match_config(args.ladder))
+    learner_rows = ladder.learner_rows(mm.plan(0, [0] * n_battles, ladder.Pool(), None))
+    facts = EnvFacts(engine_build=engine_build_from_config(eng_cfg, "RustEngine"),
+                     env_spec_digest=env_spec.env_value_digest, obs_digest=env_spec.obs_digest,
+                     action_digest=sha256_hex(canonical_json({"n_actions": geo.n_actions, "tiles": geo.tiles,
+                                                              "hand_size": geo.hand_size})),
+                     codec_version=codec.CODEC_VERSION, codec_table_digest=table.digest(),
+                     royalegym_version=_pkg_version("royalegym"))
+    return Env(spec=spec, table=table, statics=statics, geo=geo, facts=facts, device=device,
+               n_battles=n_battles, R=2 * n_battles, T=-(-args.ppo.timesteps_per_iteration // learner_rows),
+               learner_rows=learner_rows, n_shards=args.rollout.workers * args.rollout.shards_per_worker,
+               seed=derive_int(seed, f"rank/{comm.rank}") if comm.on else seed, world=comm.world,
+               rank=comm.rank,
+               backend=comm.backend, card_names=tuple(c.name for c in cards))
+
+
+def reward_spec(reward: RewardArgs) -> farm.ComponentSpec | None:
+    """The env's reward with the weights that differ from farm.REWARD_WEIGHTS (None: the default
+    reward, so a run at the defaults keeps its env spec, and its id)."""
+    kw = {k: w for k, w in dataclasses.asdict(reward).items() if w != farm.REWARD_WEIGHTS[k]}
+    return farm.ComponentSpec("farm.default_potential_reward", kw) if kw else None
+
+
+def start_ladder(lad: ladder.LadderLoop, run: Run, learner: Learner, env: Env,
+                 seeds: Sequence[Any]) -> list[Any] | None:
+    """A resumed run restores the pool and returns the saved assignment table (the farm's opening
+    plan). A new run admits v0, the initial actor, as the first champion, so the pool and the
+    gauge exist from the first iteration (design 7.4), and its seed snapshots (`seeds`: their
+    specs, check_seeds)."""
+    if run.ladder_saved is not None:
+        return lad.load(run.ladder_saved)
+    # with seed snapshots the training pool is theirs (design 7.3): v0 is the champion, not drawn
+    lad.admit(lad.snapshot(learner.model, learner.env_steps, env.facts.action_digest), learner.env_steps,
+              promote=True, sample=not seeds)
+    lad.admit_seeds(seeds)
+    return None
+
+
+def check_seeds(args: Args, env: Env, model: ActorCritic) -> list[Any]:
+    """design 7.3: each of ladder.seed_snapshots read before the run directory exists, so a wrong
+    one stops with nothing written: its weights must hash to the sha256 the config pins and its
+    spec carry this run's arch, observation (the evaluation env's) and codec table digests.
+    Returns their specs, in order."""
+    if not args.ladder.seed_snapshots:
+        return []
+    es, _, _ = ladder._eval_preflight(msgspec.json.encode(ladder.eval_env_spec(env.spec)), args.master_seed)
+    expect = {"arch_digest": arch_digest(model.geo, model.net), "obs_digest": es.obs_digest,
+              "codec_table_digest": env.table.digest()}
+    specs = []
+    for i, sd in enumerate(args.ladder.seed_snapshots):
+        try:
+            specs.append(ladder.check_seed(f"ladder.seed_snapshots[{i}] (seed:{sd.name})", sd.path, sd.sha256,
+                                           expect))
+        except ladder.SnapshotMismatch as e:
+            raise ConfigError(str(e)) from None
+    return specs
+
+
+def open_farm(args: Args, env: Env, start_ordinals: list[int] | None, assign: Any, roles: np.ndarray,
+              start_generations: list[int] | None = None, start_in_flight: list[Any] | None = None) -> Any:
+    """The farm of workers (process) or its byte-identical reference (inline), T cycles deep;
+    roles: the battles' (the matchmaker's), which seat_deals deals by."""
+    r = args.rollout
+    cfg = farm.FarmConfig(env=env.spec, master_seed=env.seed, workers=r.workers,
+                          shards_per_worker=r.shards_per_worker, games_per_worker=r.games_per_worker,
+                          cycles=env.T, frame_stack=args.obs.frame_stack, spin_us=r.spin_us,
+                          round_timeout_s=r.round_timeout_s, launch_delay_s=r.launch_delay_s,
+                          max_restarts_per_worker=r.max_restarts_per_worker,
+                          viewer=r.source == "process" and args.metrics.viser and env.rank == 0,
+                          start_ordinals=start_ordinals,
+                          start_generations=start_generations, start_in_flight=start_in_flight or None,
+                          deals=seat_deals(args.ladder.seat_decks, roles))
+    return (farm.InlineFarm if r.source == "inline" else farm.ProcessFarm)(cfg, env.table, assign)
 
 
 def _pkg_version(name: str) -> str:
@@ -5153,7 +5138,6 @@ def load_learner(files: dict[str, bytes], ac: ActorCritic, opt_actor: torch.opti
     return json.loads(files["schedules/state.json"]), rng, json.loads(files["optimizers/misc.json"])
 
 
-
 class ArchMismatch(ValueError):
     """A load whose saved architecture differs from the model's, named field by field."""
 
@@ -5168,12 +5152,34 @@ def check_arch(saved: dict[str, Any], model: ActorCritic, what: str) -> None:
                            f"Build the network with the saved config, or start a new run.")
 
 
+def learner_digest(learner: Learner) -> str:
+    """state_digest of everything the Learner holds (design 2.4)."""
+    return state_digest(learner.model, [learner.opt_a, learner.opt_c], learner.scaler, learner.positions())
+
+
+def learner_state(learner: Learner, master_seed: int) -> dict[str, bytes]:
+    """The Learner as a checkpoint's files (learner_files), its RNG at this iteration included."""
+    return learner_files(learner.model, learner.opt_a, learner.opt_c, learner.scaler, learner.positions(),
+                         capture_rng(master_seed, learner.iteration),
+                         {"cumulative_model_updates": learner.updates})
+
+
+def restore_learner(learner: Learner, files: dict[str, bytes]) -> None:
+    """The inverse of learner_state: weights, moments, scaler, backoff, RNG and the counters."""
+    pos, rng, _ = load_learner(files, learner.model, learner.opt_a, learner.opt_c, learner.scaler)
+    learner.backoff.load_state(pos["backoff"])
+    learner.backoff.apply(learner.opt_a, learner.opt_c)
+    restore_rng(rng)
+    learner.iteration, learner.env_steps = int(pos["iteration"]), int(pos["env_steps"])
+    learner.timesteps, learner.updates = int(pos["timesteps"]), int(pos["updates"])
+
+
 def save_checkpoint(run: Run, learner: Learner, boundary: Boundary) -> Path:
     """The learner and the boundary it stands on, atomically, under the env step it reached
     (design 8.1). A resumed run that reaches a step the original saved must reach it with the same
     learner: the existing checkpoint is kept and the two state_digests compared."""
     args = run.args
-    files = learner.files(args.master_seed)
+    files = learner_state(learner, args.master_seed)
     # every rank's farm and matchmaker (design 3.10): one process's is rank 0's alone
     for r, b in enumerate(learner.comm.everyone(boundary)):
         files[rank_file("rollout/state.json", r)] = canonical_json({"ordinals": [int(x) for x in b.ordinals],
@@ -5182,7 +5188,7 @@ def save_checkpoint(run: Run, learner: Learner, boundary: Boundary) -> Path:
         # matchmaker, pool, ratings, residents
         files[rank_file("ladder/state.json", r)] = canonical_json(b.ladder)
     d = run.path / "checkpoints" / f"{learner.env_steps:012d}"
-    digest = learner.digest()
+    digest = learner_digest(learner)
     run.last_saved = learner.env_steps
     if not run.voice:
         return d
@@ -5650,19 +5656,6 @@ def save_play_heatmaps(run: Path, iteration: int, roll: Rollout, env: Env, every
     return path
 
 
-def decision_facts(v: np.ndarray, a: np.ndarray, geo: NetGeometry) -> tuple[np.ndarray, np.ndarray | None]:
-    """Per acted row, from its vector v (float32, the host's copy of the one the pointer head
-    resolves its hand from) and action a: the card id the played hand slot held (-1 for the no-op
-    or a button) and the row's own elixir (None when the env declares no own_elixir field):
-    rollout_policy_metrics' card and elixir."""
-    hw, P = geo.tiles[0] * geo.tiles[1], geo.hand_size
-    play = (a >= 1) & (a < 1 + P * hw)
-    ids = v[:, geo.field(HAND_CARDS)].reshape(len(a), P, -1).argmax(-1)
-    card = np.where(play, ids[np.arange(len(a)), np.clip((a - 1) // hw, 0, P - 1)], -1)
-    elixir = v[:, geo.field(OWN_ELIXIR)][:, 0] if OWN_ELIXIR in dict(geo.vector_layout) else None
-    return card, elixir
-
-
 def device_memory(device: torch.device, needed_mb: float | None) -> dict[str, float]:
     """The device-memory regime at the iteration's end (design 9.2; CUDA only, else nothing): which
     memory a slowing update is in. The driver's free memory is the one vram_spilling reads; a
@@ -6102,7 +6095,7 @@ def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: ladder.Lad
         **({"run/teacher_kl": learner.sched["teacher_kl"]} if "teacher_kl" in learner.sched else {}),
         "run/lr_actor": learner.backoff.lr_actor, "run/lr_critic": learner.backoff.lr_critic,
         "run/lr_backoff": upd["run/lr_backoff"], "run/determinism_tier": args.determinism.tier,
-        "run/resumed_with_drift": run.drifted, "run/state_digest": learner.digest(),
+        "run/resumed_with_drift": run.drifted, "run/state_digest": learner_digest(learner),
         "time/iteration": t_iter, "time/collection": roll.t_collect, "time/inference": roll.t_inference,
         "time/checkpoint": run.t_ckpt, "time/residual": t_iter - parts,
         "throughput/overall_steps_per_second": env.game_steps / max(t_iter, 1e-9),
@@ -6143,6 +6136,70 @@ def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: ladder.Lad
         **adv.stats, **{k: v for k, v in upd.items() if k.startswith("ppo/")},
         **lad.keys(time.perf_counter() - run.t_start), **lad_row,
     }
+
+
+def record_iteration(args: Args, env: Env, learner: Learner, run: Run, lad: ladder.LadderLoop, roll: Rollout,
+                     crit: Critic, adv: Advantages, update: dict[str, Any], ladder_row: dict[str, Any],
+                     quiet: bool) -> Verdict:
+    """The loop's step 7, on rank 0: the iteration's row (metric_row), its episodes and the alarms
+    the row fires written (Run.record), the play heatmaps on their cadence, then what happens next:
+    a halting alarm's, else the control file's or a stop signal's word, and whether a checkpoint is
+    due (checkpoint_due)."""
+    row = metric_row(args, env, learner, run, lad, roll, crit, adv, update, ladder_row)
+    run.phase = "boundary"
+    halts = [(a, v) for a, v in run.record(row, roll.episodes) if a.severity == "halt"]
+    save_play_heatmaps(run.path, learner.iteration, roll, env, args.metrics.image_every)
+    ctl = "" if halts else read_control(run.path, quiet) or run.stop.asked   # Ctrl-C, SIGTERM: "q"
+    return Verdict(halts, checkpoint_due(learner, env, args, ctl, ladder_row), ctl == "q", lad.shared())
+
+
+class Verdict(NamedTuple):
+    """What rank 0 decided at the end of an iteration, which every rank then acts on (design 3.10):
+    the halting alarms that fired, whether to checkpoint, whether to stop, and the ladder's pool
+    and ratings (ladder.LadderLoop.shared). One process decides and acts on it in the same place."""
+    halts: list[tuple[Alarm, float]] = []
+    save: bool = False
+    stop: bool = False
+    pool: Any = None
+
+
+def control_letter(f: Path) -> str:
+    """The first letter of <run>/control, "" when there is none (a person may remove it any time)."""
+    try:
+        return f.read_text().strip()[:1]
+    except FileNotFoundError:
+        return ""
+
+
+def wait_while_paused(f: Path, quiet: bool) -> str:
+    """Block while <run>/control says "p" (checked every second); return what it says then. Called
+    every cycle of collection as well as at the boundary, so a pause frees the machine within a
+    round; its seconds land in that iteration's time/iteration (design 10.3)."""
+    cmd = control_letter(f)
+    if cmd == "p" and not quiet:
+        print(f"\npaused: edit or remove {f} to continue", flush=True)
+    while cmd == "p":
+        time.sleep(1.0)
+        cmd = control_letter(f)
+    return cmd
+
+
+def read_control(run: Path, quiet: bool) -> str:
+    """Read <run>/control at the iteration boundary (the only point a resume can start from):
+    "c" checkpoint now, "q" checkpoint and quit, "p" pause until the file says otherwise. The file
+    is removed once acted on. A "c" or "q" written mid-iteration waits here, for the iteration's
+    end; a "p" is also obeyed between cycles (Run.between_cycles)."""
+    f = run / "control"
+    cmd = wait_while_paused(f, quiet)
+    f.unlink(missing_ok=True)
+    return cmd
+
+
+def checkpoint_due(learner: Learner, env: Env, args: Args, ctl: str, lad_row: dict[str, Any]) -> bool:
+    """On the every_env_steps cadence, when the control file asks, and after every gate whatever it
+    decided (design 7.4), so a candidate's learner can always be resumed."""
+    every, step = max(args.checkpoint.every_env_steps, 1), learner.env_steps
+    return step // every > (step - env.game_steps) // every or ctl in ("c", "q") or "time/gate" in lad_row
 
 
 def progress_line(iteration: int, t: int, T: int, rounds: int, seconds: float) -> str:
@@ -6206,7 +6263,6 @@ def console_block(row: dict[str, Any], fired: Sequence[tuple[Alarm, float]] = ()
             groups.setdefault(grp, []).append(f"{name}={_fmt(v, '{:.4g}')}")
         lines += [f"  [{grp}] " + "  ".join(items) for grp, items in groups.items()]
     return "\n".join(lines)
-
 
 
 # --- 12. Snapshots and the ladder's players (design 7.6, 7.3, 3.2) ------------------------------
@@ -6296,8 +6352,6 @@ class NetPlayer:
         with torch.inference_mode():   # forced rows: neither unpacked nor forwarded
             a = self.model.act_and_hold(obs_of, ut, forced, self.decode)
         return a.action.cpu().numpy()
-
-
 
 
 def run_codec_table(run: Path) -> Any:

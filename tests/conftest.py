@@ -2,7 +2,8 @@
 
 The learner half is tests/test_ppo_clash.py's slow tests, marked `learner_half` here, each half
 then one -m expression. A slow test of that file marked `other_half` runs in the other half,
-after the fast tests, so the halves end together: a test that shares a module fixture moves with
+after the fast tests, to bring the halves' lengths close (within about a minute and a half on a
+2-core machine, docs/status.md's issue 49 row): a test that shares a module fixture moves with
 every test that reads it (the fixture is built once in each process that runs one of them)."""
 import pytest
 
