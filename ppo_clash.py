@@ -2241,7 +2241,7 @@ def process_settings_kept() -> Iterator[None]:
 def deterministic_kernels(on: bool) -> None:
     """torch's deterministic-kernels flag (design 2.1), set as torch.use_deterministic_algorithms
     sets it, less that function's import of torch._inductor to mark its compiler deterministic
-    too: 1.4-1.6 s of CPU at every process's start [M: docs/throughput.md, issue 49] for a compiler
+    too: 1.6-1.8 s of CPU at every process's start [M: docs/throughput.md, issue 49] for a compiler
     this project never runs (a fork that compiles calls the public function)."""
     torch._C._set_deterministic_algorithms(on, warn_only=False)
 

@@ -4869,7 +4869,7 @@ def test_the_method_reaches_below_the_marked_line_through_the_headers_names_alon
 def test_the_determinism_tier_sets_torchs_flag_without_importing_its_compiler_and_gives_it_back():
     """Design 2.1: run_exact turns torch's deterministic kernels on, and a caller in the same process
     gets its own setting back (process_settings_kept); torch.use_deterministic_algorithms would also
-    import torch._inductor, 1.4-1.6 s of CPU a process start, for a compiler nothing here runs."""
+    import torch._inductor, 1.6-1.8 s of CPU a process start, for a compiler nothing here runs."""
     code = ("import sys, torch, ppo_clash as P\n"
             "before = torch.are_deterministic_algorithms_enabled()\n"
             "with P.process_settings_kept():\n"
