@@ -2215,7 +2215,7 @@ def _train(args: Args, max_iterations: int | None, quiet: bool, resume: Path | N
             if verdict.stop:
                 run.say_stopped(learner)   # where it stopped, and the resume command
                 break
-        run.save_at_limit(learner, boundary_now(source, ladder_loop))
+        run.save_at_limit(learner, boundary_now(source, ladder_loop))   # the limit: saved on the way out
     except (Exception, KeyboardInterrupt) as exc:   # KeyboardInterrupt is named: it is not an Exception
         run.crashed(learner, source, ladder_loop, exc)   # an emergency save where it can; raises
     finally:
