@@ -1220,15 +1220,16 @@ def timed_update(s: P.Setup, roll: P.Rollout, crit: P.Critic, adv: P.Advantages,
                  args: P.Args) -> float:
     """Seconds of one update from the weights that collected the rectangle: each repeat starts
     from the same learner state (the ratio invariant holds the update to it, design 6.4)."""
-    learner, it = s.learner, s.learner.iteration
+    learner = s.learner
     before = P.learner_state(learner, args.master_seed)
     rows = P.update_rows(s.view, roll, crit, adv)
-    debug = it < args.ppo.debug_assert_iterations   # the settings the loop's update has at this iteration
+    # the update of a steady iteration, which the loop's median is made of: no mask asserts, no
+    # ratio check (a run's first iterations and one in ppo.check_ratio_invariant_every have them),
+    # both optimizers stepping, the profile's teacher at its scheduled weight
     seconds = P.ppo_update(
         learner.model, learner.opt_a, learner.opt_c, rows, args.ppo, ent_coef=sched["ent_coef"],
-        ent_coef_noop=sched["ent_coef_noop"], master_seed=args.master_seed, iteration=it, debug=debug,
-        check_ratio=debug or it % args.ppo.check_ratio_invariant_every == 0, ratio_atol=P.ratio_atol(args),
-        comm=learner.comm, actor_steps=it >= args.warm.critic_iterations,
+        ent_coef_noop=sched["ent_coef_noop"], master_seed=args.master_seed, iteration=learner.iteration,
+        debug=False, check_ratio=False, ratio_atol=P.ratio_atol(args), comm=learner.comm, actor_steps=True,
         teacher=None if learner.teacher is None else (learner.teacher, sched["teacher_kl"]))["time/update"]
     P.restore_learner(learner, before)
     return seconds

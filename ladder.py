@@ -65,6 +65,7 @@ import hashlib
 import importlib.util
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -116,7 +117,8 @@ PRIOR_SD = 400.0          # rater.prior_sd: weakly informative, keeps a player w
 MIN_DRAW_RATE = 0.02      # rater.draws falls back to "half_win" under this measured draw rate
 RESIDUAL_MIN_GAMES = 30   # design 7.8: pairs with at least 30 games enter the residual
 Z95 = 1.96
-Z_EARLY = 2.576   # a sequential gate's bound before its cap: a 99% one (sequential_settled)
+# a sequential gate's bound before its cap: a two-sided 99% one (sequential_settled), 2.576
+Z_EARLY = statistics.NormalDist().inv_cdf(0.995)
 
 ROLE_NAMES = {ROLE_MIRROR: "mirror", ROLE_POOL: "pool", ROLE_SCRIPTED: "scripted"}
 

@@ -2305,6 +2305,10 @@ class Cloned(NamedTuple):
     scores: np.ndarray | None = None  # float32 (n, K): their scores (the lookahead's), for soft targets
 
 
+Weights = dict[str, np.ndarray]
+"""A network's state_dict as arrays: how a DAgger round's student reaches the processes it plays in."""
+
+
 def clone_rows(args: Args, env: Env, round_: int = 0, student: Weights | None = None) -> Cloned:
     """One round of the warm start's battles, one episode each, on the run's env, spread over
     args.warm.workers processes (the rows in battle order, the same for any count). Round 0: the
@@ -2402,10 +2406,6 @@ def candidates(player: Any, label: int, K: int) -> tuple[np.ndarray, np.ndarray]
     a, s = np.full(K, -1, np.int64), np.full(K, -np.inf, np.float32)
     a[:len(tried)], s[:len(tried)] = tried, scores
     return a, s
-
-
-Weights = dict[str, np.ndarray]
-"""A network's state_dict as arrays: how a DAgger round's student reaches the processes it plays in."""
 
 
 def student_player(student: Weights, geo: NetGeometry, args: Args, table: Any) -> NetPlayer:
@@ -6157,10 +6157,10 @@ class Verdict(NamedTuple):
     """What rank 0 decided at the end of an iteration, which every rank then acts on (design 3.10):
     the halting alarms that fired, whether to checkpoint, whether to stop, and the ladder's pool
     and ratings (ladder.LadderLoop.shared). One process decides and acts on it in the same place."""
-    halts: list[tuple[Alarm, float]] = []
-    save: bool = False
-    stop: bool = False
-    pool: Any = None
+    halts: list[tuple[Alarm, float]]
+    save: bool
+    stop: bool
+    pool: Any
 
 
 def control_letter(f: Path) -> str:
