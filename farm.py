@@ -117,6 +117,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import math
 import os
 import re
 import signal
@@ -566,10 +567,14 @@ TERMINAL_REWARD_TERM = "terminal"
 
 
 class PotentialReward(RewardFunction):
-    """gamma * Phi(s') - Phi(s); subclasses define potential(state, team)."""
+    """gamma * Phi(s') - Phi(s); subclasses define potential(state, team). The env hands a step
+    the state object it handed the step before as `prev`, so each team's last Phi is kept beside
+    the state it was read off (held, so compared by identity) and a step reads one new Phi a team
+    rather than two: Phi is a pure function of the state, so the reward is the same number."""
 
     def __init__(self) -> None:
         self.gamma = 1.0
+        self._last: dict[int, tuple[Any, Any]] = {}
 
     def set_gamma(self, gamma: float) -> None:
         self.gamma = float(gamma)
@@ -578,7 +583,12 @@ class PotentialReward(RewardFunction):
         raise NotImplementedError
 
     def phi(self, state: Any, team: int) -> Any:
-        return 0 if state.game_over else self.potential(state, team)
+        last = self._last.get(team)
+        if last is not None and last[0] is state:
+            return last[1]
+        value = 0 if state.game_over else self.potential(state, team)
+        self._last[team] = (state, value)
+        return value
 
     def get_reward(self, team, prev, state, results) -> float:
         return float(self.gamma * self.phi(state, team) - self.phi(prev, team))
@@ -613,31 +623,36 @@ class CommittedElixirPotential(PotentialReward):
     def __init__(self, scale: float = 10.0) -> None:
         super().__init__()
         self.scale = scale
-        self._value: dict[int, Fraction] = {}
+        self._value: dict[int, int] = {}
         self._row: dict[int, tuple[int, int, bool]] = {}
+        self._unit = 1000   # the denominator every price and the bar are counted in
 
     def config(self) -> dict[str, object]:
         return {"scale": self.scale}
 
     def bind(self, engine) -> None:
+        """Each card's price elixir / count as an integer count of 1 / _unit, _unit a multiple of
+        every count and of the bar's 1000, so the board's sum is integer additions and the
+        potential one Fraction at the end: the same exact number the Fraction sum gives."""
         cards = engine.cards()
-        self._value = {c.card_id: Fraction(c.elixir, max(1, c.count)) for c in cards}
+        self._unit = math.lcm(1000, *(max(1, c.count) for c in cards))
+        self._value = {c.card_id: c.elixir * (self._unit // max(1, c.count)) for c in cards}
         self._row = {c.card_id: (c.hitpoints, c.radius, c.flying) for c in cards}
 
-    def _board(self, state, team) -> Fraction:
+    def _board(self, state, team) -> int:
+        """The team's live priced units, in 1 / _unit."""
         from royalegym.protocol import EntityKind
-        total = Fraction(0)
-        for e in state.entities:
-            if e.team != team or e.kind in (EntityKind.KING_TOWER, EntityKind.PRINCESS_TOWER):
-                continue
-            if self._row.get(e.card_id) == (e.max_hp, e.radius, e.flying):
-                total += self._value[e.card_id]
-        return total
+        towers = (EntityKind.KING_TOWER, EntityKind.PRINCESS_TOWER)
+        row, value = self._row, self._value
+        return sum(value[e.card_id] for e in state.entities
+                   if e.team == team and e.kind not in towers
+                   and row.get(e.card_id) == (e.max_hp, e.radius, e.flying))
 
     def potential(self, state, team):
-        own = Fraction(state.players[team].elixir_milli, 1000) + self._board(state, team)
-        foe = Fraction(state.players[1 - team].elixir_milli, 1000) + self._board(state, 1 - team)
-        return (own - foe) / Fraction(self.scale)
+        bar = self._unit // 1000
+        own = state.players[team].elixir_milli * bar + self._board(state, team)
+        foe = state.players[1 - team].elixir_milli * bar + self._board(state, 1 - team)
+        return Fraction(own - foe, self._unit) / Fraction(self.scale)
 
 
 class GammaProbeReward(PotentialReward):

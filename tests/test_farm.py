@@ -217,6 +217,35 @@ def test_each_potential_term_is_gamma_phi_next_minus_phi_on_real_transitions():
                                     "CommittedElixirPotential"}
 
 
+def test_the_elixir_potential_is_the_exact_fraction_sum_of_the_bar_and_the_priced_board():
+    """CommittedElixirPotential counts in integer units of 1 / lcm(1000, every card's count); its
+    Phi must be exactly the Fraction its definition writes out, on real states of both teams,
+    and it must pay gamma * Phi(s') - Phi(s) from the Phi it kept for s (one read a step)."""
+    from fractions import Fraction
+
+    from royalegym.protocol import EntityKind
+    env = farm.env_factory(farm.default_env_spec(max_steps=80))()
+    term = next(t for t, _ in env.reward_fn.terms if isinstance(t, farm.CommittedElixirPotential))
+    price = {c.card_id: (Fraction(c.elixir, max(1, c.count)), (c.hitpoints, c.radius, c.flying))
+             for c in env.engine.cards()}
+
+    def written_out(state, team):
+        side = lambda t: Fraction(state.players[t].elixir_milli, 1000) + sum(
+            (price[e.card_id][0] for e in state.entities
+             if e.team == t and e.kind not in (EntityKind.KING_TOWER, EntityKind.PRINCESS_TOWER)
+             and e.card_id in price and price[e.card_id][1] == (e.max_hp, e.radius, e.flying)), Fraction(0))
+        return (side(team) - side(1 - team)) / Fraction(10.0)
+
+    units = 0
+    for prev, state, _ in _play(env, 80, seed=5):
+        for team in (0, 1):
+            assert term.potential(state, team) == written_out(state, team)
+            assert term.get_reward(team, prev, state, []) == float(
+                term.gamma * written_out(state, team) - written_out(prev, team)) or state.game_over
+        units += sum(e.kind not in (EntityKind.KING_TOWER, EntityKind.PRINCESS_TOWER) for e in state.entities)
+    assert units > 0, "no unit was on the board in 80 decisions; the board's sum was never checked"
+
+
 def test_a_potential_is_zero_once_the_battle_is_over():
     p = SimpleNamespace(crowns=1, tower_hp=[100, 50, 0], tower_max_hp=[100, 100, 100],
                         elixir_milli=3000)
