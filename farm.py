@@ -561,16 +561,18 @@ def unpack_numpy(table: Any, rows: np.ndarray, statics: np.ndarray, seats: np.nd
 # from the schedule: every submit carries it and the runner forwards it to every term through
 # PotentialCombinedReward.set_gamma, so the reward and the learner's GAE use one number.
 
+from royalegym.protocol import EntityKind  # noqa: E402
 from royalegym.reward import CombinedReward, RewardFunction, WinLossReward  # noqa: E402
 
 TERMINAL_REWARD_TERM = "terminal"
+TOWERS = (EntityKind.KING_TOWER, EntityKind.PRINCESS_TOWER)   # not units: the elixir board skips them
 
 
 class PotentialReward(RewardFunction):
     """gamma * Phi(s') - Phi(s); subclasses define potential(state, team). The env hands a step
     the state object it handed the step before as `prev`, so each team's last Phi is kept beside
-    the state it was read off (held, so compared by identity) and a step reads one new Phi a team
-    rather than two: Phi is a pure function of the state, so the reward is the same number."""
+    the state it was read off (held, so compared by identity): a step reads Phi(s) back and one new
+    Phi(s'), rather than two. Phi is a pure function of the state, so the reward is the same number."""
 
     def __init__(self) -> None:
         self.gamma = 1.0
@@ -591,7 +593,8 @@ class PotentialReward(RewardFunction):
         return value
 
     def get_reward(self, team, prev, state, results) -> float:
-        return float(self.gamma * self.phi(state, team) - self.phi(prev, team))
+        before = self.phi(prev, team)   # first: the Phi kept is prev's, read as the step before's s'
+        return float(self.gamma * self.phi(state, team) - before)
 
 
 class PotentialCrownReward(PotentialReward):
@@ -641,11 +644,9 @@ class CommittedElixirPotential(PotentialReward):
 
     def _board(self, state, team) -> int:
         """The team's live priced units, in 1 / _unit."""
-        from royalegym.protocol import EntityKind
-        towers = (EntityKind.KING_TOWER, EntityKind.PRINCESS_TOWER)
         row, value = self._row, self._value
         return sum(value[e.card_id] for e in state.entities
-                   if e.team == team and e.kind not in towers
+                   if e.team == team and e.kind not in TOWERS
                    and row.get(e.card_id) == (e.max_hp, e.radius, e.flying))
 
     def potential(self, state, team):

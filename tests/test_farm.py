@@ -246,6 +246,25 @@ def test_the_elixir_potential_is_the_exact_fraction_sum_of_the_bar_and_the_price
     assert units > 0, "no unit was on the board in 80 decisions; the board's sum was never checked"
 
 
+def test_a_step_reads_each_potential_once_a_team_the_step_before_s_phi_kept():
+    """PotentialReward keeps the last Phi it read: the env's step reads Phi(s) back (its prev is
+    the state the step before read as s') and Phi(s') anew, one potential a team a step."""
+    env = farm.env_factory(farm.default_env_spec(max_steps=40))()
+    terms = [t for t, _ in env.reward_fn.terms if isinstance(t, farm.PotentialReward)]
+    reads = {id(t): 0 for t in terms}
+    for t in terms:
+        real = t.potential
+
+        def counted(state, team, _real=real, _t=t):
+            reads[id(_t)] += 1
+            return _real(state, team)
+        t.potential = counted
+    live = sum(not state.game_over for _, state, _ in _play(env, 40, seed=9))
+    assert live > 10
+    # each team: the reset state once, then one new state a live step
+    assert set(reads.values()) == {2 * (1 + live)}, reads
+
+
 def test_a_potential_is_zero_once_the_battle_is_over():
     p = SimpleNamespace(crowns=1, tower_hp=[100, 50, 0], tower_max_hp=[100, 100, 100],
                         elixir_milli=3000)
