@@ -1740,7 +1740,7 @@ COMMANDS: dict[type, Callable[[Any], int]] = {Doctor: cmd_doctor, Identity: cmd_
 def main(argv: Sequence[str] | None = None) -> int:
     cmd = tyro.cli(Union[Doctor, Identity, VerifyResume, Replay, Play, Bench, Learn, Export], args=argv,   # type: ignore[arg-type]
                    prog="checks.py", description="Checks of a clash-ppo run: doctor, identity, "
-                   "verify-resume, replay, play, bench, learn, export.")
+                   "verify-resume, replay, play, bench, learn, export.", config=ladder.TYRO_CONFIG)
     try:
         if isinstance(cmd, (VerifyResume, Bench, Learn)):
             use_script(cmd.script)

@@ -3092,10 +3092,17 @@ class Yardstick(_Runner):
 
 COMMANDS = {Rate: cmd_rate, Plot: cmd_plot, Eval: cmd_eval, Gate: cmd_gate, Yardstick: cmd_yardstick}
 
+# Every tyro.cli of the project's scripts takes this. Our fields' help is their docstrings; tyro also
+# looks for comments, tokenizing each class's source, and on Python 3.12 inspect finds a class's
+# source by parsing its whole file: a tenth of a second a class, every process, and under pytest,
+# which makes tyro recheck a tenth of its cached answers, again and again. No field's help is a
+# comment, so --help is the same without it (docs/throughput.md, "Parsing the flags").
+TYRO_CONFIG = (tyro.conf.HelptextFromCommentsOff,)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = tyro.cli(Union[Rate, Plot, Eval, Gate, Yardstick], args=argv, prog="ladder.py",   # type: ignore[arg-type]
-                    description="The ladder of a clash-ppo run.")
+                    description="The ladder of a clash-ppo run.", config=TYRO_CONFIG)
     try:
         return COMMANDS[type(args)](args)
     except (ValueError, FileNotFoundError) as exc:   # CliError, SnapshotMismatch: named messages

@@ -3110,7 +3110,10 @@ def field_paths(cls: type = Args, prefix: str = "") -> list[str]:
     return out
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
+    """cls's field types, resolved once a process: the annotations are strings (from __future__),
+    and evaluating them again for every flag was half of parse_args (docs/throughput.md). Read only."""
     import typing
     return typing.get_type_hints(cls, globalns=globals())
 
@@ -3242,7 +3245,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Args:
     if config is not None:
         base = load_config_file(config, base)
         base.profile = profile
-    args = tyro.cli(Args, default=base, args=rest)
+    args = tyro.cli(Args, default=base, args=rest, config=ladder.TYRO_CONFIG)
     check_consistency(args)
     return args
 
