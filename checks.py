@@ -1181,12 +1181,18 @@ def _rig_figures(s: P.Setup, args: P.Args, env: P.Env) -> tuple[list[BenchFigure
     crit = P.critic_pass(learner.model, view, source, roll, env, args.ppo, 0)
     adv = P.advantages(learner.scaler, roll, crit, sched["gamma"], args)
     rig = Rig(int(roll.trainable.sum()), crit.rows, roll.rows_forward)
-    rounds = max(roll.rounds, 1)
-    return [timed_figure("inference", "ms/round",
-                         lambda: 1e3 * replay_inference(roll, view, learner, lad, env,
-                                                        args.determinism.inference_threads),
-                         f"{rig.learner_rows / rounds:.1f} learner rows a shard-round, pool seats included; "
-                         f"{rig.forwarded / rounds:.1f} forwarded (forced rows: no forward)"),
+    rounds, r = max(roll.rounds, 1), args.rollout
+    # beside the profile's workers stepping, as in the loop: a forward alone ran about twice as
+    # fast as beside two engine processes on a 2-core machine [M: docs/throughput.md]
+    beside = r.workers if r.source == "process" else 0   # an inline farm's parent steps its battles itself
+    with farm.SteppingBeside(env.spec, beside, r.games_per_worker, args.master_seed):
+        inference = timed_figure(
+            "inference", "ms/round",
+            lambda: 1e3 * replay_inference(roll, view, learner, lad, env, args.determinism.inference_threads),
+            f"{rig.learner_rows / rounds:.1f} learner rows a shard-round, pool seats included; "
+            f"{rig.forwarded / rounds:.1f} forwarded (forced rows: no forward); beside {beside} process(es) "
+            f"stepping {r.games_per_worker} battles each, as the workers do")
+    return [inference,
             timed_figure("critic pass", "ms/row", lambda: 1e3 * P.critic_pass(
                 learner.model, view, source, roll, env, args.ppo, 0).seconds / rig.critic_rows,
                 f"{rig.critic_rows} rows a pass ({args.ppo.forced_rows}), chunks of {args.ppo.critic_chunk}"),

@@ -3355,6 +3355,52 @@ def _bench_direct(env: EnvFactorySpec, battles: int, cycles: int, iterations: in
     return dt, h.hexdigest()[:16]
 
 
+def _step_beside(env: EnvFactorySpec, battles: int, master_seed: int, ready: Any, stop: Any) -> None:
+    import functools
+    vec = build_vec(env, battles, autoreset_seed_fn=functools.partial(_battle_seed, master_seed, 0))
+    obs, _ = vec.reset()
+    allslots, t = np.arange(2 * battles), 0
+    ready.set()
+    while not stop.is_set():
+        obs, *_ = vec.step(_bench_actions(master_seed, t, obs["action_mask"], allslots, 2 * battles))
+        t += 1
+    vec.close()
+
+
+class SteppingBeside:
+    """A block timed under the rollout workers' load, without their farm: `workers` spawned
+    processes each stepping `battles` battles with _bench_actions from before the block starts
+    until it ends (checks.py bench's inference: in the loop the parent's forwards share the
+    cores with the workers' stepping)."""
+
+    def __init__(self, env: EnvFactorySpec, workers: int, battles: int, master_seed: int) -> None:
+        self.args, self.workers = (env, battles, master_seed), workers
+
+    def __enter__(self) -> "SteppingBeside":
+        import multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.stop, self.procs = ctx.Event(), []
+        for w in range(self.workers):
+            ready = ctx.Event()
+            p = ctx.Process(target=_step_beside, args=(*self.args, ready, self.stop), daemon=True)
+            with _SpawnEnv():
+                p.start()
+            self.procs.append(p)
+            while not ready.wait(0.2):
+                if not p.is_alive():
+                    self.__exit__()
+                    raise RuntimeError(f"SteppingBeside: process {w} died before its first step "
+                                       f"(exit code {p.exitcode}); its traceback is above")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        for p in self.procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+
+
 def _bench_round_actions(f: "_FarmCore", table: Any, rnd: RolloutRound, step: int,
                          master_seed: int) -> np.ndarray:
     """_bench_actions on the masks of the round's packed rows, as a learner reads them."""

@@ -1518,3 +1518,25 @@ def test_a_lookahead_seat_plays_in_the_evaluation_farm_whatever_the_hosting(shor
     with pytest.raises(ValueError, match=r"eval_plan\[0\].players\[0\]: 'lookahead:defend,h=0'"):
         farm.FarmConfig(env=spec, master_seed=1,
                         eval_plan=eval_plan(1, (("lookahead:defend,h=0", "x"),))).check()
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])   # utime + stime, the stat file's 14th and 15th
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads a process's CPU time from /proc")
+def test_stepping_beside_keeps_its_processes_stepping_for_the_block_alone():
+    """checks.py bench times the parent's inference beside the rollout workers' load: each process
+    is stepping its battles once the block starts (its CPU time grows within it) and exits
+    cleanly when the block ends; one that dies before its first step is an error naming it."""
+    spec = farm.default_env_spec(max_steps=30)
+    with farm.SteppingBeside(spec, 2, 1, master_seed=3) as beside:
+        before = [_cpu_ticks(p.pid) for p in beside.procs]
+        time.sleep(1.0)
+        assert all(_cpu_ticks(p.pid) > b for p, b in zip(beside.procs, before, strict=True))
+    assert [p.exitcode for p in beside.procs] == [0, 0]
+    died = r"SteppingBeside: process 0 died before its first step \(exit code 1\)"
+    with pytest.raises(RuntimeError, match=died), farm.SteppingBeside(spec, 1, 0, master_seed=3):
+        pass
