@@ -1190,8 +1190,9 @@ def _rig_figures(s: P.Setup, args: P.Args, env: P.Env) -> tuple[list[BenchFigure
             "inference", "ms/round",
             lambda: 1e3 * replay_inference(roll, view, learner, lad, env, args.determinism.inference_threads),
             f"{rig.learner_rows / rounds:.1f} learner rows a shard-round, pool seats included; "
-            f"{rig.forwarded / rounds:.1f} forwarded (forced rows: no forward); beside {beside} process(es) "
-            f"stepping {r.games_per_worker} battles each, as the workers do")
+            f"{rig.forwarded / rounds:.1f} forwarded (forced rows: no forward); "
+            + (f"beside {beside} process(es) stepping {r.games_per_worker} battles each, as the workers do"
+               if beside else "inline farm: nothing beside (the parent steps its battles)"))
     return [inference,
             timed_figure("critic pass", "ms/row", lambda: 1e3 * P.critic_pass(
                 learner.model, view, source, roll, env, args.ppo, 0).seconds / rig.critic_rows,

@@ -3371,34 +3371,56 @@ class SteppingBeside:
     """A block timed under the rollout workers' load, without their farm: `workers` spawned
     processes each stepping `battles` battles with _bench_actions from before the block starts
     until it ends (checks.py bench's inference: in the loop the parent's forwards share the
-    cores with the workers' stepping)."""
+    cores with the workers' stepping). A load, not a farm: they never wait for actions, where a
+    real worker idles while the parent acts for its shard, so this is the loop's contention at
+    its fullest. A process that dies, in the block or before it, is an error naming it."""
+
+    START_S = 300.0   # a process's start and first reset, well over the 7 s it took [M]
 
     def __init__(self, env: EnvFactorySpec, workers: int, battles: int, master_seed: int) -> None:
-        self.args, self.workers = (env, battles, master_seed), workers
+        if workers < 0 or battles < 1:
+            raise ValueError(f"SteppingBeside(workers={workers}, battles={battles}): workers >= 0 "
+                             "and battles >= 1")
+        self.args, self.workers, self.procs = (env, battles, master_seed), workers, []
 
     def __enter__(self) -> "SteppingBeside":
         import multiprocessing as mp
         ctx = mp.get_context("spawn")
-        self.stop, self.procs = ctx.Event(), []
-        for w in range(self.workers):
-            ready = ctx.Event()
-            p = ctx.Process(target=_step_beside, args=(*self.args, ready, self.stop), daemon=True)
-            with _SpawnEnv():
-                p.start()
-            self.procs.append(p)
-            while not ready.wait(0.2):
-                if not p.is_alive():
-                    self.__exit__()
-                    raise RuntimeError(f"SteppingBeside: process {w} died before its first step "
-                                       f"(exit code {p.exitcode}); its traceback is above")
+        self.stop = ctx.Event()
+        try:
+            for w in range(self.workers):
+                ready = ctx.Event()
+                p = ctx.Process(target=_step_beside, args=(*self.args, ready, self.stop), daemon=True)
+                with _SpawnEnv():
+                    p.start()
+                self.procs.append(p)
+                deadline = time.monotonic() + self.START_S
+                while not ready.wait(0.2):
+                    if not p.is_alive() or time.monotonic() > deadline:
+                        fate = (f"died (exit code {p.exitcode})" if not p.is_alive()
+                                else f"did not step within {self.START_S:.0f} s")
+                        raise RuntimeError(f"SteppingBeside: process {w} {fate} before its first step; "
+                                           "its traceback, if any, is above")
+        except BaseException:
+            self._end()
+            raise
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        dead = [(w, p.exitcode) for w, p in enumerate(self.procs) if not p.is_alive()]
+        self._end()
+        if dead and exc_type is None:
+            w, code = dead[0]
+            raise RuntimeError(f"SteppingBeside: process {w} died in the block (exit code {code}), so "
+                               "the block ran beside less load than asked; its traceback is above")
+
+    def _end(self) -> None:
         self.stop.set()
         for p in self.procs:
             p.join(60)
             if p.is_alive():
                 p.kill()
+                p.join(5)
 
 
 def _bench_round_actions(f: "_FarmCore", table: Any, rnd: RolloutRound, step: int,

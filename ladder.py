@@ -3094,9 +3094,10 @@ COMMANDS = {Rate: cmd_rate, Plot: cmd_plot, Eval: cmd_eval, Gate: cmd_gate, Yard
 
 # Every tyro.cli of the project's scripts takes this. Our fields' help is their docstrings; tyro also
 # looks for comments, tokenizing each class's source, and on Python 3.12 inspect finds a class's
-# source by parsing its whole file: a tenth of a second a class, every process, and under pytest,
-# which makes tyro recheck a tenth of its cached answers, again and again. No field's help is a
-# comment, so --help is the same without it (docs/throughput.md, "Parsing the flags").
+# source by parsing its whole file: about 0.15 s a class [M], every process, and again and again
+# under pytest, where tyro rechecks its cached answers one time in ten [A: tyro's _unsafe_cache].
+# No field's help is a comment (a test holds it), so --help is the same without it
+# (docs/throughput.md, "Parsing the flags").
 TYRO_CONFIG = (tyro.conf.HelptextFromCommentsOff,)
 
 

@@ -3113,7 +3113,8 @@ def field_paths(cls: type = Args, prefix: str = "") -> list[str]:
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     """cls's field types, resolved once a process: the annotations are strings (from __future__),
-    and evaluating them again for every flag was half of parse_args (docs/throughput.md). Read only."""
+    and evaluating them again for every flag was half of parse_args [M: docs/throughput.md]. Read
+    only: every caller shares the dict."""
     import typing
     return typing.get_type_hints(cls, globalns=globals())
 

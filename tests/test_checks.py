@@ -4,9 +4,12 @@ bench's arithmetic and the errors on small planted files; the slow ones train sm
 check the commands on them."""
 from __future__ import annotations
 
+import ast
 import contextlib
+import dataclasses
 import hashlib
 import io
+import itertools
 import json
 import re
 import shutil
@@ -950,8 +953,46 @@ def test_every_command_in_the_readme_parses_as_its_script_parses_it():
         else:
             commands = {"ladder.py": ladder.COMMANDS, "checks.py": checks.COMMANDS}[cmd[1]]
             with contextlib.redirect_stdout(io.StringIO()):
-                tyro.cli(Union[tuple(commands)], args=cmd[2:])   # type: ignore[arg-type]
+                tyro.cli(Union[tuple(commands)], args=cmd[2:], config=ladder.TYRO_CONFIG)   # type: ignore[arg-type]
     (snippet,) = re.findall(r"```python\n(.*?)```", text, re.S)
     compile(snippet, "README.md", "exec")
     for folder in re.findall(r'"(models/[\w/.-]+?)(?:/eval_env\.json)?"', snippet):
         assert (checks.ROOT / folder).exists(), folder
+
+
+def attribute_docstrings(source: str) -> dict[tuple[str, str], str]:
+    """(class, field) -> the string written on the line after the field, as Python documents it."""
+    out = {}
+    for cls in (n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)):
+        for a, b in itertools.pairwise(cls.body):
+            if (isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
+                    and isinstance(b.value.value, str)):
+                out[(cls.name, a.target.id)] = b.value.value
+    return out
+
+
+def test_every_flag_s_help_is_its_field_s_docstring(capsys):
+    """ladder.TYRO_CONFIG turns tyro's help read from comments off in every script (it parsed the
+    whole file once a class, docs/throughput.md), so a field documented by a comment would show no
+    help: every field of ppo_clash's Args tree (the groups aside) and of every ladder.py and
+    checks.py command carries a docstring, and ppo_clash.py --help prints each of Args'."""
+    import ladder
+    with pytest.raises(SystemExit):
+        P.parse_args(["--help"])
+    shown = " ".join(re.sub("[│╭╮╰╯─]", " ", capsys.readouterr().out).split())
+    docs = {m.__name__: attribute_docstrings(Path(m.__file__).read_text()) for m in (P, ladder, checks)}
+    for path in P.field_paths():
+        if path in P.CONFIG_FILE_ONLY:
+            continue
+        *head, leaf = path.split(".")
+        owner: Any = P.Args
+        for part in head:
+            owner = P._hints(owner)[part]
+        doc = docs["ppo_clash"].get((owner.__name__, leaf))
+        assert doc is not None, f"{owner.__name__}.{leaf} ({path}) has no docstring: --help shows none"
+        assert " ".join(doc.split()[:8]) in shown, path
+    for module, commands in (("ladder", ladder.COMMANDS), ("checks", checks.COMMANDS)):
+        for cmd in commands:
+            for f in dataclasses.fields(cmd):   # a field of a base class is documented there
+                assert any((c.__name__, f.name) in docs[module] for c in cmd.__mro__), \
+                    f"{module}.py {cmd.__name__}.{f.name}"

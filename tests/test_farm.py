@@ -1530,13 +1530,22 @@ def _cpu_ticks(pid: int) -> int:
 def test_stepping_beside_keeps_its_processes_stepping_for_the_block_alone():
     """checks.py bench times the parent's inference beside the rollout workers' load: each process
     is stepping its battles once the block starts (its CPU time grows within it) and exits
-    cleanly when the block ends; one that dies before its first step is an error naming it."""
+    cleanly when the block ends; one that dies in the block or before its first step is an error
+    naming it, and a size it cannot step is refused."""
     spec = farm.default_env_spec(max_steps=30)
     with farm.SteppingBeside(spec, 2, 1, master_seed=3) as beside:
         before = [_cpu_ticks(p.pid) for p in beside.procs]
         time.sleep(1.0)
         assert all(_cpu_ticks(p.pid) > b for p, b in zip(beside.procs, before, strict=True))
     assert [p.exitcode for p in beside.procs] == [0, 0]
-    died = r"SteppingBeside: process 0 died before its first step \(exit code 1\)"
-    with pytest.raises(RuntimeError, match=died), farm.SteppingBeside(spec, 1, 0, master_seed=3):
+    lost = r"SteppingBeside: process 1 died in the block \(exit code -9\), so the block ran beside less load"
+    with pytest.raises(RuntimeError, match=lost), farm.SteppingBeside(spec, 2, 1, master_seed=3) as beside:
+        beside.procs[1].kill()
+        beside.procs[1].join()
+    assert not any(p.is_alive() for p in beside.procs)
+    broken = msgspec.structs.replace(spec, reward_fn=farm.ComponentSpec("farm.no_such_reward", {}))
+    died = r"SteppingBeside: process 0 died \(exit code 1\) before its first step"
+    with pytest.raises(RuntimeError, match=died), farm.SteppingBeside(broken, 1, 1, master_seed=3):
         pass
+    with pytest.raises(ValueError, match=r"\(workers=1, battles=0\): workers >= 0 and battles >= 1"):
+        farm.SteppingBeside(spec, 1, 0, master_seed=3)

@@ -4,12 +4,10 @@ this file reaches). Shapes come from REAL RoyaleGym envs (RustEngine + SpatialOb
 geometries, never from literal widths. torch CPU, tiny networks."""
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import functools
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -1462,36 +1460,6 @@ def test_a_bad_config_value_is_one_line_naming_the_field_and_exits_2_before_any_
     assert list(tmp_path.iterdir()) == []
 
 
-
-def attribute_docstrings(source: str) -> dict[tuple[str, str], str]:
-    """(class, field) -> the string written on the line after the field, as Python documents it."""
-    out = {}
-    for cls in (n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)):
-        for a, b in itertools.pairwise(cls.body):
-            if (isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
-                    and isinstance(b.value.value, str)):
-                out[(cls.name, a.target.id)] = b.value.value
-    return out
-
-
-def test_every_flag_s_help_is_its_field_s_docstring(capsys):
-    """ladder.TYRO_CONFIG turns tyro's help read from comments off (it parsed the whole file once a
-    class, docs/throughput.md), so a field documented by a comment would show no help: every field
-    of Args' tree (the groups' own aside) carries a docstring, and --help prints each one."""
-    with pytest.raises(SystemExit):
-        P.parse_args(["--help"])
-    shown = " ".join(re.sub("[│╭╮╰╯─]", " ", capsys.readouterr().out).split())
-    docs = attribute_docstrings(Path(P.__file__).read_text())
-    for path in P.field_paths():
-        if path in P.CONFIG_FILE_ONLY:
-            continue
-        *head, leaf = path.split(".")
-        owner: Any = P.Args
-        for part in head:
-            owner = P._hints(owner)[part]
-        doc = docs.get((owner.__name__, leaf))
-        assert doc is not None, f"{owner.__name__}.{leaf} ({path}) has no docstring: --help shows none"
-        assert " ".join(doc.split()[:8]) in shown, path
 
 # Issue 39 item 6: places and sizes a run cannot use, each refused before the start-up gates run
 # (no gate line printed) and before anything is written: (case, flags given tmp_path, words).
