@@ -1460,7 +1460,6 @@ def test_a_bad_config_value_is_one_line_naming_the_field_and_exits_2_before_any_
     assert list(tmp_path.iterdir()) == []
 
 
-
 # Issue 39 item 6: places and sizes a run cannot use, each refused before the start-up gates run
 # (no gate line printed) and before anything is written: (case, flags given tmp_path, words).
 BAD_PLACES = [
