@@ -4778,6 +4778,7 @@ def test_a_fork_s_metric_without_a_schema_entry_stops_its_first_row(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.other_half
 def test_a_loss_variant_is_an_edit_of_minibatch_loss_alone(tmp_path):
     """Two forks that change minibatch_loss and nothing else (issue 49): a clipped value loss, which
     reads the old value the Minibatch carries from the critic pass, and a clip range of 1e-4 in the
