@@ -1156,23 +1156,24 @@ class Rig(NamedTuple):
 
 
 def rig_figures(args: P.Args, env: P.Env, work: Path, gate_battles: int,
-                engine_rate: float) -> tuple[list[BenchFigure], Rig]:
+                engine_rate: float, farm_rate: float) -> tuple[list[BenchFigure], Rig]:
     """Inference, critic and update, each timed alone on one real rectangle, and the rectangle's
     counts: the profile's farm collects one iteration with the profile's (untrained) network, set
     up as train() sets up (ppo_clash.set_up, a scratch run under `work`), then each part is re-run
     REPEATS times on that rectangle; then a gate's battles (gate_figure). The update changes the
-    weights it times; nothing here is kept."""
+    weights it times; nothing here is kept. engine_rate, farm_rate: engine_figures' game-steps/s
+    of the engine alone and of the profile's farm."""
     with P.process_settings_kept():
         s = P.set_up(dataclasses.replace(args, runs_dir=str(work)), quiet=True)
         try:
-            figs, rig = _rig_figures(s, args, env)
+            figs, rig = _rig_figures(s, args, env, farm_rate)
             return figs + [gate_figure(s, args, env, gate_battles, engine_rate)], rig
         finally:
             s.source.close()
             s.run.close()
 
 
-def _rig_figures(s: P.Setup, args: P.Args, env: P.Env) -> tuple[list[BenchFigure], Rig]:
+def _rig_figures(s: P.Setup, args: P.Args, env: P.Env, farm_rate: float) -> tuple[list[BenchFigure], Rig]:
     learner, source, view, lad = s.learner, s.source, s.view, s.lad
     sched = learner.schedule_values(args)
     view.new_iteration(renumber=False)
@@ -1182,17 +1183,23 @@ def _rig_figures(s: P.Setup, args: P.Args, env: P.Env) -> tuple[list[BenchFigure
     adv = P.advantages(learner.scaler, roll, crit, sched["gamma"], args)
     rig = Rig(int(roll.trainable.sum()), crit.rows, roll.rows_forward)
     rounds, r = max(roll.rounds, 1), args.rollout
-    # beside the profile's workers stepping, as in the loop: a forward alone ran about twice as
-    # fast as beside two engine processes on a 2-core machine [M: docs/throughput.md]
-    beside = r.workers if r.source == "process" else 0   # an inline farm's parent steps its battles itself
+    # As in the loop: beside the workers that step while the parent acts for a shard, every worker
+    # but that shard's unless a worker has another shard to step (a forward alone ran about twice
+    # as fast as beside two engine processes on a 2-core machine [M: docs/throughput.md]), the
+    # parent waiting between rounds for as long as a shard's cycle takes the farm. An inline
+    # farm's parent steps its battles itself: nothing beside, no wait.
+    beside = r.workers - (r.shards_per_worker == 1) if r.source == "process" else 0
+    gap_s = env.n_battles / farm_rate / env.n_shards if beside else 0.0
     with farm.SteppingBeside(env.spec, beside, r.games_per_worker, args.master_seed):
         inference = timed_figure(
             "inference", "ms/round",
-            lambda: 1e3 * replay_inference(roll, view, learner, lad, env, args.determinism.inference_threads),
+            lambda: 1e3 * replay_inference(roll, view, learner, lad, env, args.determinism.inference_threads,
+                                           gap_s),
             f"{rig.learner_rows / rounds:.1f} learner rows a shard-round, pool seats included; "
             f"{rig.forwarded / rounds:.1f} forwarded (forced rows: no forward); "
-            + (f"beside {beside} process(es) stepping {r.games_per_worker} battles each, as the workers do"
-               if beside else "inline farm: nothing beside (the parent steps its battles)"))
+            + (f"beside {beside} process(es) stepping {r.games_per_worker} battles each, as the workers do, "
+               f"{1e3 * gap_s:.1f} ms asleep between rounds" if beside
+               else "inline farm: nothing beside (the parent steps its battles)"))
     return [inference,
             timed_figure("critic pass", "ms/row", lambda: 1e3 * P.critic_pass(
                 learner.model, view, source, roll, env, args.ppo, 0).seconds / rig.critic_rows,
@@ -1243,20 +1250,24 @@ def timed_update(s: P.Setup, roll: P.Rollout, crit: P.Critic, adv: P.Advantages,
 
 
 def replay_inference(roll: P.Rollout, view: P.RectView, learner: P.Learner, lad: Any, env: P.Env,
-                     threads: int) -> float:
+                     threads: int, gap_s: float) -> float:
     """Seconds per shard-round of act_round over the collected rectangle's rounds, the same seats
     and groups as collection had (each shard's slots, in the order the farm served them), on
-    fresh uniforms and collection's threads; what collection's time/inference measures, without the
-    workers around it."""
-    scratch, rounds, t0 = P.Rollout.empty(env.T, env.R), 0, time.perf_counter()
+    fresh uniforms and collection's threads; what collection's time/inference measures. Between
+    rounds the parent sleeps gap_s (untimed), as it waits for the next shard in the loop: a
+    forward on a core just woken from idle ran 1.5x slower than a hot one [M: docs/throughput.md]."""
+    scratch, rounds, spent = P.Rollout.empty(env.T, env.R), 0, 0.0
     with P.torch_threads(threads):
         for t in range(env.T):
             u = torch.rand(env.R, generator=torch.Generator().manual_seed(t)).to(env.device)
             for shard in np.array_split(np.arange(env.R), env.n_shards):
                 rnd = SimpleNamespace(slots=shard, group=roll.group[t, shard])
+                time.sleep(gap_s)
+                t0 = time.perf_counter()
                 P.act_round(rnd, t, u, view, learner.model, lad, env.geo, scratch)
+                spent += time.perf_counter() - t0
                 rounds += 1
-    return (time.perf_counter() - t0) / rounds
+    return spent / rounds
 
 
 class Whole(NamedTuple):
@@ -1345,7 +1356,7 @@ def cmd_bench(cmd: "Bench") -> int:
         figs = engine_figures(args, env) + [codec_figure()]
         print(f"bench: inference, critic and update on one collected rectangle; a gate of {cmd.gate_battles} "
               "battles ...", flush=True)
-        parts, rig = rig_figures(args, env, work / "parts", cmd.gate_battles, figs[0].median)
+        parts, rig = rig_figures(args, env, work / "parts", cmd.gate_battles, figs[0].median, figs[1].median)
         figs += parts
         print(f"bench: {cmd.iterations} real iterations ...", flush=True)
         whole = real_iterations(args, env, {f.part: f for f in figs}, rig, cmd.iterations, work / "whole")

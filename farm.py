@@ -3372,8 +3372,8 @@ class SteppingBeside:
     processes each stepping `battles` battles with _bench_actions from before the block starts
     until it ends (checks.py bench's inference: in the loop the parent's forwards share the
     cores with the workers' stepping). A load, not a farm: they never wait for actions, where a
-    real worker idles while the parent acts for its shard, so this is the loop's contention at
-    its fullest. A process that dies, in the block or before it, is an error naming it."""
+    real worker idles while the parent acts for its shard (bench starts one fewer for that). A
+    process that dies, in the block or before it, is an error naming it."""
 
     START_S = 300.0   # a process's start and first reset, well over the 7 s it took [M]
 
