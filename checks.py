@@ -1183,13 +1183,7 @@ def _rig_figures(s: P.Setup, args: P.Args, env: P.Env, farm_rate: float) -> tupl
     adv = P.advantages(learner.scaler, roll, crit, sched["gamma"], args)
     rig = Rig(int(roll.trainable.sum()), crit.rows, roll.rows_forward)
     rounds, r = max(roll.rounds, 1), args.rollout
-    # As in the loop: beside the workers that step while the parent acts for a shard, every worker
-    # but that shard's unless a worker has another shard to step (a forward alone ran about twice
-    # as fast as beside two engine processes on a 2-core machine [M: docs/throughput.md]), the
-    # parent waiting between rounds for as long as a shard's cycle takes the farm. An inline
-    # farm's parent steps its battles itself: nothing beside, no wait.
-    beside = r.workers - (r.shards_per_worker == 1) if r.source == "process" else 0
-    gap_s = env.n_battles / farm_rate / env.n_shards if beside else 0.0
+    beside, gap_s = replay_load(r, env, farm_rate)
     with farm.SteppingBeside(env.spec, beside, r.games_per_worker, args.master_seed):
         inference = timed_figure(
             "inference", "ms/round",
@@ -1247,6 +1241,18 @@ def timed_update(s: P.Setup, roll: P.Rollout, crit: P.Critic, adv: P.Advantages,
         teacher=None if learner.teacher is None else (learner.teacher, sched["teacher_kl"]))["time/update"]
     P.restore_learner(learner, before)
     return seconds
+
+
+def replay_load(r: P.RolloutArgs, env: Any, farm_rate: float) -> tuple[int, float]:
+    """(stepping processes, seconds asleep between rounds) for replay_inference, as in the loop: the
+    workers that step while the parent acts for a shard, every worker but that shard's unless a
+    worker has another shard to step (a forward alone ran about twice as fast as beside two engine
+    processes on a 2-core machine [M: docs/throughput.md]), and the parent waiting between rounds
+    for as long as a shard's cycle takes the farm. An inline farm's parent steps its battles
+    itself: nothing beside, no wait."""
+    if r.source != "process":
+        return 0, 0.0
+    return r.workers - (r.shards_per_worker == 1), env.n_battles / farm_rate / env.n_shards
 
 
 def replay_inference(roll: P.Rollout, view: P.RectView, learner: P.Learner, lad: Any, env: P.Env,

@@ -637,6 +637,20 @@ def test_bench_predicts_an_iteration_from_its_parts_by_plain_arithmetic():
     assert "| inference | 0.10 | 0.20 | 2.00 |" in lines and "| iteration | 0.57 | 0.75 | 1.31 |" in lines
 
 
+def test_bench_replays_inference_beside_the_workers_that_step_while_the_parent_acts():
+    """[A] The cpu profile's 2 workers of 1 shard: while the parent acts for one shard its worker
+    waits, so 1 process steps beside; a cycle of 16 battles at 1,000 game-steps/s is 16 ms, 8 ms
+    a round of its 2 shards. With 2 shards a worker, every worker steps beside; an inline farm's
+    parent steps its own battles: nothing beside, no wait."""
+    env = type("E", (), {"n_battles": 16, "n_shards": 2})()
+    cpu = P.profile_args("cpu").rollout
+    assert checks.replay_load(cpu, env, 1000.0) == (1, pytest.approx(0.008))
+    env.n_shards = 4
+    two = dataclasses.replace(cpu, shards_per_worker=2)
+    assert checks.replay_load(two, env, 1000.0) == (2, pytest.approx(0.004))
+    assert checks.replay_load(P.profile_args("smoke").rollout, env, 1000.0) == (0, 0.0)
+
+
 @pytest.mark.slow
 def test_bench_on_smoke_prints_every_part_and_writes_the_table_dated(tmp_path, monkeypatch):
     doc = tmp_path / "throughput.md"
