@@ -4007,16 +4007,26 @@ def sample_battles(args: Args, env: Env) -> SampledBattles:
     """Whole battles of the evaluation env (no step cap, so they end in a game over), both seats
     playing a random legal card a third of the time, until DOCTOR_STATES seat-states are seen.
     Each battle's seed and actions are name-addressed (doctor/battle/{i}), so the gate is exact."""
+    return _sampled_battles(msgspec.json.encode(ladder.eval_env_spec(env.spec)), args.master_seed,
+                            args.doctor.run_mask_disagreement_gate, env.geo.tiles, env.geo.hand_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _sampled_battles(spec_json: bytes, master_seed: int, disagreement_gate: bool, tiles: tuple[int, int],
+                     hand_size: int) -> SampledBattles:
+    """sample_battles, a pure function of these: a process that starts several runs (checks.py
+    learn and verify-resume, a test session) plays the battles once, 1.4-1.7 s of CPU a start on
+    a 2-core machine [M, docs/throughput.md]."""
     from royalegym.action import BLUE, NOOP, RED, mask_disagreements
-    H, W = env.geo.tiles
-    grid = env.geo.hand_size * H * W
-    e = farm.env_factory(ladder.eval_env_spec(env.spec))()
+    H, W = tiles
+    grid = hand_size * H * W
+    e = farm.env_factory(msgspec.json.decode(spec_json, type=farm.EnvFactorySpec))()
     states = missing = over = planes = 0
     disagree: list[tuple[int, int, int]] | None = None
     i = 0
     while states < DOCTOR_STATES or not over:
-        rng = derive_generator(args.master_seed, f"doctor/battle/{i}")
-        obs, _ = e.reset(seed=derive_int(args.master_seed, f"doctor/battle/{i}/seed"))
+        rng = derive_generator(master_seed, f"doctor/battle/{i}")
+        obs, _ = e.reset(seed=derive_int(master_seed, f"doctor/battle/{i}/seed"))
         for step in range(10**6):
             masks = {a: np.asarray(obs[a]["action_mask"]).astype(bool) for a in obs}
             done = step > 0 and not e.agents
@@ -4024,10 +4034,10 @@ def sample_battles(args: Args, env: Env) -> SampledBattles:
                 states, missing, over = states + 1, missing + int(not m[NOOP]), over + int(done)
                 if "mask_planes" in obs[a]:
                     planes += int(not np.array_equal(np.asarray(obs[a]["mask_planes"]).astype(bool),
-                                                     m[1:1 + grid].reshape(env.geo.hand_size, H, W)))
+                                                     m[1:1 + grid].reshape(hand_size, H, W)))
             if done:
                 break
-            if disagree is None and step == 50 and args.doctor.run_mask_disagreement_gate:
+            if disagree is None and step == 50 and disagreement_gate:
                 st = e.engine.state()
                 disagree = [d for team in (BLUE, RED)
                             for d in mask_disagreements(e.engine, e.action_parser, st, team)]
@@ -4834,19 +4844,12 @@ def read_env(args: Args, comm: Comm | None = None) -> Env:
                                  max_steps=args.obs.max_steps or None, reward=reward_spec(args.reward))
     spec = msgspec.structs.replace(spec, decision_ms=args.obs.decision_ms)
     try:
-        env_spec, table = farm.preflight(spec, frame_stack=k, master_seed=seed)
+        env_spec, table, statics, geo, eng_cfg, cards = env_reading(msgspec.json.encode(spec), k, seed)
     except RuntimeError as e:   # design 3.8 step 1: a stale engine build refuses here, before cycle 0
         refusal = stale_build_refusal(e)
         if refusal is None:
             raise
         raise refusal from e
-    vec = farm.build_vec(spec, 1)
-    obs0, _ = vec.reset(seed=0)
-    statics = torch.as_tensor(codec.static_planes(table, obs0), device=device)
-    geo = geometry_from_env(vec.single_observation_space, vec.envs[0].obs_builder, k)
-    eng_cfg = vec.envs[0].config()
-    cards = sorted(vec.envs[0].engine.cards(), key=lambda c: c.card_id)
-    vec.close()
     deal_check(args.ladder.seat_decks, cards)
     n_battles = args.rollout.workers * args.rollout.games_per_worker
     # sizing only: the learner's row count follows from the roles, not from the pool
@@ -4858,12 +4861,41 @@ def read_env(args: Args, comm: Comm | None = None) -> Env:
                                                               "hand_size": geo.hand_size})),
                      codec_version=codec.CODEC_VERSION, codec_table_digest=table.digest(),
                      royalegym_version=_pkg_version("royalegym"))
-    return Env(spec=spec, table=table, statics=statics, geo=geo, facts=facts, device=device,
+    return Env(spec=spec, table=table, statics=torch.tensor(statics, device=device), geo=geo, facts=facts,
+               device=device,
                n_battles=n_battles, R=2 * n_battles, T=-(-args.ppo.timesteps_per_iteration // learner_rows),
                learner_rows=learner_rows, n_shards=args.rollout.workers * args.rollout.shards_per_worker,
                seed=derive_int(seed, f"rank/{comm.rank}") if comm.on else seed, world=comm.world,
                rank=comm.rank,
                backend=comm.backend, card_names=tuple(c.name for c in cards))
+
+
+class EnvReading(NamedTuple):
+    env_spec: Any              # farm.EnvSpec, read off the preflight's env
+    table: Any                 # codec.CodecTable decided from its sample
+    statics: np.ndarray        # a reset env's static planes (read-only: every run copies them)
+    geo: NetGeometry
+    engine_config: dict[str, Any]
+    cards: tuple[Any, ...]     # the engine's catalogue, by card id
+
+
+@functools.lru_cache(maxsize=4)
+def env_reading(spec_json: bytes, frame_stack: int, master_seed: int) -> EnvReading:
+    """What read_env reads off built envs (the preflight, then one reset env). A pure function of
+    the env's spec, the frame stack and the seed, so a process that opens several runs (checks.py
+    learn and verify-resume, a test session) builds these envs once: 1.0-1.1 s of CPU a run on a
+    2-core machine [M, docs/throughput.md]. Like ladder._eval_preflight for the evaluation env."""
+    spec = msgspec.json.decode(spec_json, type=farm.EnvFactorySpec)
+    env_spec, table = farm.preflight(spec, frame_stack=frame_stack, master_seed=master_seed)
+    vec = farm.build_vec(spec, 1)
+    obs0, _ = vec.reset(seed=0)
+    statics = codec.static_planes(table, obs0)
+    statics.setflags(write=False)
+    geo = geometry_from_env(vec.single_observation_space, vec.envs[0].obs_builder, frame_stack)
+    reading = EnvReading(env_spec, table, statics, geo, vec.envs[0].config(),
+                         tuple(sorted(vec.envs[0].engine.cards(), key=lambda c: c.card_id)))
+    vec.close()
+    return reading
 
 
 def reward_spec(reward: RewardArgs) -> farm.ComponentSpec | None:

@@ -406,6 +406,8 @@ def test_doctor_fails_naming_the_gate_planted_to_fail(tmp_path, monkeypatch):
     assert "raise --doctor.ram-budget-mb" in err and "Traceback" not in err
     monkeypatch.setattr(royalegym.action, "mask_disagreements",
                         lambda engine, parser, state, team: [(7, 1, 3)])
+    # the battles are played once a process (ppo_clash._sampled_battles): this one plays its own
+    monkeypatch.setattr(P, "_sampled_battles", P._sampled_battles.__wrapped__)
     code, _, err = run_main("doctor", "--profile", "smoke")
     assert code == 2 and "start-up gate 5 (mask agrees with the engine" in err and "2 disagreements" in err
     with pytest.raises(P.StartupGateFailed, match="start-up gate 5"):
@@ -420,6 +422,7 @@ def test_doctor_names_the_rebuild_command_for_a_stale_engine_build(monkeypatch):
     import royalegym.rust_engine
     monkeypatch.setattr(royalegym.rust_engine, "stale_build_differences",
                         lambda calibration, arena_path=None: ["elixir.REGEN_TICKS: built 56, ledger 57"])
+    monkeypatch.setattr(P, "env_reading", P.env_reading.__wrapped__)   # read once a process: read again
     code, _, err = run_main("doctor", "--profile", "smoke")
     assert code == 2 and "start-up gate 1 (engine built and reset) failed" in err, err
     assert "royalesim was built against different data" in err and "elixir.REGEN_TICKS" in err

@@ -1508,6 +1508,32 @@ def test_the_reward_weights_reach_the_env_and_their_defaults_leave_its_spec_and_
     assert P.read_env(a).facts.env_spec_digest != P.read_env(base).facts.env_spec_digest
 
 
+@pytest.mark.slow
+def test_a_process_builds_the_envs_read_env_reads_and_plays_the_gates_battles_once_a_seed(monkeypatch):
+    """env_reading and _sampled_battles are pure functions of the env's spec and the seed, kept a
+    process: a second start with the same ones builds no env and plays no battle and gets what the
+    first read, its static planes its own copy; another seed reads its own."""
+    built = []
+    real_build, real_factory = P.farm.build_vec, P.farm.env_factory
+    monkeypatch.setattr(P.farm, "build_vec",
+                        lambda spec, n, **kw: built.append(n) or real_build(spec, n, **kw))
+    monkeypatch.setattr(P.farm, "env_factory", lambda spec: built.append("battle") or real_factory(spec))
+    args = P.parse_args(["--profile", "smoke", "--master-seed", "424242"])   # a seed no other test reads
+    first = P.read_env(args)
+    assert [n for n in built if n != "battle"] == [2, 1]   # the preflight's 2 battles, then one reset env
+    built.clear()
+    again = P.read_env(args)
+    assert built == [] and again.table.digest() == first.table.digest() and again.geo == first.geo
+    assert torch.equal(again.statics, first.statics) and first.statics.any()
+    again.statics.zero_()
+    assert first.statics.any()                                # a run's planes are not another's
+    played = P.sample_battles(args, first)
+    assert built == ["battle"] and played.states >= P.DOCTOR_STATES and played.game_over > 0
+    assert P.sample_battles(args, again) is played and built == ["battle"]
+    P.read_env(P.parse_args(["--profile", "smoke", "--master-seed", "424243"]))
+    assert [n for n in built if n != "battle"] == [2, 1]
+
+
 def test_a_warm_start_clones_the_rungs_own_choices_deterministically_and_only_a_run_asking_changes_its_id():
     """WarmArgs (docs/learning.md section 3): the rung plays itself; every cloned row is a choice
     row whose recorded action its own packed mask allows, both seats' rows are there, and the
@@ -4778,7 +4804,6 @@ def test_a_fork_s_metric_without_a_schema_entry_stops_its_first_row(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.other_half
 def test_a_loss_variant_is_an_edit_of_minibatch_loss_alone(tmp_path):
     """Two forks that change minibatch_loss and nothing else (issue 49): a clipped value loss, which
     reads the old value the Minibatch carries from the critic pass, and a clip range of 1e-4 in the
