@@ -4862,12 +4862,11 @@ def read_env(args: Args, comm: Comm | None = None) -> Env:
                      codec_version=codec.CODEC_VERSION, codec_table_digest=table.digest(),
                      royalegym_version=_pkg_version("royalegym"))
     return Env(spec=spec, table=table, statics=torch.tensor(statics, device=device), geo=geo, facts=facts,
-               device=device,
-               n_battles=n_battles, R=2 * n_battles, T=-(-args.ppo.timesteps_per_iteration // learner_rows),
-               learner_rows=learner_rows, n_shards=args.rollout.workers * args.rollout.shards_per_worker,
+               device=device, n_battles=n_battles, R=2 * n_battles,
+               T=-(-args.ppo.timesteps_per_iteration // learner_rows), learner_rows=learner_rows,
+               n_shards=args.rollout.workers * args.rollout.shards_per_worker,
                seed=derive_int(seed, f"rank/{comm.rank}") if comm.on else seed, world=comm.world,
-               rank=comm.rank,
-               backend=comm.backend, card_names=tuple(c.name for c in cards))
+               rank=comm.rank, backend=comm.backend, card_names=tuple(c.name for c in cards))
 
 
 class EnvReading(NamedTuple):
