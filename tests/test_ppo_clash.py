@@ -1530,8 +1530,12 @@ def test_a_process_builds_the_envs_read_env_reads_and_plays_the_gates_battles_on
     played = P.sample_battles(args, first)
     assert built == ["battle"] and played.states >= P.DOCTOR_STATES and played.game_over > 0
     assert P.sample_battles(args, again) is played and built == ["battle"]
-    P.read_env(P.parse_args(["--profile", "smoke", "--master-seed", "424243"]))
+    other = P.parse_args(["--profile", "smoke", "--master-seed", "424243"])
+    env_other = P.read_env(other)
     assert [n for n in built if n != "battle"] == [2, 1]
+    seen = len(built)
+    P.sample_battles(other, env_other)
+    assert built[seen:] == ["battle"]                         # and plays its own battle
 
 
 def test_a_warm_start_clones_the_rungs_own_choices_deterministically_and_only_a_run_asking_changes_its_id():
