@@ -4014,9 +4014,9 @@ def sample_battles(args: Args, env: Env) -> SampledBattles:
 @functools.lru_cache(maxsize=4)
 def _sampled_battles(spec_json: bytes, master_seed: int, disagreement_gate: bool, tiles: tuple[int, int],
                      hand_size: int) -> SampledBattles:
-    """sample_battles, a pure function of these: a process that starts several runs (checks.py
-    learn and verify-resume, a test session) plays the battles once, 1.4-1.7 s of CPU a start on
-    a 2-core machine [M, docs/throughput.md]."""
+    """sample_battles, a pure function of these: a process that starts several runs
+    (verify-resume, a test session) plays the battles once, 1.4-1.7 s of CPU a start on a 2-core
+    machine [M, docs/throughput.md]."""
     from royalegym.action import BLUE, NOOP, RED, mask_disagreements
     H, W = tiles
     grid = hand_size * H * W
@@ -4881,9 +4881,10 @@ class EnvReading(NamedTuple):
 @functools.lru_cache(maxsize=4)
 def env_reading(spec_json: bytes, frame_stack: int, master_seed: int) -> EnvReading:
     """What read_env reads off built envs (the preflight, then one reset env). A pure function of
-    the env's spec, the frame stack and the seed, so a process that opens several runs (checks.py
-    learn and verify-resume, a test session) builds these envs once: 1.0-1.1 s of CPU a run on a
-    2-core machine [M, docs/throughput.md]. Like ladder._eval_preflight for the evaluation env."""
+    the env's spec, the frame stack and the seed, so a process that reads the env more than once
+    (checks.py learn before its run, verify-resume, a test session) builds these envs once: 1.0-1.1 s
+    of CPU a read on a 2-core machine [M, docs/throughput.md]. Like ladder._eval_preflight for the
+    evaluation env."""
     spec = msgspec.json.decode(spec_json, type=farm.EnvFactorySpec)
     env_spec, table = farm.preflight(spec, frame_stack=frame_stack, master_seed=master_seed)
     vec = farm.build_vec(spec, 1)
