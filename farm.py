@@ -270,6 +270,23 @@ def _factory_entry(c: ComponentSpec, extra) -> tuple[Any, dict[str, Any]]:
     return resolve_class(c.cls, extra), _build_kwargs(c.kwargs, extra)
 
 
+def _ask_the_engine_once() -> None:
+    """royalegym's RustEngine asks the compiled engine where its card table comes from at every
+    construction, and the engine takes about 0.08 s to answer, a third of a construction's
+    cost [M: docs/throughput.md, "Building an engine"]. The answer ("embedded", or the file
+    it was built to read) is fixed once the extension is loaded, so a process asks once: every
+    battle of every env this module builds, and of a test session, pays it a single time."""
+    import functools
+
+    import royalesim
+    ask = getattr(royalesim, "card_table_source", None)   # an older build has no such question
+    if callable(ask) and not hasattr(ask, "cache_info"):
+        royalesim.card_table_source = functools.cache(ask)
+
+
+_ask_the_engine_once()
+
+
 def env_factory(spec: EnvFactorySpec) -> Any:
     """The spec as royalegym's picklable EnvFactory recipe (one place assembles an env)."""
     from royalegym.done_condition import AnyCondition

@@ -148,6 +148,21 @@ def test_component_allow_list_refuses_other_modules():
         farm.env_factory(bad)
 
 
+def test_a_process_asks_the_engine_where_its_card_table_comes_from_once():
+    """Every RustEngine construction asks; the answer is fixed once the extension is loaded, so
+    after farm's import the engine answers once a process, and the same answer every time."""
+    import royalesim
+    from royalegym.rust_engine import embedded_card_table
+    ask = royalesim.card_table_source
+    before = ask.cache_info()
+    farm.build_vec(farm.default_env_spec(max_steps=20), 3)
+    after = ask.cache_info()
+    asked = lambda info: info.hits + info.misses
+    assert after.misses == 1 and asked(after) >= asked(before) + 3    # one engine a battle
+    assert ask() == ask.__wrapped__()
+    assert (embedded_card_table() is not None) == (ask() == "embedded")
+
+
 @pytest.mark.parametrize("spell_aim", [False, True])
 def test_env_spec_is_read_off_the_env(spell_aim):
     spec = farm.default_env_spec(max_steps=20, reveal_spell_aim=spell_aim)
