@@ -459,6 +459,19 @@ def _sig_from_keyspecs(obs_space: dict[str, ObsKeySpec], n_actions: int) -> str:
     return hashlib.sha256(msgspec.json.encode(doc, order="deterministic")).hexdigest()
 
 
+def handshake_problems(report: dict[str, Any], expect: "EnvSpec") -> list[str]:
+    """Where a worker's handshake (or SPACES answer) disagrees with the parent's EnvSpec: its
+    spaces' signature and its engine binary (design 3.5)."""
+    problems = []
+    got, want = report["spaces"], _sig_from_keyspecs(expect.obs_space, expect.n_actions)
+    if got != want:
+        problems.append(f"observation/action spaces {got[:16]} != parent's {want[:16]}")
+    if report["engine_binary"] != expect.engine_binary:
+        problems.append(f"engine binary {report['engine_binary']} != the identity's "
+                        f"{expect.engine_binary} (was the engine rebuilt?)")
+    return problems
+
+
 def read_env_spec(spec: EnvFactorySpec, env: Any, frame_stack: int) -> EnvSpec:
     """Every field read from `env`, a ClashParallelEnv that has been reset (a fresh env reports
     decision_ticks = 1 until its first reset, design 3.8 step 1)."""
@@ -3118,16 +3131,19 @@ class ProcessFarm(_FarmCore):
         self._act_sems = [self._ctx.Semaphore(0) for _ in range(self.J)]
         self._seq = [0] * self.J
         self._procs: list[Any] = [None] * cfg.workers
+        self._deadline = [0.0] * cfg.workers   # each worker's start-up timeout, from its launch
         self.handshakes: list[dict[str, Any]] = [{} for _ in range(cfg.workers)]
         self._expect = env_spec
         self._cfg_json = msgspec.json.encode(cfg)
         self._table_json = msgspec.json.encode(table)
         atexit.register(self.close)
-        try:
+        try:   # every worker starts up beside the others: its imports and engines are seconds
             for w in range(cfg.workers):
-                self._start_worker(w)
+                self._launch(w)
                 if cfg.launch_delay_s and w + 1 < cfg.workers:
                     time.sleep(cfg.launch_delay_s)
+            for w in range(cfg.workers):
+                self._await_start(w)
         except BaseException:
             self.close()
             raise
@@ -3140,6 +3156,11 @@ class ProcessFarm(_FarmCore):
         return range(w * S, (w + 1) * S)
 
     def _start_worker(self, w: int) -> None:
+        self._launch(w)
+        self._await_start(w)
+
+    def _launch(self, w: int) -> None:
+        """Spawn worker w on its generation's seed paths; _await_start(w) waits for its handshake."""
         hand = np.ndarray((HANDSHAKE_BYTES,), np.uint8, buffer=self._shm_b[w].buf, offset=0)
         hand[:] = 0
         for j in self._shards(w):
@@ -3159,8 +3180,13 @@ class ProcessFarm(_FarmCore):
         with _SpawnEnv():
             p.start()
         self._procs[w] = p
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
-        j0 = self._shards(w)[0]
+        self._deadline[w] = time.monotonic() + self.cfg.startup_timeout_s
+
+    def _await_start(self, w: int) -> None:
+        """Until every shard of worker w is ready (its envs built and reset), then its handshake is
+        checked against the parent's spaces and engine binary; a failure or the start-up timeout
+        kills it and raises, naming the worker and its generation."""
+        p, deadline, j0 = self._procs[w], self._deadline[w], self._shards(w)[0]
         while True:
             states = [int(self._ios[j].control["state"][0]) for j in self._shards(w)]
             if all(s_ == ST_READY for s_ in states):
@@ -3186,22 +3212,11 @@ class ProcessFarm(_FarmCore):
         return report
 
     def _check_report(self, w: int, report: dict[str, Any]) -> None:
-        if self._expect is not None:
-            problems = []
-            vec_sig = report["spaces"]
-            want_sig = self._expect_sig()
-            if vec_sig != want_sig:
-                problems.append(f"observation/action spaces {vec_sig[:16]} != parent's {want_sig[:16]}")
-            if report["engine_binary"] != self._expect.engine_binary:
-                problems.append(f"engine binary {report['engine_binary']} != the identity's "
-                                f"{self._expect.engine_binary} (was the engine rebuilt?)")
-            if problems:
-                self._kill(w)
-                raise FarmError(f"worker {w} (generation {self.generation[w]}) refused: "
-                                + "; ".join(problems) + ". Stopped; restart the run on one build.")
-
-    def _expect_sig(self) -> str:
-        return _sig_from_keyspecs(self._expect.obs_space, self._expect.n_actions)
+        problems = [] if self._expect is None else handshake_problems(report, self._expect)
+        if problems:
+            self._kill(w)
+            raise FarmError(f"worker {w} (generation {self.generation[w]}) refused: "
+                            + "; ".join(problems) + ". Stopped; restart the run on one build.")
 
     def _command(self, j: int, kind: int) -> None:
         ctl = self._ios[j].control
@@ -3302,11 +3317,7 @@ class ProcessFarm(_FarmCore):
             return
         if p.is_alive():
             for j in self._shards(w):
-                ctl = self._ios[j].control
-                ctl["cmd_kind"] = CMD_CLOSE
-                self._seq[j] += 1
-                ctl["cmd_seq"] = self._seq[j]
-                self._act_sems[j].release()
+                self._command(j, CMD_CLOSE)
             p.join(timeout=self.cfg.join_timeout_s)
         self._kill(w)
 

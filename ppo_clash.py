@@ -250,7 +250,8 @@ class RolloutArgs:
     """a fourth failure of one worker in the run (a resume included) stops it rather than silently
     degrading throughput"""
     launch_delay_s: float = 0.5
-    """stagger worker start: each RustEngine construction decodes its data files"""
+    """seconds between launching one worker and the next; they then start up side by side (each
+    RustEngine construction decodes its data files)"""
     eval_workers: int = 2
     """processes of the gate's own farm, built at gate time and closed after (design 7.1)"""
     eval_games_per_worker: int = 24

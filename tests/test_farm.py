@@ -858,10 +858,19 @@ def test_a_replay_that_the_engine_does_not_follow_is_refused(short_env):
 # --- 6. ProcessFarm (slow) --------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_process_farm_matches_inline_byte_for_byte(short_env):
+def test_process_farm_matches_inline_byte_for_byte(short_env, monkeypatch):
     """2 workers x 2 shards, mirror + scripted, 30 cycles over two iterations (so the frame
-    history copy and the iteration boundary are covered)."""
+    history copy and the iteration boundary are covered). The workers start up side by side:
+    every one is spawned before the farm waits for the first one's handshake."""
     spec, env_spec, table = short_env
+    launched_at_first_wait = []
+    await_start = farm.ProcessFarm._await_start
+
+    def spy(self, w):
+        if w == 0:
+            launched_at_first_wait.append([p is not None and p.is_alive() for p in self._procs])
+        await_start(self, w)
+    monkeypatch.setattr(farm.ProcessFarm, "_await_start", spy)
     cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=2, shards_per_worker=2,
                           games_per_worker=2, cycles=15, frame_stack=2, viewer=False)
     inline = farm.InlineFarm(cfg, table, mixed_assign)
@@ -874,9 +883,10 @@ def test_process_farm_matches_inline_byte_for_byte(short_env):
     try:
         # SPACES (design 3.5): re-read without stepping -- the bytes below still match inline's
         rep = proc.spaces(1)
-        assert rep["spaces"] == proc._expect_sig() and rep["engine_binary"] == env_spec.engine_binary
+        assert farm.handshake_problems(rep, env_spec) == [] and rep["engine_binary"] == env_spec.engine_binary
         assert rep["pid"] == proc._procs[1].pid
         b = drive(proc, cfg, table, 2)
+        assert launched_at_first_wait == [[True, True]]
         assert proc.drain_failures() == []
         assert proc.spaces(0)["pid"] == proc._procs[0].pid     # between iterations, too
         proc._expect = msgspec.structs.replace(env_spec, engine_binary="0000000000000000")
