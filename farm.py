@@ -274,8 +274,8 @@ def _ask_the_engine_once() -> None:
     """royalegym's RustEngine asks the compiled engine where its card table comes from at every
     construction, and the engine takes about 0.08 s to answer, a third of a construction's
     cost [M: docs/throughput.md, "Building an engine"]. The answer ("embedded", or the file
-    it was built to read) is fixed once the extension is loaded, so a process asks once: every
-    battle of every env this module builds, and of a test session, pays it a single time."""
+    it was built to read) is fixed once the extension is loaded, so from this module's import on
+    a process asks once, however many battles it builds."""
     import functools
 
     import royalesim
