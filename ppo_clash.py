@@ -4009,18 +4009,15 @@ def sample_battles(args: Args, env: Env) -> SampledBattles:
     playing a random legal card a third of the time, until DOCTOR_STATES seat-states are seen.
     Each battle's seed and actions are name-addressed (doctor/battle/{i}), so the gate is exact."""
     return _sampled_battles(msgspec.json.encode(ladder.eval_env_spec(env.spec)), args.master_seed,
-                            args.doctor.run_mask_disagreement_gate, env.geo.tiles, env.geo.hand_size)
+                            args.doctor.run_mask_disagreement_gate)
 
 
 @functools.lru_cache(maxsize=4)
-def _sampled_battles(spec_json: bytes, master_seed: int, disagreement_gate: bool, tiles: tuple[int, int],
-                     hand_size: int) -> SampledBattles:
+def _sampled_battles(spec_json: bytes, master_seed: int, disagreement_gate: bool) -> SampledBattles:
     """sample_battles, a pure function of these: a process that starts several runs
     (verify-resume, a test session) plays the battles once, 1.4-1.7 s of CPU a start on a 2-core
     machine [M, docs/throughput.md]."""
     from royalegym.action import BLUE, NOOP, RED, mask_disagreements
-    H, W = tiles
-    grid = hand_size * H * W
     e = farm.env_factory(msgspec.json.decode(spec_json, type=farm.EnvFactorySpec))()
     states = missing = over = planes = 0
     disagree: list[tuple[int, int, int]] | None = None
@@ -4033,9 +4030,9 @@ def _sampled_battles(spec_json: bytes, master_seed: int, disagreement_gate: bool
             done = step > 0 and not e.agents
             for a, m in masks.items():
                 states, missing, over = states + 1, missing + int(not m[NOOP]), over + int(done)
-                if "mask_planes" in obs[a]:
-                    planes += int(not np.array_equal(np.asarray(obs[a]["mask_planes"]).astype(bool),
-                                                     m[1:1 + grid].reshape(hand_size, H, W)))
+                if "mask_planes" in obs[a]:   # (hand, H, W): the mask's grid after the no-op, reshaped
+                    mp = np.asarray(obs[a]["mask_planes"]).astype(bool)
+                    planes += int(not np.array_equal(mp, m[1:1 + mp.size].reshape(mp.shape)))
             if done:
                 break
             if disagree is None and step == 50 and disagreement_gate:

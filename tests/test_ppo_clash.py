@@ -1538,6 +1538,44 @@ def test_a_process_builds_the_envs_read_env_reads_and_plays_the_gates_battles_on
     assert built[seen:] == ["battle"]                         # and plays its own battle
 
 
+@pytest.mark.slow
+def test_the_start_up_battles_count_each_state_whose_mask_planes_are_not_its_mask_s_grid(monkeypatch):
+    """design 3.8 step 7: mask_planes must be the mask's grid after the no-op, reshaped; a seat-state
+    whose planes lose one legal tile is counted (the battles' own, uncached function)."""
+    real = P.farm.env_factory
+
+    class Planted:   # the env, its observations' mask_planes with each first legal tile cleared
+        def __init__(self, env):
+            self.env = env
+
+        def __getattr__(self, name):
+            return getattr(self.env, name)
+
+        def _plant(self, obs):
+            for o in obs.values():
+                mp = o["mask_planes"] = np.array(o["mask_planes"])   # its own bytes: it may view the mask
+                on = np.flatnonzero(mp)
+                if on.size:
+                    mp.flat[on[0]] = 0
+            return obs
+
+        def reset(self, **kw):
+            obs, info = self.env.reset(**kw)
+            return self._plant(obs), info
+
+        def step(self, actions):
+            obs, *rest = self.env.step(actions)
+            return (self._plant(obs), *rest)
+
+    args = P.parse_args(["--profile", "smoke"])
+    spec_json = P.msgspec.json.encode(P.ladder.eval_env_spec(P.read_env(args).spec))
+    honest = P._sampled_battles.__wrapped__(spec_json, args.master_seed, False)
+    assert honest.planes_mismatch == 0 and honest.states >= P.DOCTOR_STATES
+    monkeypatch.setattr(P.farm, "env_factory", lambda spec: (lambda: Planted(real(spec)())))
+    planted = P._sampled_battles.__wrapped__(spec_json, args.master_seed, False)
+    assert planted.states == honest.states and 0 < planted.planes_mismatch <= planted.states
+
+
 def test_a_warm_start_clones_the_rungs_own_choices_deterministically_and_only_a_run_asking_changes_its_id():
     """WarmArgs (docs/learning.md section 3): the rung plays itself; every cloned row is a choice
     row whose recorded action its own packed mask allows, both seats' rows are there, and the
