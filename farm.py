@@ -286,14 +286,49 @@ def _ask_the_engine_once() -> None:
 
 _ask_the_engine_once()
 
+# Engines a closed vec env handed back (close_vec), by engine spec, for the next farm of this
+# process. A RustEngine costs about 0.2 s to build, royalegym's checks of its data [M:
+# docs/throughput.md, "Spare engines"], and reset() starts its battle from nothing (its seed and
+# setup; no state of an earlier battle survives it), which every farm already relies on when a
+# battle's engine plays its next episode: the bytes of an episode do not depend on what its engine
+# played before (test_a_farm_s_battles_reuse_the_engines_a_closed_farm_handed_back). Only a farm's
+# battles take spares; the start-up checks (preflight, the doctor) build their own.
+_SPARE_ENGINES: dict[bytes, list[Any]] = {}
 
-def env_factory(spec: EnvFactorySpec) -> Any:
-    """The spec as royalegym's picklable EnvFactory recipe (one place assembles an env)."""
+
+def _engine_key(spec: EnvFactorySpec) -> bytes:
+    return msgspec.json.encode([spec.engine, spec.extra_component_modules], order="deterministic")
+
+
+def spare_or_new_engine(key: bytes, cls: Any, **kwargs: Any) -> Any:
+    """A farm battle's engine (env_factory with spare_engines): a spare handed back under the
+    same engine spec, else a new one."""
+    spare = _SPARE_ENGINES.get(key)
+    return spare.pop() if spare else cls(**kwargs)
+
+
+def close_vec(vec: Any, spec: EnvFactorySpec) -> None:
+    """Close a vec env build_vec(spec, ...) built and hand its engines back for this process's
+    next farm. Closing twice hands back nothing twice (two battles on one engine would share it)."""
+    if vec.closed:
+        return
+    vec.close()
+    _SPARE_ENGINES.setdefault(_engine_key(spec), []).extend(e.engine for e in vec.envs)
+
+
+def env_factory(spec: EnvFactorySpec, *, spare_engines: bool = False) -> Any:
+    """The spec as royalegym's picklable EnvFactory recipe (one place assembles an env); with
+    spare_engines, its engines are spares this process was handed back where it has them."""
+    import functools
+
     from royalegym.done_condition import AnyCondition
     from royalegym.env import EnvFactory
     x = spec.extra_component_modules
+    engine, engine_kw = _factory_entry(spec.engine, x)
+    if spare_engines:
+        engine = functools.partial(spare_or_new_engine, _engine_key(spec), engine)
     parts: dict[str, Any] = {
-        "engine": _factory_entry(spec.engine, x),
+        "engine": (engine, engine_kw),
         "obs_builder": _factory_entry(spec.obs_builder, x),
         "action_parser": _factory_entry(spec.action_parser, x),
         "reward_fn": _factory_entry(spec.reward_fn, x),
@@ -311,11 +346,13 @@ def env_factory(spec: EnvFactorySpec) -> Any:
 
 
 def build_vec(spec: EnvFactorySpec, num_games: int, *, viser: Any = None,
-              autoreset_seed_fn: Callable[[int, int], int] | None = None) -> Any:
+              autoreset_seed_fn: Callable[[int, int], int] | None = None, spare_engines: bool = False) -> Any:
     """The vec env every worker, replay and play steps: each battle's env carries a
-    TrajectoryDigest from before its first reset (a record's trajectory_digest)."""
+    TrajectoryDigest from before its first reset (a record's trajectory_digest). Close it with
+    close_vec(vec, spec); a farm's shards build theirs with spare_engines."""
     from royalegym.env import ClashSelfPlayVecEnv
-    vec = ClashSelfPlayVecEnv(num_games, env_factory(spec), viser=viser, autoreset_seed_fn=autoreset_seed_fn)
+    vec = ClashSelfPlayVecEnv(num_games, env_factory(spec, spare_engines=spare_engines), viser=viser,
+                              autoreset_seed_fn=autoreset_seed_fn)
     for e in vec.envs:
         e.recorder = TrajectoryDigest()
     return vec
@@ -544,7 +581,7 @@ def preflight(spec: EnvFactorySpec, *, frame_stack: int = 1, master_seed: int = 
     table = codec.decide_table(vec.single_observation_space, env_spec.spatial_layout, sample)
     if out is not None:
         out["statics"] = codec.static_planes(table, sample[0])
-    vec.close()
+    close_vec(vec, spec)
     return env_spec, table
 
 
@@ -1779,7 +1816,8 @@ class ShardRunner:
         # design 3.8 step 11: exactly one vec env in the run carries the viewer's publisher (it
         # binds a UDP port per process): worker 0's first shard; every other shard gets None.
         viser = "env" if (cfg.viewer and w == 0 and s == 0) else None
-        self.vec = build_vec(cfg.env, M, viser=viser, autoreset_seed_fn=self.running.seed_fn)
+        self.vec = build_vec(cfg.env, M, viser=viser, autoreset_seed_fn=self.running.seed_fn,
+                             spare_engines=True)
         self.vec.set_episode_ordinals(ordinals)
         if cfg.deals is not None:   # before the first reset, which deals from the episode's seed
             from royalegym.state_mutator import DeckCurriculumStateMutator
@@ -2770,7 +2808,7 @@ class InlineFarm(_FarmCore):
         for s in range(self.cfg.shards_per_worker):
             r = self._runners[w * self.cfg.shards_per_worker + s]
             if r is not None:
-                r.vec.close()
+                close_vec(r.vec, self.cfg.env)
 
     def _io(self, j: int) -> ShardIO:
         return self._ios[j]
@@ -3379,7 +3417,7 @@ def _bench_direct(env: EnvFactorySpec, battles: int, cycles: int, iterations: in
             h.update(acts.tobytes())
         obs, *_ = vec.step(acts)
     dt = time.perf_counter() - t0
-    vec.close()
+    close_vec(vec, env)
     return dt, h.hexdigest()[:16]
 
 
@@ -3392,7 +3430,7 @@ def _step_beside(env: EnvFactorySpec, battles: int, master_seed: int, ready: Any
     while not stop.is_set():
         obs, *_ = vec.step(_bench_actions(master_seed, t, obs["action_mask"], allslots, 2 * battles))
         t += 1
-    vec.close()
+    close_vec(vec, env)
 
 
 class SteppingBeside:

@@ -469,6 +469,47 @@ def inline_run(short_env):
     return cfg, table, res, log
 
 
+def test_a_farm_s_battles_reuse_the_engines_a_closed_farm_handed_back(short_env, monkeypatch):
+    """farm.close_vec / spare_or_new_engine: a closed farm hands its engines back and the next farm
+    of the process on the same engine spec plays on them (in the other order: battle 0 on the last
+    battle's engine, every engine handed back mid-episode), every byte, record and ordinal what the
+    farm on new engines played, since reset starts a battle from nothing. The preflight takes no
+    spare, and an env on another engine spec builds its own."""
+    spec, _, table = short_env
+    monkeypatch.setattr(farm, "_SPARE_ENGINES", {})
+    cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, shards_per_worker=2,
+                          games_per_worker=4, cycles=24, frame_stack=2, viewer=False)
+    engines = lambda f: [e.engine for r in f._runners for e in r.vec.envs]
+    runs, used = [], []
+    for _ in range(2):
+        f = farm.InlineFarm(cfg, table, mixed_assign)
+        try:
+            used.append(engines(f))
+            runs.append(drive(f, cfg, table, 2))
+        finally:
+            f.close()
+    assert len({id(e) for e in used[0]}) == cfg.n_battles
+    assert [id(e) for e in used[1]] == [id(e) for e in reversed(used[0])]
+    a, b = runs
+    assert sum(len(x["episodes"]) for x in a) > cfg.n_battles           # battles played past an episode
+    for x, y in zip(a, b, strict=True):
+        assert x["rect"].tobytes() == y["rect"].tobytes() and x["scalars"].tobytes() == y["scalars"].tobytes()
+        assert all(x["finals"][k].tobytes() == y["finals"][k].tobytes() for k in x["finals"] | y["finals"])
+        assert msgspec.json.encode(x["episodes"]) == msgspec.json.encode(y["episodes"])
+        assert x["ordinals"].tobytes() == y["ordinals"].tobytes()
+    spares = farm._SPARE_ENGINES[farm._engine_key(spec)]
+    before = [id(e) for e in spares]
+    farm.preflight(spec, frame_stack=2, master_seed=MASTER)
+    assert [id(e) for e in spares][:len(before)] == before and len(spares) == len(before) + 2
+    delayed = farm.ComponentSpec(spec.engine.cls, {"command_delay_ticks": 0})   # its own key
+    other = msgspec.structs.replace(spec, engine=delayed)
+    vec = farm.build_vec(other, 1, spare_engines=True)
+    assert all(vec.envs[0].engine is not e for e in spares)
+    farm.close_vec(vec, other)
+    farm.close_vec(vec, other)                                           # closing twice hands back once
+    assert len(farm._SPARE_ENGINES[farm._engine_key(other)]) == 1
+
+
 def test_semantics_on_real_battles(inline_run):
     cfg, table, res, log = inline_run
     for it in res:
@@ -1389,9 +1430,9 @@ def test_only_worker_0_s_first_shard_gets_the_viewer(short_env, monkeypatch):
     seen = []
     real = farm.build_vec
 
-    def recording(env, n, *, viser=None, autoreset_seed_fn=None):
+    def recording(env, n, *, viser=None, **kw):
         seen.append(viser)
-        return real(env, n, viser=None, autoreset_seed_fn=autoreset_seed_fn)
+        return real(env, n, viser=None, **kw)
     monkeypatch.setattr(farm, "build_vec", recording)
     for viewer, S, want in ((True, 2, ["env", None, None, None]), (False, 1, [None, None])):
         seen.clear()

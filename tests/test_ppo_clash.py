@@ -1517,7 +1517,8 @@ def test_a_process_builds_the_envs_read_env_reads_and_plays_the_gates_battles_on
     real_build, real_factory = P.farm.build_vec, P.farm.env_factory
     monkeypatch.setattr(P.farm, "build_vec",
                         lambda spec, n, **kw: built.append(n) or real_build(spec, n, **kw))
-    monkeypatch.setattr(P.farm, "env_factory", lambda spec: built.append("battle") or real_factory(spec))
+    monkeypatch.setattr(P.farm, "env_factory",
+                        lambda spec, **kw: built.append("battle") or real_factory(spec, **kw))
     args = P.parse_args(["--profile", "smoke", "--master-seed", "424242"])   # a seed no other test reads
     first = P.read_env(args)
     assert [n for n in built if n != "battle"] == [2, 1]   # the preflight's 2 battles, then one reset env
