@@ -1813,8 +1813,7 @@ class ShardRunner:
         self.slot0 = 2 * (w * cfg.shards_per_worker + s) * M
         self.plan = cfg.eval_plan                           # None: training
         self.running = RunningEpisodes(cfg, w, s, ordinals)
-        # design 3.8 step 11: exactly one vec env in the run carries the viewer's publisher (it
-        # binds a UDP port per process): worker 0's first shard; every other shard gets None.
+        # design 3.8 step 11: the viewer binds a UDP port a process, so worker 0's first shard alone has it
         viser = "env" if (cfg.viewer and w == 0 and s == 0) else None
         self.vec = build_vec(cfg.env, M, viser=viser, autoreset_seed_fn=self.running.seed_fn,
                              spare_engines=True)
