@@ -1656,8 +1656,10 @@ def test_dagger_rounds_label_the_clones_own_battles_and_the_rows_are_the_same_on
     env = P.read_env(one)
     model = P.ActorCritic(env.geo, one.net, one.master_seed)
     student = {k: v.numpy() for k, v in model.state_dict().items()}   # as warm_start hands it on
+    on_one = {}                                                        # a round's rows on one process
     for r, weights in ((0, None), (1, student)):
         a, b = P.clone_rows(one, env, r, weights), P.clone_rows(two, env, r, weights)
+        on_one[r] = a
         assert a.rows.tobytes() == b.rows.tobytes() and np.array_equal(a.actions, b.actions)
         assert np.array_equal(a.seats, b.seats) and np.array_equal(a.order, b.order)
         assert (a.game_steps, a.search_steps) == (b.game_steps, b.search_steps)
@@ -1666,10 +1668,10 @@ def test_dagger_rounds_label_the_clones_own_battles_and_the_rows_are_the_same_on
         assert mask[np.arange(len(a.actions)), a.actions].all()
         assert a.search_steps > 0 and a.game_steps >= len(a.actions) // 2
     # the student's own battles: an untrained network plays other states than the rung does
-    assert P.clone_rows(one, env, 1, student).rows.tobytes() != P.clone_rows(one, env).rows.tobytes()
+    assert on_one[1].rows.tobytes() != on_one[0].rows.tobytes()
     capsys.readouterr()
     warm = P.warm_start(one, env, model, quiet=False)
-    first = P.clone_rows(one, env)
+    first = on_one[0]
     assert warm["rounds"][0] == {"rows": len(first.actions), "game_steps": first.game_steps}
     # a round's line as it ends (a lookahead's round takes minutes), then the summary
     said = capsys.readouterr().out.splitlines()
