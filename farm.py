@@ -292,7 +292,8 @@ _ask_the_engine_once()
 # setup; no state of an earlier battle survives it), which every farm already relies on when a
 # battle's engine plays its next episode: the bytes of an episode do not depend on what its engine
 # played before (test_a_farm_s_battles_reuse_the_engines_a_closed_farm_handed_back). Only a farm's
-# battles take spares; the start-up checks (preflight, the doctor) build their own.
+# battles take spares; the start-up checks (preflight, the doctor) build their own, and a failed
+# worker's engines are dropped (InlineFarm._stop_worker).
 _SPARE_ENGINES: dict[bytes, list[Any]] = {}
 
 
@@ -2804,9 +2805,13 @@ class InlineFarm(_FarmCore):
             self._runners[j] = r
 
     def _stop_worker(self, w: int) -> None:
+        # A failed worker's engines are dropped, not handed back: its restart builds new ones, as a
+        # restarted process does, whatever state the failure left them in.
         for s in range(self.cfg.shards_per_worker):
             r = self._runners[w * self.cfg.shards_per_worker + s]
-            if r is not None:
+            if r is not None and self.dead[w]:
+                r.vec.close()
+            elif r is not None:
                 close_vec(r.vec, self.cfg.env)
 
     def _io(self, j: int) -> ShardIO:

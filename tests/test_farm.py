@@ -1253,21 +1253,25 @@ def test_a_restarted_worker_plays_what_a_resume_from_its_boundary_plays(short_en
     """Design 3.7, 2.4: restart() moves the ordinals, the generation and the assignments at
     once, so a farm built from what a checkpoint then holds (start_ordinals and
     start_generations) plays the restarted worker's next iteration byte for byte; restart() of
-    a live worker mid-iteration is refused. The fault fires in generation 0 only."""
+    a live worker mid-iteration is refused. The fault fires in generation 0 only. The failed
+    worker's engines are dropped, not handed back: its restart builds new ones."""
     spec, _, table = short_env
     cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=2, games_per_worker=2, cycles=6,
                           frame_stack=2, viewer=False, debug_fault="raise:1:2:0")
     f = farm.InlineFarm(cfg, table, mixed_assign)
+    engines = lambda: [e.engine for r in f._runners[1:] for e in r.vec.envs]   # worker 1's shard
     try:
         drive(f, cfg, table, 1)
         assert [(x.worker, x.kind) for x in f.drain_failures()] == [(1, "exception")]
-        ords = f.ordinals.copy()
+        ords, failed = f.ordinals.copy(), engines()                # held: no id is reused
         f.restart(1)
         assert f.generation == [0, 1] and f.ordinals.tolist() == [*ords[:2], *(ords[2:] + 1)]
         start = dict(start_ordinals=f.ordinals.tolist(), start_generations=list(f.generation))
         table_after = tuple(f.assignment)
         a = drive(f, cfg, table, 1, first=1, opening=table_after)[0]
         assert f.drain_failures() == [] and a["scalars"]["flags"][:, 4:].all()   # gen 1 is healthy
+        spare = farm._SPARE_ENGINES.get(farm._engine_key(spec), [])
+        assert not {id(e) for e in failed} & {id(e) for e in engines() + spare}
         f.begin_iteration(farm.SlotPlan(2, cfg.n_battles, cfg.n_slots, tuple(f.assignment), ()))
         f.next_round(30)
         with pytest.raises(farm.FarmError, match=r"restart\(0\) of a live worker mid-iteration"):
