@@ -16,9 +16,6 @@ find_python = $(firstword $(PYTHON) \
 
 .PHONY: test lint test-fast test-slow fast-then-slow-rest slow-learner slow-rest train clean $(VENV)
 
-# --no-compile: pip byte-compiles every module it installs, torch's thousands included, a fifth to a
-# third of the install (94-97 s against 118-147 s on a 2-core machine, docs/throughput.md,
-# "Installing"); Python compiles what a process imports, once, on first use.
 $(VENV)/.installed: pyproject.toml
 	@py="$(strip $(find_python))"; \
 	if [ -z "$$py" ]; then \
@@ -33,7 +30,7 @@ $(VENV)/.installed: pyproject.toml
 	echo "creating $(VENV) with $$py ($$("$$py" -V 2>&1))"; \
 	"$$py" -m venv $(VENV) && \
 	$(VPY) -m pip install -q --upgrade pip && \
-	$(VPY) -m pip install -q --no-compile -e '.[dev,plot,tb]' && \
+	$(VPY) -m pip install -q -e '.[dev,plot,tb]' && \
 	touch $@
 
 $(VENV): $(VENV)/.installed
