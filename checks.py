@@ -1020,7 +1020,7 @@ def play_battle(runner: Any, players: tuple[str, str], acts: dict[str, Any], see
         raise RuntimeError(f"the battle ran {runner.max_decisions} decisions, twice a full match; the "
                            "engine did not end it")
     finally:
-        farm.close_vec(vec, cfg.env)
+        vec.close()
 
 
 def result_line(rec: farm.EpisodeRecord, tick_ms: int) -> str:

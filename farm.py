@@ -286,14 +286,15 @@ def _ask_the_engine_once() -> None:
 
 _ask_the_engine_once()
 
-# Engines a closed vec env handed back (close_vec), by engine spec, for the next farm of this
-# process. A RustEngine costs about 0.2 s to build, royalegym's checks of its data [M:
-# docs/throughput.md, "Spare engines"], and reset() starts its battle from nothing (its seed and
-# setup; no state of an earlier battle survives it), which every farm already relies on when a
-# battle's engine plays its next episode: the bytes of an episode do not depend on what its engine
-# played before (test_a_farm_s_battles_reuse_the_engines_a_closed_farm_handed_back). Only a farm's
-# battles take spares; the start-up checks (preflight, the doctor) build their own, and a failed
-# worker's engines are dropped (InlineFarm._stop_worker).
+# Engines an in-process farm handed back when it closed (InlineFarm._stop_worker), by engine spec,
+# for the next farm of this process. A RustEngine costs about 0.2 s to build, royalegym's checks
+# of its data [M: docs/throughput.md, "Spare engines"], and reset() starts its battle from nothing
+# (its seed and setup; no state of an earlier battle survives it), which every farm already relies
+# on when a battle's engine plays its next episode: the bytes of an episode do not depend on what
+# its engine played before (test_a_farm_s_battles_reuse_the_engines_a_closed_farm_handed_back).
+# Only farms hand back and take, so a process keeps no more engines than its largest farm had (an
+# engine is about 5 MB [M]); every other env (the preflight, so the start-up gates and the doctor,
+# a warm start's battles) builds its own and frees it, and a failed worker's engines are dropped.
 _SPARE_ENGINES: dict[bytes, list[Any]] = {}
 
 
@@ -309,8 +310,9 @@ def spare_or_new_engine(key: bytes, cls: Any, **kwargs: Any) -> Any:
 
 
 def close_vec(vec: Any, spec: EnvFactorySpec) -> None:
-    """Close a vec env build_vec(spec, ...) built and hand its engines back for this process's
-    next farm. Closing twice hands back nothing twice (two battles on one engine would share it)."""
+    """Close a farm shard's vec env (build_vec(spec, ..., spare_engines=True)) and hand its engines
+    back for this process's next farm. Closing twice hands back nothing twice (two battles on one
+    engine would share it)."""
     if vec.closed:
         return
     vec.close()
@@ -349,8 +351,8 @@ def env_factory(spec: EnvFactorySpec, *, spare_engines: bool = False) -> Any:
 def build_vec(spec: EnvFactorySpec, num_games: int, *, viser: Any = None,
               autoreset_seed_fn: Callable[[int, int], int] | None = None, spare_engines: bool = False) -> Any:
     """The vec env every worker, replay and play steps: each battle's env carries a
-    TrajectoryDigest from before its first reset (a record's trajectory_digest). Close it with
-    close_vec(vec, spec); a farm's shards build theirs with spare_engines."""
+    TrajectoryDigest from before its first reset (a record's trajectory_digest). A farm's shards
+    build theirs with spare_engines, and close them with close_vec."""
     from royalegym.env import ClashSelfPlayVecEnv
     vec = ClashSelfPlayVecEnv(num_games, env_factory(spec, spare_engines=spare_engines), viser=viser,
                               autoreset_seed_fn=autoreset_seed_fn)
@@ -582,7 +584,7 @@ def preflight(spec: EnvFactorySpec, *, frame_stack: int = 1, master_seed: int = 
     table = codec.decide_table(vec.single_observation_space, env_spec.spatial_layout, sample)
     if out is not None:
         out["statics"] = codec.static_planes(table, sample[0])
-    close_vec(vec, spec)
+    vec.close()
     return env_spec, table
 
 
@@ -3421,7 +3423,7 @@ def _bench_direct(env: EnvFactorySpec, battles: int, cycles: int, iterations: in
             h.update(acts.tobytes())
         obs, *_ = vec.step(acts)
     dt = time.perf_counter() - t0
-    close_vec(vec, env)
+    vec.close()
     return dt, h.hexdigest()[:16]
 
 
@@ -3434,7 +3436,7 @@ def _step_beside(env: EnvFactorySpec, battles: int, master_seed: int, ready: Any
     while not stop.is_set():
         obs, *_ = vec.step(_bench_actions(master_seed, t, obs["action_mask"], allslots, 2 * battles))
         t += 1
-    close_vec(vec, env)
+    vec.close()
 
 
 class SteppingBeside:

@@ -2390,7 +2390,7 @@ def labelled_battles(args: Args, spec: Any, table: Any, geo: NetGeometry, round_
             steps += int(live.sum())
             obs, _, term, trunc, _ = vec.step(acts)
             live &= ~(term | trunc)[0::2]   # a battle's first episode only: the vec env resets it
-    farm.close_vec(vec, spec)
+    vec.close()
     search = sum(p.steps for p in rung if isinstance(p, farm.LookaheadPlayer))
     if not out[0]:
         return Cloned(np.zeros((0, table.row_bytes), np.uint8), *(np.zeros(0, np.int64),) * 2, steps, search,
@@ -4892,7 +4892,7 @@ def env_reading(spec_json: bytes, frame_stack: int, master_seed: int) -> EnvRead
     geo = geometry_from_env(vec.single_observation_space, vec.envs[0].obs_builder, frame_stack)
     reading = EnvReading(env_spec, table, statics, geo, vec.envs[0].config(),
                          tuple(sorted(vec.envs[0].engine.cards(), key=lambda c: c.card_id)))
-    farm.close_vec(vec, spec)
+    vec.close()
     return reading
 
 

@@ -473,8 +473,8 @@ def test_a_farm_s_battles_reuse_the_engines_a_closed_farm_handed_back(short_env,
     """farm.close_vec / spare_or_new_engine: a closed farm hands its engines back and the next farm
     of the process on the same engine spec plays on them (in the other order: battle 0 on the last
     battle's engine, every engine handed back mid-episode), every byte, record and ordinal what the
-    farm on new engines played, since reset starts a battle from nothing. The preflight takes no
-    spare, and an env on another engine spec builds its own."""
+    farm on new engines played, since reset starts a battle from nothing. The preflight neither
+    takes a spare nor keeps its engines, and an env on another engine spec builds its own."""
     spec, _, table = short_env
     monkeypatch.setattr(farm, "_SPARE_ENGINES", {})
     cfg = farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, shards_per_worker=2,
@@ -500,7 +500,7 @@ def test_a_farm_s_battles_reuse_the_engines_a_closed_farm_handed_back(short_env,
     spares = farm._SPARE_ENGINES[farm._engine_key(spec)]
     before = [id(e) for e in spares]
     farm.preflight(spec, frame_stack=2, master_seed=MASTER)
-    assert [id(e) for e in spares][:len(before)] == before and len(spares) == len(before) + 2
+    assert [id(e) for e in spares] == before == [id(e) for e in used[1]]
     delayed = farm.ComponentSpec(spec.engine.cls, {"command_delay_ticks": 0})   # its own key
     other = msgspec.structs.replace(spec, engine=delayed)
     vec = farm.build_vec(other, 1, spare_engines=True)
