@@ -1098,16 +1098,17 @@ class LookaheadPlayer:
         return sum(w * float(t.potential(state, team)) for t, w in self.terms)
 
 
-# The evaluation mode (design 7.5, 7.1): a farm built for one comparison and closed after. What it
-# plays is fixed in advance, as data (it crosses to spawned workers inside FarmConfig): a list of
-# EvalEpisodes. Shard j (of J) owns the episodes i with i % J == j, as a queue in plan order: at
-# the reset its battles take the first ones in ascending battle order, and whenever battles end
-# an episode, they take the next ones, again in ascending battle order. Each episode's seed, seats
-# and scripted streams come from its EvalEpisode alone, so its result does not depend on which
-# battle hosted it, on B, on the number of workers or on what else was live. A battle that finds
-# its shard's queue empty STOPS: its seats become GROUP_IDLE, the worker plays no-ops there
-# (mask-only observations, no records), and farm.eval_done turns True when every battle stopped.
-# With one battle per episode every battle plays exactly one episode and then stops.
+# The evaluation mode (design 7.5, 7.1): a farm built for a gate and closed after it. What it plays
+# is fixed in advance, as data (it crosses to spawned workers inside FarmConfig, and a next
+# comparison's by farm.replan: CMD_REPLAN, section 7): a list of EvalEpisodes. Shard j (of J) owns
+# the episodes i with i % J == j, as a queue in plan order: at the reset its battles take the first
+# ones in ascending battle order, and whenever battles end an episode, they take the next ones,
+# again in ascending battle order. Each episode's seed, seats and scripted streams come from its
+# EvalEpisode alone, so its result does not depend on which battle hosted it, on B, on the number of
+# workers or on what else was live. A battle that finds its shard's queue empty STOPS: its seats
+# become GROUP_IDLE, the worker plays no-ops there (mask-only observations, no records), and
+# farm.eval_done turns True when every battle stopped. With one battle per episode every battle
+# plays exactly one episode and then stops.
 #   The seed of a new episode is consumed INSIDE vec.step (the autoreset), before the parent has
 # seen the old episode end. So the worker pops its queue itself (autoreset_seed_fn), and the
 # parent replays the same rule on the ends it reads (same shard, same ascending order) to know
@@ -1179,13 +1180,16 @@ def _eval_idle_seed(master_seed: int, battle: int, ordinal: int) -> int:
 #     stats    STATS_DTYPE 64 B: codec_ns, bytes_out (this round), clipped, rounded (cumulative)
 #   plan_offset(n, S, row_bytes) = 4096 + S * block: the plan area, S * n * 24 B, PLAN_DTYPE per
 #     slot of the worker (shard s's n entries at + s * n * 24): the iteration's opening table.
+# Segment P "rlp-<pid>-<n>-<w>" (an evaluation farm's, one per worker, from just before CMD_REPLAN
+#   until the worker is ready again; the parent creates and unlinks it): u32 length, then the
+#   msgspec JSON of a Replan {"eval_plan": [EvalEpisode...], "ordinals": [[k per battle] per shard]}.
 #
 # Signalling, per (worker, shard): two semaphores, obs_ready (child -> parent) and
 # actions_ready (parent -> child); each released once per command or answer, after the word.
 # The parent writes a command's data, then cmd_kind (and cmd_row, gamma), then cmd_seq += 1,
 # then releases actions_ready. The child answers by writing its data, then pub_seq = cmd_seq,
-# then releasing obs_ready. The commands (design 3.5's STEP | PLAN | SPACES | CLOSE; SET_STATE
-# and DEFER are not built):
+# then releasing obs_ready. The commands (design 3.5's STEP | PLAN | SPACES | REPLAN | CLOSE;
+# SET_STATE and DEFER are not built):
 #   start-up (no command): reset every battle (seeds env/battle/{b}/ordinal/{k}), pack the
 #     first observations into rect row k - 1, zero scalars (flags F_VALID, group), episodes
 #     length 0, stats, write the handshake, then state = ST_READY on every shard.
@@ -1200,6 +1204,11 @@ def _eval_idle_seed(master_seed: int, battle: int, ordinal: int) -> int:
 #     observations into rect rows 0..k-1 (design 3.9); answer. Otherwise nothing is stepped.
 #   CMD_SPACES (ProcessFarm.spaces(w), between iterations, on the worker's first shard) re-read
 #     spaces and engine binary off the live env, rewrite the handshake; answer. Nothing stepped.
+#   CMD_REPLAN (an evaluation farm's next comparison, on the worker's first shard, once every
+#     command before it is answered; the parent has set state = ST_STARTING on every shard) read
+#     segment P, pub_seq = cmd_seq, close the battles' envs keeping their engines, then start-up
+#     again on the new plan and ordinals, on those engines; no obs_ready (the parent waits for
+#     ST_READY, as at start-up).
 #   CMD_CLOSE  state = ST_CLOSED on every shard and exit; no pub_seq (the parent joins).
 # An exception in the child: error text, err_code = ERR_EXCEPTION, state = ST_FAILED on every
 # shard, obs_ready released on every shard, exit 1. A hard crash writes nothing: the parent
@@ -1216,7 +1225,7 @@ def _eval_idle_seed(master_seed: int, battle: int, ordinal: int) -> int:
 # worker (codec ns, bytes written) and the packer's cumulative clip/round counters
 # (health/obs_codec_clipped, design 3.3).
 
-LAYOUT_VERSION = 3                      # 2: the stats block; 3: the plan area, CMD_PLAN/SPACES
+LAYOUT_VERSION = 4                      # 2: the stats block; 3: the plan area, CMD_PLAN/SPACES; 4: CMD_REPLAN
 MAGIC = b"CLASHRLB"
 HEADER_BYTES = 128
 HANDSHAKE_BYTES = 4096
@@ -1279,7 +1288,7 @@ END_NONE, END_WIN, END_LOSS, END_DRAW, END_NO_RESULT = 0, 1, 2, 3, 4
 # control.state
 ST_STARTING, ST_READY, ST_FAILED, ST_CLOSED = 0, 1, 2, 3
 # control.cmd_kind (parent -> child; see the command table above)
-CMD_STEP, CMD_CLOSE, CMD_PLAN, CMD_SPACES = 1, 2, 3, 4
+CMD_STEP, CMD_CLOSE, CMD_PLAN, CMD_SPACES, CMD_REPLAN = 1, 2, 3, 4, 5
 # control.err_code (design 3.4)
 ERR_NONE, ERR_EXCEPTION, ERR_CRASH = 0, 1, 2
 STACK_SIGNAL = getattr(signal, "SIGUSR1", None)   # POSIX only; elsewhere a hang's file has no stack
@@ -1388,6 +1397,24 @@ def write_episodes(io: ShardIO, records: list[dict[str, Any]], where: str) -> in
 def read_episodes(io: ShardIO) -> list[dict[str, Any]]:
     n = struct.unpack("<I", bytes(io.episodes[:4]))[0]
     return msgspec.json.decode(bytes(io.episodes[4:4 + n])) if n else []
+
+
+class Replan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """CMD_REPLAN's message, in the worker's segment P: the evaluation farm's next plan and the
+    reset ordinals of the worker's shards' battles (as a new farm would start them)."""
+    eval_plan: list[EvalEpisode]
+    ordinals: list[list[int]]
+
+
+def read_replan(seg_b: str) -> Replan:
+    """The worker's side of CMD_REPLAN: its segment P ("rlp-", named as its segment B)."""
+    from multiprocessing import shared_memory
+    shm = shared_memory.SharedMemory(name="rlp" + seg_b[3:])
+    try:
+        n = struct.unpack_from("<I", shm.buf, 0)[0]
+        return msgspec.json.decode(bytes(shm.buf[4:4 + n]), type=Replan)
+    finally:
+        shm.close()
 
 
 # --- 8. Records and configuration (design 3.1) ----------------------------------------------------
@@ -2534,7 +2561,35 @@ class _WorkerHealth:
         self.pending.add(w)
 
 
-class _FarmCore:
+class _EvalMode:
+    """The evaluation mode's side of a farm (section 6; _EvalReplay says what each property is),
+    and its next plan: a gate's farm is built at gate time and closed after it (design 7.1), so
+    its comparisons play one after the other on the same workers and engines."""
+
+    def eval_slot_plan(self, iteration: int) -> SlotPlan:
+        return self._replay.slot_plan(iteration, self.iteration < 0, self.ordinals, self.assignment)
+
+    eval_index = property(lambda self: self._replay.index(self.ordinals))
+    eval_done = property(lambda self: bool((self.eval_index < 0).all()))
+
+    def replan(self, plan: list[EvalEpisode]) -> None:
+        """Play `plan` next, on the same workers: every battle starts over as a farm built for it
+        starts (its first episodes, ordinals, generation), so each episode plays what it plays
+        there (tests/test_farm.py). Between comparisons: the last may have ended mid-iteration,
+        and the STEPs still out are answered first. Refused on a training farm or a failed one."""
+        if self.cfg.eval_plan is None or self._closed:
+            raise FarmError("replan: only an open evaluation farm (FarmConfig.eval_plan) plays another "
+                            "plan")
+        if any(self.dead):
+            raise FarmError(f"replan: worker {self.dead.index(True)} failed; close this farm and "
+                            "build another")
+        self._settle()
+        self._begin(msgspec.structs.replace(self.cfg, eval_plan=list(plan)), None)
+        self.rect[:] = 0
+        self._replan_workers()
+
+
+class _FarmCore(_EvalMode):
     """The parent's side of the round protocol, shared by both farms: begin_iteration, then per
     shard-round next_round and (below cycle T) submit; worker failure and restart. What the
     learner reads is kept by a _Collection (rect is the subclass's memory), what every battle
@@ -2543,8 +2598,15 @@ class _FarmCore:
 
     def __init__(self, cfg: FarmConfig, table: Any,
                  assign_fn: Callable[[int, int], Assignment] | None = None) -> None:
+        self.table = table
+        self._begin(cfg, assign_fn)
+        self._closed = False
+        self.rect = np.zeros((0,), np.uint8)                # set by the subclass
+
+    def _begin(self, cfg: FarmConfig, assign_fn: Callable[[int, int], Assignment] | None) -> None:
+        """Everything the parent knows of a farm's battles, as a new farm starts them."""
         cfg.check()
-        self.cfg, self.table = cfg, table
+        self.cfg = cfg
         self._replay: _EvalReplay | None = None
         if cfg.eval_plan is not None:
             if assign_fn is not None:
@@ -2553,7 +2615,7 @@ class _FarmCore:
             self._replay = _EvalReplay(cfg)
             assign_fn = self._replay.assign
         self.T, self.k, self.R = cfg.cycles, cfg.frame_stack, cfg.n_slots
-        self.row_bytes = table.row_bytes
+        self.row_bytes = self.table.row_bytes
         self.n_shard = 2 * cfg.games_per_shard
         self.J = cfg.n_shards
         self._book = _AssignmentBook(cfg, assign_fn, self._replay)
@@ -2565,8 +2627,6 @@ class _FarmCore:
         self._cycle, self._shard, self._await_submit = 0, 0, False
         self._fresh = [True] * self.J                       # shard has an unread reset publication
         self._first_plan = True
-        self._closed = False
-        self.rect = np.zeros((0,), np.uint8)                # set by the subclass
 
     # what the learner reads, kept by the collection and the book (see the module docstring)
     first_obs = property(lambda self: self._collection.first_obs)
@@ -2583,13 +2643,6 @@ class _FarmCore:
     def in_flight(self) -> list[InFlight]:
         """Between iterations: every battle mid-episode, as the parent drove it (design 3.9)."""
         return self._log.in_flight(self.ordinals)
-
-    # the evaluation mode (section 6; _EvalReplay says what each property is)
-    def eval_slot_plan(self, iteration: int) -> SlotPlan:
-        return self._replay.slot_plan(iteration, self.iteration < 0, self.ordinals, self.assignment)
-
-    eval_index = property(lambda self: self._replay.index(self.ordinals))
-    eval_done = property(lambda self: bool((self.eval_index < 0).all()))
 
     # geometry
     def shard_of(self, j: int) -> tuple[int, int]:
@@ -2766,6 +2819,8 @@ class _FarmCore:
         return self._metrics.snapshot(self.restarts)
 
     # subclass hooks
+    def _settle(self) -> None: ...                  # every command a worker was sent is answered
+    def _replan_workers(self) -> None: ...          # every worker starts over on self.cfg's plan
     def _io(self, j: int) -> ShardIO: ...
     def _send_plan(self, j: int) -> None: ...
     def _await_plan(self, j: int, timeout_s: float) -> bool: ...
@@ -2815,6 +2870,14 @@ class InlineFarm(_FarmCore):
                 r.vec.close()
             elif r is not None:
                 close_vec(r.vec, self.cfg.env)
+
+    def _settle(self) -> None:
+        pass                                # submit steps at once: nothing is ever outstanding
+
+    def _replan_workers(self) -> None:
+        for w in range(self.cfg.workers):   # the battles hand their engines on to the next plan's
+            self._stop_worker(w)
+            self._start_worker(w)
 
     def _io(self, j: int) -> ShardIO:
         return self._ios[j]
@@ -2948,7 +3011,7 @@ def where_it_stood(pid: int, ios: list[ShardIO]) -> str:
 PARENT_POLL_S = 0.2
 PR_SET_PDEATHSIG = 1                     # <linux/prctl.h>
 SHM_DIR = "/dev/shm"
-SEGMENT_NAME = re.compile(r"rl[bc]-(\d+)-\d+(?:-\d+)?")   # rlb-<pid>-<n>, rlc-<pid>-<n>-<w>
+SEGMENT_NAME = re.compile(r"rl[bcp]-(\d+)-\d+(?:-\d+)?")   # rlb-<pid>-<n>, rlc-/rlp-<pid>-<n>-<w>
 
 
 def pid_gone(pid: int) -> bool:
@@ -3061,12 +3124,7 @@ def _worker_entry(cfg_json: bytes, table_json: bytes, w: int, gen: int, ordinals
     if STACK_SIGNAL is not None:
         signal.signal(STACK_SIGNAL, where_it_stands)
     try:
-        runners = [ShardRunner(cfg, table, w, s, gen, ordinals[s]) for s in range(S)]
-        for s, r in enumerate(runners):
-            r.reset(ios[s], rect[k - 1])
-        _write_handshake(hand, runners)
-        for s in range(S):
-            ios[s].control["state"] = ST_READY
+        runners = _start_shards(cfg, table, w, gen, ordinals, ios, rect[k - 1], hand)
         seen = [0] * S
         spin_s = cfg.spin_us * 1e-6
         due = 0
@@ -3091,6 +3149,15 @@ def _worker_entry(cfg_json: bytes, table_json: bytes, w: int, gen: int, ordinals
                     for x in range(S):
                         ios[x].control["state"] = ST_CLOSED
                     return
+                if kind == CMD_REPLAN:           # the evaluation farm's next comparison
+                    nxt = read_replan(seg_b)
+                    for r in runners:
+                        close_vec(r.vec, cfg.env)   # their engines, to the new battles
+                    cfg = msgspec.structs.replace(cfg, eval_plan=nxt.eval_plan)
+                    ctl["pub_seq"] = seq             # answered by state ST_READY, no token
+                    runners = _start_shards(cfg, table, w, gen, nxt.ordinals, ios, rect[k - 1], hand)
+                    due = 0
+                    break
                 if kind in (CMD_PLAN, CMD_SPACES):
                     if kind == CMD_PLAN:
                         runners[s].apply_slot_plan(io.plan, rect[:k])
@@ -3127,6 +3194,20 @@ def _worker_entry(cfg_json: bytes, table_json: bytes, w: int, gen: int, ordinals
                 pass
 
 
+def _start_shards(cfg: FarmConfig, table: Any, w: int, gen: int, ordinals: list[list[int]],
+                  ios: list[ShardIO], first_row: np.ndarray, hand: np.ndarray) -> list[ShardRunner]:
+    """A worker's start-up, and its CMD_REPLAN (section 7): build every shard's battles (on the
+    engines its last plan handed back, if any), reset them and publish their first observations,
+    write the handshake, then state ST_READY on every shard."""
+    runners = [ShardRunner(cfg, table, w, s, gen, ordinals[s]) for s in range(len(ios))]
+    for s, r in enumerate(runners):
+        r.reset(ios[s], first_row)
+    _write_handshake(hand, runners)
+    for io in ios:
+        io.control["state"] = ST_READY
+    return runners
+
+
 def _exit_report(w: int, p: Any, ios: list[ShardIO]) -> tuple[str, str] | None:
     """(kind, message) once worker w's process p has ended: "exception" with the traceback it
     wrote, else "crash" with its exit code; None while it runs."""
@@ -3141,36 +3222,76 @@ def _exit_report(w: int, p: Any, ios: list[ShardIO]) -> tuple[str, str] | None:
     return "crash", f"worker {w} died with exit code {p.exitcode if p is not None else None}"
 
 
-class ProcessFarm(_FarmCore):
-    """K spawned workers writing into shared memory. Same semantics and bytes as InlineFarm."""
+class _Segments:
+    """A ProcessFarm's shared memory (section 7): segment A (header, rectangle), a segment B a
+    worker, and the segment P a worker reads its next plan from at CMD_REPLAN, which lives from
+    write_plan until drop_plans. Named after this process and its farm count, so that
+    remove_stale_segments can tell a dead process's; close() drops them all once."""
 
     _count = 0
+
+    def __init__(self, T: int, k: int, R: int, row_bytes: int, workers: int, n_shard: int,
+                 S: int) -> None:
+        from multiprocessing import shared_memory
+        self._new = lambda name, size: shared_memory.SharedMemory(create=True, size=size, name=name)
+        remove_stale_segments()             # what a dead process left (its pid is in the name)
+        _Segments._count += 1
+        self.tag = f"{os.getpid()}-{_Segments._count}"
+        self.a = self._new(f"rlb-{self.tag}", segment_a_bytes(T, k, R, row_bytes))
+        write_header(self.a.buf, T, k, R, row_bytes)
+        self.rect = rect_view(self.a.buf, T, k, R, row_bytes)
+        self.rect[:] = 0
+        self.b = [self._new(f"rlc-{self.tag}-{w}", segment_b_bytes(n_shard, S, row_bytes))
+                  for w in range(workers)]
+        self.ios = [shard_io(shm.buf, n_shard, S, row_bytes, s) for shm in self.b for s in range(S)]
+        self.plans: list[Any] = []
+
+    def handshake(self, w: int) -> np.ndarray:
+        return np.ndarray((HANDSHAKE_BYTES,), np.uint8, buffer=self.b[w].buf, offset=0)
+
+    def write_plan(self, w: int, body: bytes) -> None:
+        """Worker w's segment P: u32 length, then the msgspec JSON of a Replan."""
+        shm = self._new(f"rlp-{self.tag}-{w}", 4 + len(body))
+        shm.buf[:4] = struct.pack("<I", len(body))
+        shm.buf[4:4 + len(body)] = body
+        self.plans.append(shm)
+
+    def drop_plans(self) -> None:
+        self._drop(self.plans)
+        self.plans = []
+
+    def close(self) -> None:
+        self.rect = np.zeros((0,), np.uint8)
+        self.ios = []
+        import gc
+        gc.collect()                        # the views into the segments, before they close
+        self._drop([self.a, *self.b, *self.plans])
+
+    @staticmethod
+    def _drop(segments: list[Any]) -> None:
+        for shm in segments:
+            try:
+                shm.close()
+            except BufferError:
+                pass
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
+class ProcessFarm(_FarmCore):
+    """K spawned workers writing into shared memory. Same semantics and bytes as InlineFarm."""
 
     def __init__(self, cfg: FarmConfig, table: Any,
                  assign_fn: Callable[[int, int], Assignment] | None = None,
                  env_spec: EnvSpec | None = None) -> None:
         import multiprocessing as mp
-        from multiprocessing import shared_memory
         super().__init__(cfg, table, assign_fn)
         self._ctx = mp.get_context("spawn")
-        remove_stale_segments()             # what a dead process left (its pid is in the name)
-        ProcessFarm._count += 1
-        tag = f"{os.getpid()}-{ProcessFarm._count}"
-        self._shm_a = shared_memory.SharedMemory(
-            create=True, size=segment_a_bytes(self.T, self.k, self.R, self.row_bytes), name=f"rlb-{tag}")
-        write_header(self._shm_a.buf, self.T, self.k, self.R, self.row_bytes)
-        self.rect = rect_view(self._shm_a.buf, self.T, self.k, self.R, self.row_bytes)
-        self.rect[:] = 0
-        self._shm_b = []
-        self._ios: list[ShardIO] = []
-        for w in range(cfg.workers):
-            shm = shared_memory.SharedMemory(
-                create=True, size=segment_b_bytes(self.n_shard, cfg.shards_per_worker, self.row_bytes),
-                name=f"rlc-{tag}-{w}")
-            self._shm_b.append(shm)
-            for s in range(cfg.shards_per_worker):
-                self._ios.append(shard_io(shm.buf, self.n_shard, cfg.shards_per_worker,
-                                          self.row_bytes, s))
+        self._mem = _Segments(self.T, self.k, self.R, self.row_bytes, cfg.workers,
+                              self.n_shard, cfg.shards_per_worker)
+        self.rect, self._ios = self._mem.rect, self._mem.ios
         self._obs_sems = [self._ctx.Semaphore(0) for _ in range(self.J)]
         self._act_sems = [self._ctx.Semaphore(0) for _ in range(self.J)]
         self._seq = [0] * self.J
@@ -3178,8 +3299,6 @@ class ProcessFarm(_FarmCore):
         self._deadline = [0.0] * cfg.workers   # each worker's start-up timeout, from its launch
         self.handshakes: list[dict[str, Any]] = [{} for _ in range(cfg.workers)]
         self._expect = env_spec
-        self._cfg_json = msgspec.json.encode(cfg)
-        self._table_json = msgspec.json.encode(table)
         atexit.register(self.close)
         try:   # every worker starts up beside the others: its imports and engines are seconds
             for w in range(cfg.workers):
@@ -3205,7 +3324,7 @@ class ProcessFarm(_FarmCore):
 
     def _launch(self, w: int) -> None:
         """Spawn worker w on its generation's seed paths; _await_start(w) waits for its handshake."""
-        hand = np.ndarray((HANDSHAKE_BYTES,), np.uint8, buffer=self._shm_b[w].buf, offset=0)
+        hand = self._mem.handshake(w)
         hand[:] = 0
         for j in self._shards(w):
             io = self._ios[j]
@@ -3217,8 +3336,8 @@ class ProcessFarm(_FarmCore):
             while self._act_sems[j].acquire(block=False):
                 pass
         ords = [self._book.shard_ordinals(j) for j in self._shards(w)]
-        args = (self._cfg_json, self._table_json, w, self.generation[w], ords, self._shm_a.name,
-                self._shm_b[w].name, [self._obs_sems[j] for j in self._shards(w)],
+        args = (msgspec.json.encode(self.cfg), msgspec.json.encode(self.table), w, self.generation[w],
+                ords, self._mem.a.name, self._mem.b[w].name, [self._obs_sems[j] for j in self._shards(w)],
                 [self._act_sems[j] for j in self._shards(w)], *parent_guard())
         p = self._ctx.Process(target=_worker_entry, args=args, name=f"farm-worker-{w}", daemon=True)
         with _SpawnEnv():
@@ -3249,7 +3368,7 @@ class ProcessFarm(_FarmCore):
         self._check_report(w, self._read_handshake(w))
 
     def _read_handshake(self, w: int) -> dict[str, Any]:
-        hand = np.ndarray((HANDSHAKE_BYTES,), np.uint8, buffer=self._shm_b[w].buf, offset=0)
+        hand = self._mem.handshake(w)
         n = struct.unpack("<I", bytes(hand[:4]))[0]
         report = json.loads(bytes(hand[4:4 + n]))
         self.handshakes[w] = report
@@ -3277,6 +3396,31 @@ class ProcessFarm(_FarmCore):
 
     def _send_plan(self, j: int) -> None:
         self._command(j, CMD_PLAN)
+
+    def _settle(self) -> None:
+        """The STEPs the last comparison left out are answered, and every answer's token taken."""
+        for j in range(self.J):
+            if int(self._ios[j].control["pub_seq"][0]) != self._seq[j] and not self._await_answer(
+                    j, self._cycle, self.cfg.round_timeout_s, "its last STEP before the next plan"):
+                raise FarmError(f"worker {self.shard_of(j)[0]} failed: {self._health.failures[-1].message}")
+            while self._obs_sems[j].acquire(block=False):
+                pass
+
+    def _replan_workers(self) -> None:
+        """CMD_REPLAN to each worker's first shard, its plan in segment P; then its start-up's wait."""
+        for w in range(self.cfg.workers):
+            shards = self._shards(w)
+            self._mem.write_plan(w, msgspec.json.encode(
+                Replan(self.cfg.eval_plan, [self._book.shard_ordinals(j) for j in shards])))
+            for j in shards:
+                self._ios[j].control["state"] = ST_STARTING
+            self._command(shards[0], CMD_REPLAN)
+            self._deadline[w] = time.monotonic() + self.cfg.startup_timeout_s
+        try:
+            for w in range(self.cfg.workers):
+                self._await_start(w)
+        finally:
+            self._mem.drop_plans()
 
     def _await_plan(self, j: int, timeout_s: float) -> bool:
         return self._await_answer(j, 0, timeout_s, "the PLAN command")
@@ -3377,17 +3521,7 @@ class ProcessFarm(_FarmCore):
                 pass
         self.rect = np.zeros((0,), np.uint8)
         self._ios = []
-        import gc
-        gc.collect()
-        for shm in [self._shm_a, *self._shm_b]:
-            try:
-                shm.close()
-            except BufferError:
-                pass
-            try:
-                shm.unlink()
-            except FileNotFoundError:
-                pass
+        self._mem.close()
         atexit.unregister(self.close)
 
 

@@ -27,8 +27,9 @@ reads; then fit_ratings (section 3) and WilsonGate.evaluate (section 5), the two
 that log; then EvalRunner.play (section 10), which produces it.
 
 Evaluation (section 10) plays real RustEngine battles: EvalRunner(train_env_spec, seeds, ...)
-strips the training env's truncation, builds its own farm per comparison (farm.py's evaluation
-mode: InlineFarm, or a ProcessFarm of `workers` processes) and closes it after, plays each frozen
+strips the training env's truncation, builds its own farm at its first comparison (farm.py's
+evaluation mode: InlineFarm, or a ProcessFarm of `workers` processes), replans it for the next
+ones and closes it with the runner (a gate's, a probe's, a yardstick's), plays each frozen
 seed from both sides and appends kind="eval" (or "probe") GameResults; it is the gate's
 `play(a, b, n_battles) -> list[GameResult]`.
 The training loop drives all of this through LadderLoop (section 12): the matchmaker's plan, the
@@ -1533,15 +1534,17 @@ def role_count_metrics(ended: Sequence[Assignment], roles: np.ndarray) -> dict[s
 #      acting randomness -- each seat's uniforms, or a scripted seat's generator -- is addressed
 #      eval/match/{comparison_id}/{s}/{side}/seat/{blue|red}: one stream per seat of each battle,
 #      so an action never depends on which other battles were live in the same batch.
-#   4. Its own farm (design 7.1): each comparison builds a farm.py farm in its evaluation mode
-#      (FarmConfig.eval_plan) and closes it when the comparison ends, also on error: InlineFarm in
-#      this process for workers <= 1 (the tests, the CLI by default), a ProcessFarm of
-#      rollout.eval_workers processes otherwise. The plan is data: episode k of the comparison is
-#      (frozen seed, blue player, red player, the two seats' stream names), hosted by whichever
-#      farm battle its shard's queue hands it to (farm.py section 6; the hosting never changes
-#      what an episode plays); scripted seats are played inside the workers (mask-only
-#      observations, their own named generators), the other seats here, from the packed rows
-#      decoded by farm.unpack_numpy, batched per player over the live battles of a round.
+#   4. Its own farm (design 7.1): a runner (a gate's, a probe's, a yardstick's) builds a farm.py
+#      farm in its evaluation mode (FarmConfig.eval_plan) at its first comparison, plays each next
+#      one on it (farm.replan: the same workers and engines, every battle starting over; a
+#      comparison wanting other geometry builds another) and closes it with the runner, or at once
+#      on an error: InlineFarm in this process for workers <= 1 (the tests, the CLI by default), a
+#      ProcessFarm of rollout.eval_workers processes otherwise. The plan is data: episode k of the
+#      comparison is (frozen seed, blue player, red player, the two seats' stream names), hosted by
+#      whichever farm battle its shard's queue hands it to (farm.py section 6; the hosting never
+#      changes what an episode plays); scripted seats are played inside the workers (mask-only
+#      observations, their own named generators), the other seats here, from the packed rows decoded
+#      by farm.unpack_numpy, batched per player over the live battles of a round.
 # The parts, in the order a comparison uses them: EvalPlayers (who plays: ids to act functions,
 # pairings refused), comparison_episodes (the schedule: which seed, which seat, which stream),
 # FarmComparison (the play: one comparison's rounds on its farm) and EvalRunner.play (the score:
@@ -1888,7 +1891,8 @@ class EvalRunner:
         pool = read_pool(run_dir) if run_dir is not None else None
         self.players = EvalPlayers(store or (SnapshotStore(run_dir) if run_dir is not None else None),
                                    policy_builder, pool.seeds() if pool is not None else None)
-        self.envs: list[Any] = []          # the farm of the comparison being played; [] between
+        self.farm: Any = None              # the runner's farm, built at its first comparison
+        self._geometry: tuple[int, int] = (0, 0)   # its (battles, workers)
         self.obs_digest = self.context = ""
         self.closed = False
         self.comparison_prefix = ""        # prepended to default comparison ids: "gate/<candidate>/"
@@ -1914,9 +1918,12 @@ class EvalRunner:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            for f in self.envs:
-                f.close()
-            self.envs = []
+            self._drop_farm()
+
+    def _drop_farm(self) -> None:
+        if self.farm is not None:
+            self.farm.close()
+            self.farm = None
 
     def __enter__(self) -> "EvalRunner":
         return self
@@ -1971,28 +1978,38 @@ class EvalRunner:
 
     def _run(self, order: list[tuple[int, str]], a: str, b: str, acts: dict[str, ActFn | None],
              cid: str) -> list[float]:
-        """a's score in each episode of `order`, played on a farm built for this comparison and
-        closed after it, also on error (design 7.1)."""
+        """a's score in each episode of `order`, played on the runner's farm (design 7.1: built
+        at the first comparison, closed with the runner, and at once on an error)."""
         plan = comparison_episodes(self.seeds, order, a, b, cid)
         comparison = FarmComparison(self, plan, order, a, acts, cid)
-        f = self._build_farm(plan)
-        self.envs = [f]
         try:
+            f = self._farm_for(plan)
             scores = comparison.play(f)
-            self.farm_stats, self.last_farm = comparison.farm_stats, type(f).__name__
-            self.searched = dict(comparison.searched)
-            self.game_steps += comparison.game_steps
-        finally:
-            f.close()
-            self.envs = []
+        except BaseException:
+            self._drop_farm()
+            raise
+        self.farm_stats, self.last_farm = comparison.farm_stats, type(f).__name__
+        self.searched = dict(comparison.searched)
+        self.game_steps += comparison.game_steps
         return scores
 
-    def _build_farm(self, plan: list[farm.EvalEpisode]) -> Any:
-        """The comparison's own farm: InlineFarm for workers <= 1, else a ProcessFarm of
-        min(workers, battles) processes. Its geometry decides only which battle hosts which
-        episode (farm section 6: per-shard queues), never what an episode plays."""
+    def _farm_for(self, plan: list[farm.EvalEpisode]) -> Any:
+        """The runner's farm, replanned for this comparison (farm.replan: the same workers and
+        engines); built anew where the comparison's geometry differs: InlineFarm for workers <= 1,
+        else a ProcessFarm of min(workers, battles) processes, battles = min(battles_at_once,
+        len(plan)). The geometry decides only which battle hosts which episode (farm section 6:
+        per-shard queues), never what an episode plays."""
         n = min(self.battles_at_once, len(plan))
         K = min(self.workers, n)
+        if self.farm is not None and self._geometry == (n, K):
+            self.farm.replan(plan)
+            return self.farm
+        self._drop_farm()
+        self.farm = self._build_farm(plan, n, K)
+        self._geometry = (n, K)
+        return self.farm
+
+    def _build_farm(self, plan: list[farm.EvalEpisode], n: int, K: int) -> Any:
         per = -(-n // K)
         cfg = farm.FarmConfig(env=self.env_factory_spec, master_seed=self.seeds.master_seed,
                               workers=K, shards_per_worker=1, games_per_worker=per,

@@ -408,11 +408,11 @@ def test_the_trajectory_digest_says_whether_a_deck_holds_a_card_the_elixir_count
 
 def test_layout_golden_record():
     # The contract a Rust worker implements: any change here is a LAYOUT_VERSION bump.
-    assert farm.LAYOUT_VERSION == 3
+    assert farm.LAYOUT_VERSION == 4
     assert (farm.HEADER_BYTES, farm.CONTROL_BYTES, farm.ERROR_BYTES, farm.SCALAR_BYTES,
             farm.ACTION_BYTES, farm.ASSIGN_BYTES, farm.STATS_BYTES,
             farm.PLAN_BYTES) == (128, 64, 512, 32, 2, 4, 64, 24)
-    assert (farm.CMD_STEP, farm.CMD_CLOSE, farm.CMD_PLAN, farm.CMD_SPACES) == (1, 2, 3, 4)
+    assert (farm.CMD_STEP, farm.CMD_CLOSE, farm.CMD_PLAN, farm.CMD_SPACES, farm.CMD_REPLAN) == (1, 2, 3, 4, 5)
     assert {n: farm.PLAN_DTYPE.fields[n][1] for n in farm.PLAN_DTYPE.names} == {
         "role": 0, "group": 1, "opponent_ix": 2, "learner_seat": 3, "pad": 4, "seed": 8,
         "ordinal": 16}
@@ -445,7 +445,7 @@ def test_layout_golden_record():
     farm.write_header(buf, 3, 2, 4, 10)
     import codec
     assert bytes(buf[:40]) == b"CLASHRLB" + struct.pack(
-        "<IIIIIIQ", 3, codec.CODEC_VERSION, 3, 2, 4, 10, 128)
+        "<IIIIIIQ", 4, codec.CODEC_VERSION, 3, 2, 4, 10, 128)
     assert bytes(buf[40:128]) == bytes(88)
     rect = farm.rect_view(buf, 3, 2, 4, 10)
     rect[1, 2, 3] = 9                                  # index(t, r) = t * R + r
@@ -1060,7 +1060,7 @@ ev.begin_iteration(ev.eval_slot_plan(0))
 ev.next_round(30)
 print(json.dumps({"pid": os.getpid(), "workers": [p.pid for f in (train, ev) for p in f._procs],
                   "tracker": resource_tracker._resource_tracker._pid,
-                  "segments": [s.name for f in (train, ev) for s in (f._shm_a, *f._shm_b)]}), flush=True)
+                  "segments": [s.name for f in (train, ev) for s in (f._mem.a, *f._mem.b)]}), flush=True)
 time.sleep(600)
 """
 
@@ -1353,6 +1353,70 @@ def test_eval_mode_plays_each_planned_episode_once_whatever_the_number_of_battle
         farm.FarmConfig(env=spec, master_seed=1, eval_plan=eval_plan(1, (("scripted:nobody", "x"),))).check()
     with pytest.raises(ValueError, match="unknown scripted player"):
         farm.make_scripted("nobody")
+
+
+def play_plan(f):
+    """Rounds until every episode of f's plan has its records, left on that round (the rounds of
+    the other shards still out), as ladder.FarmComparison leaves a comparison."""
+    recs, it = {}, 0
+    while len(recs) < 2 * len(f.cfg.eval_plan):
+        f.begin_iteration(f.eval_slot_plan(it))
+        for c in range(f.T + 1):
+            for _ in range(f.J):
+                rnd = f.next_round(30)
+                recs.update({(e.eval_index, e.seat): e for e in rnd.episodes})
+                if len(recs) == 2 * len(f.cfg.eval_plan):
+                    return recs
+                if c < f.T:
+                    f.submit(np.zeros(len(rnd.slots), np.int64), 1.0)
+        it += 1
+    return recs
+
+
+@pytest.mark.parametrize("cls", [farm.InlineFarm, farm.ProcessFarm])
+def test_a_replanned_evaluation_farm_plays_what_a_farm_built_for_the_plan_plays(short_env, cls):
+    """design 7.1: a gate's comparisons play one after the other on one farm. Plan A is left as a
+    comparison leaves it, mid-iteration; replan(B) then plays B byte for byte as a new farm built
+    for B does, on the same worker processes (ProcessFarm) or the same engines (InlineFarm)."""
+    _, _, table = short_env
+    spec = farm.default_env_spec(max_steps=40)
+    cfg = lambda plan: farm.FarmConfig(env=spec, master_seed=MASTER, workers=2, games_per_worker=1,
+                                       cycles=16, viewer=False, eval_plan=plan, launch_delay_s=0,
+                                       startup_timeout_s=60)
+    A = eval_plan(3, stream_tag="a")
+    B = eval_plan(5, players=(("scripted:random_legal", "scripted:push"),
+                              ("scripted:push", "scripted:random_legal")), stream_tag="b")
+    new = cls(cfg(B), table)
+    try:
+        want = play_plan(new)
+    finally:
+        new.close()
+    f = cls(cfg(A), table)
+    try:
+        first = play_plan(f)
+        held = ([p.pid for p in f._procs] if cls is farm.ProcessFarm else
+                [id(e.engine) for r in f._runners for e in r.vec.envs])
+        f.replan(B)
+        got = play_plan(f)
+        assert held == ([p.pid for p in f._procs] if cls is farm.ProcessFarm else
+                        [id(e.engine) for r in f._runners for e in r.vec.envs])
+        f.replan(A)                              # and back: A again, as it played the first time
+        again = play_plan(f)
+    finally:
+        f.close()
+    assert sorted(got) == sorted(want) == [(i, s) for i in range(5) for s in (0, 1)]
+    same = lambda x, y: (msgspec.json.encode([x[k] for k in sorted(x)])
+                         == msgspec.json.encode([y[k] for k in sorted(y)]))
+    assert same(got, want) and same(again, first)
+    with pytest.raises(farm.FarmError, match="only an open evaluation farm"):
+        f.replan(B)
+    train = farm.InlineFarm(farm.FarmConfig(env=spec, master_seed=MASTER, workers=1, games_per_worker=1,
+                                            cycles=4, viewer=False), table, mixed_assign)
+    try:
+        with pytest.raises(farm.FarmError, match="only an open evaluation farm"):
+            train.replan(B)
+    finally:
+        train.close()
 
 
 @pytest.mark.parametrize("spell_aim", [False, True])

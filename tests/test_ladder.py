@@ -1123,7 +1123,7 @@ def test_eval_runner_plays_each_seed_from_both_sides_and_writes_only_the_result_
     assert set(after) - set(before) == {"ladder/games.jsonl", "ladder/aggregate.json"}
     assert all(after[k] == v for k, v in before.items())
     assert L.ResultLog(tmp_path).read().games == games
-    assert r.closed and r.envs == []
+    assert r.closed and r.farm is None
     with pytest.raises(ValueError, match="after close"):
         r.play("scripted:random_legal", "scripted:noop", 2)
 
@@ -1135,13 +1135,12 @@ def test_eval_runner_feeds_each_seat_its_own_named_stream_and_plays_full_matches
         r.register("learner@5", live)
         r.register("learner@6", other)
         r.play("learner@5", "learner@6", 4, comparison_id="cmp", kind="probe")
-        # design 7.1: the comparison's farm is built for it and closed after, also when it fails
-        built, build = [], r._build_farm
-        r._build_farm = lambda plan: built.append(build(plan)) or built[-1]
+        # design 7.1: the runner's farm plays its next comparison, and is closed when one fails
+        f = r.farm
         r.register("bad", lambda obs, u: np.ones(len(u), np.int64))    # a card in the deploy lockout
         with pytest.raises(ValueError, match=r"bad: illegal action 1 at eval/seed_set/0 seat blue"):
-            r.play("bad", "scripted:noop", 2)
-        assert len(built) == 1 and built[0]._closed and r.envs == []
+            r.play("bad", "scripted:noop", 4)
+        assert f._closed and r.farm is None and f.iteration == 0        # it played: replanned, not rebuilt
     first = live.calls[0]
     assert first.shape == (4,)                   # one batched forward over the four live battles
     # battle (seed, side_a): a sits on side_a, and its uniforms come from that seat's own stream
@@ -1361,21 +1360,25 @@ def test_the_cli_reads_the_runs_eval_env_seed_set_and_pool_from_its_files(tmp_pa
 
 @pytest.mark.slow
 def test_eval_runner_on_a_process_farm_gives_the_inline_farms_results_byte_for_byte(tmp_path):
-    """design 7.1: with workers=2 the runner builds a ProcessFarm of two workers for the comparison
-    and closes it after; the results equal the in-process farm's, byte for byte (a parent-acted
-    player and a scripted one, so both paths through the farm are covered)."""
+    """design 7.1: with workers=2 the runner builds a ProcessFarm of two workers at its first
+    comparison and plays the next one of the same geometry on it (replanned); the results equal
+    the in-process farm's, byte for byte (a parent-acted player and a scripted one, so both paths
+    through the farm are covered)."""
     out, stats, searched = [], [], []
     ahead = farm.canonical_player("lookahead:defend,h=2,c=defend+noop")
     for workers in (1, 2):
         with runner(None, battles_at_once=4, workers=workers) as r:
             r.register("learner@9", legal_from_uniforms)
             out.append(r.play("learner@9", "scripted:push", 6, comparison_id="farm-det"))
+            first = r.farm
             out.append(r.play("scripted:random_legal", "scripted:patient", 4, comparison_id="farm-det2"))
+            assert r.farm is first and not first._closed                 # 4 battles at once, both
             stats.append(r.farm_stats)
             out.append(r.play(ahead, "scripted:push", 2, comparison_id="farm-det3"))   # farm.py 6b
             searched.append(r.searched)
             assert r.last_farm == ("InlineFarm" if workers == 1 else "ProcessFarm")
-            assert r.envs == []                              # the farm is closed after each comparison
+            assert first._closed and r.farm is not first                 # 2 battles: another farm
+        assert r.farm is None                                # closed with the runner
     assert msgspec.json.encode(out[:3]) == msgspec.json.encode(out[3:])
     assert [g.score_a for g in out[0]] and len(out[0]) == 6 and len(out[1]) == 4
     assert stats[1]["env_ms"] > 0 and stats[1]["bytes_out"] > 0
