@@ -1871,7 +1871,8 @@ class EvalRunner:
 
     battles_at_once: battles the evaluation farm plays at once. workers: its worker processes
     (rollout.eval_workers); <= 1 plays in this process (farm.InlineFarm), more spawns a
-    farm.ProcessFarm. table: the codec table to pack with (the training run's, when the caller
+    farm.ProcessFarm, built at the first play and replanned for each next one (design 7.1: one
+    farm a gate), closed by close(). table: the codec table to pack with (the training run's, when the caller
     has it); None decides one on the evaluation env at open."""
 
     def __init__(self, env: EnvFactorySpec, seeds: EvalSeedSet, *, run_dir: str | Path | None = None,
