@@ -1181,8 +1181,9 @@ def _eval_idle_seed(master_seed: int, battle: int, ordinal: int) -> int:
 #   plan_offset(n, S, row_bytes) = 4096 + S * block: the plan area, S * n * 24 B, PLAN_DTYPE per
 #     slot of the worker (shard s's n entries at + s * n * 24): the iteration's opening table.
 # Segment P "rlp-<pid>-<n>-<w>" (an evaluation farm's, one per worker, from just before CMD_REPLAN
-#   until the worker is ready again; the parent creates and unlinks it): u32 length, then the
-#   msgspec JSON of a Replan {"eval_plan": [EvalEpisode...], "ordinals": [[k per battle] per shard]}.
+#   until every worker is ready again, or the replan failed; the parent creates and unlinks it):
+#   u32 length, then the msgspec JSON of a Replan {"eval_plan": [EvalEpisode...], "ordinals": [[k
+#   per battle] per shard]}.
 #
 # Signalling, per (worker, shard): two semaphores, obs_ready (child -> parent) and
 # actions_ready (parent -> child); each released once per command or answer, after the word.
@@ -2576,17 +2577,22 @@ class _EvalMode:
         """Play `plan` next, on the same workers: every battle starts over as a farm built for it
         starts (its first episodes, ordinals, generation), so each episode plays what it plays
         there (tests/test_farm.py). Between comparisons: the last may have ended mid-iteration,
-        and the STEPs still out are answered first. Refused on a training farm or a failed one."""
+        and the STEPs still out are answered first. Refused on a training farm or a failed one;
+        a replan that fails closes the farm."""
         if self.cfg.eval_plan is None or self._closed:
             raise FarmError("replan: only an open evaluation farm (FarmConfig.eval_plan) plays another "
                             "plan")
         if any(self.dead):
             raise FarmError(f"replan: worker {self.dead.index(True)} failed; close this farm and "
                             "build another")
-        self._settle()
-        self._begin(msgspec.structs.replace(self.cfg, eval_plan=list(plan)), None)
-        self.rect[:] = 0
-        self._replan_workers()
+        try:
+            self._settle()
+            self._begin(msgspec.structs.replace(self.cfg, eval_plan=list(plan)), None)
+            self.rect[:] = 0
+            self._replan_workers()
+        except BaseException:
+            self.close()                    # a farm that failed to start over plays nothing more
+            raise
 
 
 class _FarmCore(_EvalMode):
@@ -3295,6 +3301,7 @@ class ProcessFarm(_FarmCore):
         self._obs_sems = [self._ctx.Semaphore(0) for _ in range(self.J)]
         self._act_sems = [self._ctx.Semaphore(0) for _ in range(self.J)]
         self._seq = [0] * self.J
+        self._unread = [False] * self.J      # a STEP sent whose answer's token is not taken yet
         self._procs: list[Any] = [None] * cfg.workers
         self._deadline = [0.0] * cfg.workers   # each worker's start-up timeout, from its launch
         self.handshakes: list[dict[str, Any]] = [{} for _ in range(cfg.workers)]
@@ -3331,6 +3338,7 @@ class ProcessFarm(_FarmCore):
             io.control[:] = np.zeros(1, CONTROL_DTYPE)
             io.control["n_slots"] = self.n_shard
             self._seq[j] = 0
+            self._unread[j] = False
             while self._obs_sems[j].acquire(block=False):   # stale tokens of a dead worker
                 pass
             while self._act_sems[j].acquire(block=False):
@@ -3393,18 +3401,18 @@ class ProcessFarm(_FarmCore):
         ctl["cmd_row"] = cycle + self.k - 1
         ctl["gamma"] = gamma
         self._command(j, CMD_STEP)
+        self._unread[j] = True
 
     def _send_plan(self, j: int) -> None:
         self._command(j, CMD_PLAN)
 
     def _settle(self) -> None:
-        """The STEPs the last comparison left out are answered, and every answer's token taken."""
+        """The STEPs the last comparison left unread are answered, their tokens taken (the word
+        alone is not enough: a worker writes pub_seq just before it releases the token)."""
         for j in range(self.J):
-            if int(self._ios[j].control["pub_seq"][0]) != self._seq[j] and not self._await_answer(
+            if self._unread[j] and not self._await_answer(
                     j, self._cycle, self.cfg.round_timeout_s, "its last STEP before the next plan"):
                 raise FarmError(f"worker {self.shard_of(j)[0]} failed: {self._health.failures[-1].message}")
-            while self._obs_sems[j].acquire(block=False):
-                pass
 
     def _replan_workers(self) -> None:
         """CMD_REPLAN to each worker's first shard, its plan in segment P; then its start-up's wait."""
@@ -3452,6 +3460,7 @@ class ProcessFarm(_FarmCore):
 
     def _await_answer(self, j: int, cycle: int, timeout_s: float, what: str) -> bool:
         w, s = self.shard_of(j)
+        self._unread[j] = False
         ctl = self._ios[j].control
         deadline = time.monotonic() + timeout_s
         spin_s = self.cfg.spin_us * 1e-6

@@ -1726,7 +1726,7 @@ def comparison_episodes(seeds: EvalSeedSet, order: Sequence[tuple[int, str]], a:
 
 
 class FarmComparison:
-    """The play: one comparison's episodes on the farm built for it, stepped round by round until
+    """The play: one comparison's episodes on the runner's farm, stepped round by round until
     every episode has a result. Scripted seats are the workers'; every other seat (group -1) is
     answered here by its player's act, one batched call per player per round, each seat drawing
     one uniform per decision from its own stream (so an action never depends on the batching).
@@ -1751,7 +1751,7 @@ class FarmComparison:
         self.game_steps = 0                         # decisions of every episode played, summed
 
     def play(self, f: Any) -> list[float]:
-        """Step farm f (in evaluation mode, built for this plan) until every episode has a result;
+        """Step farm f (in evaluation mode, on this plan) until every episode has a result;
         also sets farm_stats, the farm's stats with the per-iteration ones summed."""
         t0, it = time.perf_counter(), 0
         while self.left:

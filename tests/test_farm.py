@@ -8,6 +8,7 @@ import collections
 import os
 import re
 import struct
+import threading
 import time
 from types import SimpleNamespace
 
@@ -1396,12 +1397,23 @@ def test_a_replanned_evaluation_farm_plays_what_a_farm_built_for_the_plan_plays(
         first = play_plan(f)
         held = ([p.pid for p in f._procs] if cls is farm.ProcessFarm else
                 [id(e.engine) for r in f._runners for e in r.vec.envs])
+        if cls is farm.ProcessFarm:   # a worker writes pub_seq, then releases the token: one late
+            j = f._unread.index(True)                    # token must still be waited for
+            while int(f._ios[j].control["pub_seq"][0]) != f._seq[j]:
+                time.sleep(0.01)
+            assert f._obs_sems[j].acquire(timeout=5)
+            threading.Timer(0.3, f._obs_sems[j].release).start()
         f.replan(B)
+        time.sleep(0.5)
+        assert cls is farm.InlineFarm or not any(s.acquire(block=False) for s in f._obs_sems)
         got = play_plan(f)
         assert held == ([p.pid for p in f._procs] if cls is farm.ProcessFarm else
                         [id(e.engine) for r in f._runners for e in r.vec.envs])
         f.replan(A)                              # and back: A again, as it played the first time
         again = play_plan(f)
+        with pytest.raises(ValueError, match="unknown scripted player"):
+            f.replan(eval_plan(1, (("scripted:nobody", "x"),)))
+        assert f._closed                         # a replan that failed closed the farm
     finally:
         f.close()
     assert sorted(got) == sorted(want) == [(i, s) for i in range(5) for s in (0, 1)]
