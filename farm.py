@@ -1395,9 +1395,15 @@ def write_episodes(io: ShardIO, records: list[dict[str, Any]], where: str) -> in
     return len(raw) + 4
 
 
+def framed(buf: Any) -> bytes:
+    """What a u32 length says follows it: the episode area, the handshake, segment P."""
+    n = struct.unpack_from("<I", buf, 0)[0]
+    return bytes(buf[4:4 + n])
+
+
 def read_episodes(io: ShardIO) -> list[dict[str, Any]]:
-    n = struct.unpack("<I", bytes(io.episodes[:4]))[0]
-    return msgspec.json.decode(bytes(io.episodes[4:4 + n])) if n else []
+    raw = framed(io.episodes)
+    return msgspec.json.decode(raw) if raw else []
 
 
 class Replan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -1412,8 +1418,7 @@ def read_replan(seg_b: str) -> Replan:
     from multiprocessing import shared_memory
     shm = shared_memory.SharedMemory(name="rlp" + seg_b[3:])
     try:
-        n = struct.unpack_from("<I", shm.buf, 0)[0]
-        return msgspec.json.decode(bytes(shm.buf[4:4 + n]), type=Replan)
+        return msgspec.json.decode(framed(shm.buf), type=Replan)
     finally:
         shm.close()
 
@@ -3377,8 +3382,7 @@ class ProcessFarm(_FarmCore):
 
     def _read_handshake(self, w: int) -> dict[str, Any]:
         hand = self._mem.handshake(w)
-        n = struct.unpack("<I", bytes(hand[:4]))[0]
-        report = json.loads(bytes(hand[4:4 + n]))
+        report = json.loads(framed(hand))
         self.handshakes[w] = report
         return report
 

@@ -1893,7 +1893,6 @@ class EvalRunner:
         self.players = EvalPlayers(store or (SnapshotStore(run_dir) if run_dir is not None else None),
                                    policy_builder, pool.seeds() if pool is not None else None)
         self.farm: Any = None              # the runner's farm, built at its first comparison
-        self._geometry: tuple[int, int] = (0, 0)   # its (battles, workers)
         self.obs_digest = self.context = ""
         self.closed = False
         self.comparison_prefix = ""        # prepended to default comparison ids: "gate/<candidate>/"
@@ -2002,16 +2001,15 @@ class EvalRunner:
         per-shard queues), never what an episode plays."""
         n = min(self.battles_at_once, len(plan))
         K = min(self.workers, n)
-        if self.farm is not None and self._geometry == (n, K):
+        per = -(-n // K)
+        if self.farm is not None and (self.farm.cfg.workers, self.farm.cfg.games_per_worker) == (K, per):
             self.farm.replan(plan)
             return self.farm
         self._drop_farm()
-        self.farm = self._build_farm(plan, n, K)
-        self._geometry = (n, K)
+        self.farm = self._build_farm(plan, K, per)
         return self.farm
 
-    def _build_farm(self, plan: list[farm.EvalEpisode], n: int, K: int) -> Any:
-        per = -(-n // K)
+    def _build_farm(self, plan: list[farm.EvalEpisode], K: int, per: int) -> Any:
         cfg = farm.FarmConfig(env=self.env_factory_spec, master_seed=self.seeds.master_seed,
                               workers=K, shards_per_worker=1, games_per_worker=per,
                               cycles=EVAL_CYCLES, frame_stack=1, viewer=False, eval_plan=plan)

@@ -1140,7 +1140,8 @@ def test_eval_runner_feeds_each_seat_its_own_named_stream_and_plays_full_matches
         r.register("bad", lambda obs, u: np.ones(len(u), np.int64))    # a card in the deploy lockout
         with pytest.raises(ValueError, match=r"bad: illegal action 1 at eval/seed_set/0 seat blue"):
             r.play("bad", "scripted:noop", 4)
-        assert f._closed and r.farm is None and f.iteration == 0        # it played: replanned, not rebuilt
+        assert f._closed and r.farm is None                              # closed on the error
+        assert f.cfg.eval_plan[0].players[0] == "bad"    # after playing on it: replanned, not rebuilt
     first = live.calls[0]
     assert first.shape == (4,)                   # one batched forward over the four live battles
     # battle (seed, side_a): a sits on side_a, and its uniforms come from that seat's own stream
