@@ -98,7 +98,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, NamedTuple, NoReturn, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple, NoReturn, Sequence
 
 import msgspec
 import numpy as np
@@ -1060,6 +1060,16 @@ def actor_rows(forced: np.ndarray) -> np.ndarray:
     return idx
 
 
+def embedding(n: int, dim: int, padding_idx: int | None = None) -> nn.Embedding:
+    """nn.Embedding, whose own N(0, 1) fill is skipped on the meta device (parameter_count,
+    arch_description): there it runs through a Python decomposition whose first call imports
+    torch's compiler, 1.7 s of CPU a process [M] (design 5.6)."""
+    e = nn.Embedding.from_pretrained(torch.empty(n, dim), freeze=False, padding_idx=padding_idx)
+    if not e.weight.is_meta:
+        e.reset_parameters()
+    return e
+
+
 def edge_taps(H: int, W: int) -> torch.Tensor:
     """(3, 3, H, W): 1 where a 3x3 zero-padded convolution's tap (i, j) at tile (y, x) lands on
     the board. A plane constant over the board meets kernel w there as sum_ij w[i, j] * taps."""
@@ -1090,12 +1100,13 @@ class Trunk(nn.Module):
         self.vemb = nn.Linear(geo.vector_size + NB, net.vector_embed)
         in_ch = k * (S + P) + (2 if net.coord_conv else 0) + net.vector_embed
         if geo.card_id_channels:
-            self.card_ids = nn.Embedding(geo.card_id_vocab, CARD_ID_EMBED, padding_idx=0)
+            self.card_ids = embedding(geo.card_id_vocab, CARD_ID_EMBED, padding_idx=0)
             in_ch += k * geo.card_id_channels * CARD_ID_EMBED
-        ys = torch.linspace(0.0, 1.0, H).view(H, 1).expand(H, W)
-        xs = torch.linspace(0.0, 1.0, W).view(1, W).expand(H, W)
-        self.register_buffer("coords", torch.stack([ys, xs]), persistent=False)
-        self.register_buffer("taps", edge_taps(H, W), persistent=False)
+        with torch.device("cpu"):   # data: on the meta device stack and arange would import torch's compiler
+            ys = torch.linspace(0.0, 1.0, H).view(H, 1).expand(H, W)
+            xs = torch.linspace(0.0, 1.0, W).view(1, W).expand(H, W)
+            self.register_buffer("coords", torch.stack([ys, xs]), persistent=False)
+            self.register_buffer("taps", edge_taps(H, W), persistent=False)
         self.n_board = k * (S + P)      # the stem kernel's input channels, in parts' order
         self.stem = nn.Sequential(*_conv_gn(in_ch, net.channels, net.norm_groups), nn.ReLU())
         self.body = nn.Sequential(*[ResBlock(net.channels, net.norm_groups) for _ in range(net.blocks)])
@@ -1169,7 +1180,7 @@ class CardQueries(nn.Module):
                                                        geo.field(HAND_AFFORDABLE))
         self.K = geo.card_vocab()
         self.fp = nn.Sequential(*_conv_gn(C, C, net.norm_groups), nn.ReLU())
-        self.card = nn.Embedding(self.K, C)
+        self.card = embedding(self.K, C)
         self.q = nn.Linear(C + 2, C)
         self.qb = nn.Linear(C + 2, 1)
         self.scale = C ** -0.5          # logit_scale "rsqrt_c"
@@ -1341,7 +1352,8 @@ class ActorCritic(nn.Module):
         self.policy = HEADS[net.policy_head](geo, net)
         self.value_head = ValueHead(geo, net)
         self.autocast = net.autocast_dtype
-        init_weights(self, torch_generator(master_seed, "torch/init"))
+        if not next(self.parameters()).is_meta:   # shapes alone (parameter_count): nothing to draw
+            init_weights(self, torch_generator(master_seed, "torch/init"))
 
     def actor_parameters(self) -> list[nn.Parameter]:
         return list(self.actor_trunk.parameters()) + list(self.policy.parameters())
@@ -1632,7 +1644,7 @@ def unpacked(obs: Any) -> Callable[[np.ndarray], Any]:
     return lambda idx: obs_rows(obs, torch.as_tensor(idx, device=obs.vector.device))
 
 
-def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer,
+def ppo_update(ac: ActorCritic, opt_actor: Adam, opt_critic: Adam,
                data: Any, ppo: "PPOArgs", *, ent_coef: float, ent_coef_noop: float, master_seed: int,
                iteration: int, debug: bool, check_ratio: bool, ratio_atol: float, comm: Comm | None = None,
                actor_steps: bool = True, teacher: tuple[ActorCritic, float] | None = None) -> dict[str, Any]:
@@ -1657,8 +1669,8 @@ def ppo_update(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: to
                 stats.ratio_dev = comm.most(ratio_invariant(ac, data, perm, ppo.minibatch_size, check_ratio,
                                                             ratio_atol, stats.outliers))
             for b in range(n_batches):
-                opt_actor.zero_grad(set_to_none=True)
-                opt_critic.zero_grad(set_to_none=True)
+                opt_actor.zero_grad()
+                opt_critic.zero_grad()
                 order, scale = batch_rows(data, perm[b * ppo.batch_size:(b + 1) * ppo.batch_size], ppo, comm)
                 stats.batch(scale)
                 for s in range(0, len(order), ppo.minibatch_size):
@@ -1835,7 +1847,7 @@ def teacher_kl(teacher: ActorCritic, obs: Any, dist: MaskedCategorical) -> torch
     return (t.exp() * torch.where(dist.mask, t - dist.logp, torch.zeros_like(t))).sum(-1)
 
 
-def optimizer_step(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer,
+def optimizer_step(ac: ActorCritic, opt_actor: Adam, opt_critic: Adam,
                    ppo: "PPOArgs", comm: Comm, actor_steps: bool,
                    where: str) -> tuple[torch.Tensor, torch.Tensor]:
     """One step from a batch's summed gradient: summed over the ranks, each optimizer's clipped on
@@ -2001,10 +2013,71 @@ def unfilled_empty_tensors() -> Iterator[None]:
         torch.utils.deterministic.fill_uninitialized_memory = was
 
 
-def make_optimizers(ac: ActorCritic, ppo: "PPOArgs") -> tuple[torch.optim.Adam, torch.optim.Adam]:
+class Adam:
+    """Adam (Kingma and Ba, 2015) as torch.optim.Adam computes it with betas (0.9, 0.999) and no
+    weight decay: the operations of its multi-tensor form in their order (on the CPU, its
+    single-tensor form's, tensor by tensor), so the same bits, and its state_dict, so a checkpoint
+    written by either loads in the other. Ours because torch's imports torch's compiler at its
+    first use, about 2 s of CPU at every process that trains [M], and nothing here compiles
+    (design 6.3; test_adam_takes_torch_s_steps_bit_for_bit)."""
+
+    # torch.optim.Adam's options as its state_dict writes them: a checkpoint's param group and the
+    # state digest carry them, so they stay verbatim; only lr and eps are ever set here.
+    OPTIONS = {"betas": (0.9, 0.999), "weight_decay": 0, "amsgrad": False, "maximize": False,
+               "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+               "decoupled_weight_decay": False}
+
+    def __init__(self, params: Iterable[nn.Parameter], lr: float, eps: float) -> None:
+        self.params = list(params)
+        self.param_groups = [{"lr": lr, "eps": eps, **self.OPTIONS, "params": self.params}]
+        self.state: dict[nn.Parameter, dict[str, torch.Tensor]] = {}   # from a parameter's first gradient
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        g = self.param_groups[0]
+        (b1, b2), lr, eps = g["betas"], g["lr"], g["eps"]
+        params = [p for p in self.params if p.grad is not None]
+        for p in params:
+            if p not in self.state:
+                self.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                 "exp_avg_sq": torch.zeros_like(p)}
+        grads = [p.grad for p in params]
+        steps, m, v = ([self.state[p][k] for p in params] for k in ("step", "exp_avg", "exp_avg_sq"))
+        torch._foreach_add_(steps, 1)
+        torch._foreach_lerp_(m, grads, 1 - b1)              # m = b1 m + (1 - b1) g
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, grads, grads, 1 - b2)    # v = b2 v + (1 - b2) g^2
+        t = [s.item() for s in steps]
+        denom = torch._foreach_sqrt(v)                      # sqrt(v / (1 - b2^t)) + eps
+        torch._foreach_div_(denom, [(1 - b2 ** n) ** 0.5 for n in t])
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, m, denom, [(lr / (1 - b1 ** n)) * -1 for n in t])
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout: the state by parameter index, the group's options and its indices."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        return {"state": {index[id(p)]: dict(st) for p, st in self.state.items()},
+                "param_groups": [{**group, "params": list(range(len(self.params)))}]}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        (group,) = sd["param_groups"]
+        if list(group["params"]) != list(range(len(self.params))):
+            raise ValueError(f"an optimizer state for {len(group['params'])} parameters, this network has "
+                             f"{len(self.params)}")
+        self.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
+        self.state = {self.params[int(i)]: {k: t if k == "step" else t.to(self.params[int(i)])
+                                            for k, t in st.items()} for i, st in sd["state"].items()}
+
+
+def make_optimizers(ac: ActorCritic, ppo: "PPOArgs") -> tuple[Adam, Adam]:
     """Separate Adam for actor and critic (design 6.3): disjoint parameter sets, own lr each."""
-    return (torch.optim.Adam(ac.actor_parameters(), lr=ppo.lr_actor, eps=ppo.adam_eps),
-            torch.optim.Adam(ac.critic_parameters(), lr=ppo.lr_critic, eps=ppo.adam_eps))
+    return (Adam(ac.actor_parameters(), lr=ppo.lr_actor, eps=ppo.adam_eps),
+            Adam(ac.critic_parameters(), lr=ppo.lr_critic, eps=ppo.adam_eps))
 
 
 class RatioInvariantError(AssertionError):
@@ -2044,7 +2117,7 @@ class LrBackoff:
         self.lr_critic = max(self.lr_critic * self.cfg.factor, self.cfg.lr_min)
         return True
 
-    def apply(self, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer) -> None:
+    def apply(self, opt_actor: Adam, opt_critic: Adam) -> None:
         for g in opt_actor.param_groups:
             g["lr"] = self.lr_actor
         for g in opt_critic.param_groups:
@@ -2425,7 +2498,7 @@ def warm_start(args: Args, env: Env, model: ActorCritic, quiet: bool) -> dict[st
     the rung (its most probable action is the rung's) on every row before and after, and its wall
     clock."""
     t0 = time.perf_counter()
-    opt = torch.optim.Adam(model.actor_parameters(), lr=args.warm.lr, eps=args.ppo.adam_eps)
+    opt = Adam(model.actor_parameters(), lr=args.warm.lr, eps=args.ppo.adam_eps)
     gen = torch_generator(args.master_seed, "warm/permutation")
     def progress(r: int) -> None:   # a lookahead's round takes minutes: say where it is
         if not quiet:
@@ -2459,7 +2532,7 @@ def warm_start(args: Args, env: Env, model: ActorCritic, quiet: bool) -> dict[st
 
 
 def fit_clone(args: Args, env: Env, model: ActorCritic, rounds: Sequence[Cloned],
-              opt: torch.optim.Optimizer | None, gen: torch.Generator) -> tuple[float, float]:
+              opt: Adam | None, gen: torch.Generator) -> tuple[float, float]:
     """args.warm.epochs passes of cross-entropy over every round's rows (opt None: none): against the
     rung's choice, or under warm.soft_targets against its candidates weighted by softmax(score /
     soft_targets); returns the loss (against the choice) and the agreement on them all before the
@@ -2494,7 +2567,7 @@ def fit_clone(args: Args, env: Env, model: ActorCritic, rounds: Sequence[Cloned]
         for i in range(0, n, mb):
             d, a = batch(perm[i:i + mb])
             step = -d.log_prob(a).mean() if soft is None else soft_loss(d, perm[i:i + mb])
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad()
             step.backward()
             nn.utils.clip_grad_norm_(model.actor_parameters(), args.ppo.max_grad_norm)
             opt.step()
@@ -5006,7 +5079,7 @@ def load_tensors(data: bytes) -> dict[str, torch.Tensor]:
     return load(data)
 
 
-def optimizer_files(opt: torch.optim.Optimizer) -> tuple[bytes, bytes]:
+def optimizer_files(opt: Adam) -> tuple[bytes, bytes]:
     """(safetensors of every state tensor, JSON of param groups and non-tensor state)."""
     sd = opt.state_dict()
     tensors, scalars = {}, {}
@@ -5020,7 +5093,7 @@ def optimizer_files(opt: torch.optim.Optimizer) -> tuple[bytes, bytes]:
     return save_tensors(tensors), canonical_json(meta)
 
 
-def load_optimizer(opt: torch.optim.Optimizer, tensor_bytes: bytes, meta_bytes: bytes) -> None:
+def load_optimizer(opt: Adam, tensor_bytes: bytes, meta_bytes: bytes) -> None:
     tensors, meta = load_tensors(tensor_bytes), json.loads(meta_bytes)
     state: dict[int, dict[str, Any]] = {int(i): {} for i in meta["state_ids"]}
     for key, v in tensors.items():
@@ -5085,7 +5158,7 @@ def read_checkpoint(ckpt_dir: Path) -> tuple[Manifest, dict[str, bytes]]:
     return man, out
 
 
-def state_digest(ac: ActorCritic, optimizers: Sequence[torch.optim.Optimizer], scaler: WelfordReturnScaler,
+def state_digest(ac: ActorCritic, optimizers: Sequence[Adam], scaler: WelfordReturnScaler,
                  schedule_positions: dict[str, Any]) -> str:
     """sha256 over, in this fixed order: actor tensors (name-sorted), critic tensors, each
     optimizer's numeric state leaves, the Welford triple, the schedule positions (design 2.4)."""
@@ -5133,7 +5206,7 @@ def restore_rng(st: RngState) -> None:
                                       for s in st.torch_cuda])
 
 
-def learner_files(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer,
+def learner_files(ac: ActorCritic, opt_actor: Adam, opt_critic: Adam,
                   scaler: WelfordReturnScaler, schedules: dict[str, Any], rng: RngState,
                   misc: dict[str, Any]) -> dict[str, bytes]:
     """The learner's share of a checkpoint, in design 8.1's folders."""
@@ -5155,8 +5228,8 @@ def learner_files(ac: ActorCritic, opt_actor: torch.optim.Optimizer, opt_critic:
     }
 
 
-def load_learner(files: dict[str, bytes], ac: ActorCritic, opt_actor: torch.optim.Optimizer,
-                 opt_critic: torch.optim.Optimizer,
+def load_learner(files: dict[str, bytes], ac: ActorCritic, opt_actor: Adam,
+                 opt_critic: Adam,
                  scaler: WelfordReturnScaler) -> tuple[dict[str, Any], RngState, dict[str, Any]]:
     """Inverse of learner_files; refuses a different architecture by name before touching weights.
     Returns (schedule positions, RNG state, misc)."""

@@ -1914,6 +1914,54 @@ def test_engine_build_is_read_off_the_real_env_config():
     assert eb.binary_sha256 == cfg["engine"]["params"]["engine_binary_sha256"]
 
 
+def test_adam_takes_torch_s_steps_bit_for_bit():
+    """design 6.3: our Adam against torch.optim.Adam at the same lr and eps, on an actor's
+    parameters: one parameter without a gradient for two steps (its state starts later), the
+    learning rate changed between steps (as LrBackoff.apply changes it), the same parameters and
+    state_dicts byte for byte after every step (the param group as torch writes it), and each one's
+    state_dict loaded into the other's kind continues as the one it came from."""
+    import copy
+    geo, net, _ = make_data(perturb=0.0)
+    acs = {"torch": P.ActorCritic(geo, net, master_seed=0), "ours": P.ActorCritic(geo, net, master_seed=0)}
+    kinds = {"torch": lambda ps: torch.optim.Adam(ps, lr=1e-3, eps=1e-5),
+             "ours": lambda ps: P.Adam(ps, lr=1e-3, eps=1e-5)}
+    opts = {k: kinds[k](acs[k].actor_parameters()) for k in acs}
+    gen = torch.Generator().manual_seed(20261208)
+
+    def step(opt, ac, grads):
+        opt.zero_grad()   # torch's sets the gradients to None too, by default
+        for p, g in zip(ac.actor_parameters(), grads, strict=True):
+            p.grad = None if g is None else g.clone()
+        opt.step()
+
+    def as_bytes(ac, opt):
+        sd = opt.state_dict()
+        state = [(i, k, t.numpy().tobytes()) for i, st in sd["state"].items() for k, t in st.items()]
+        return [p.detach().numpy().tobytes() for p in ac.actor_parameters()], state, sd["param_groups"]
+
+    for n in range(5):
+        grads = [torch.randn(p.shape, generator=gen) for p in acs["torch"].actor_parameters()]
+        grads[1] = None if n < 2 else grads[1]
+        for k in acs:
+            if n == 3:
+                opts[k].param_groups[0]["lr"] = 2.5e-4
+            step(opts[k], acs[k], grads)
+        assert as_bytes(acs["torch"], opts["torch"]) == as_bytes(acs["ours"], opts["ours"]), n
+    late = acs["ours"].actor_parameters()[1]
+    assert len(opts["ours"].state) == len(grads) and opts["ours"].state[late]["step"].item() == 3.0
+    grads = [torch.randn(p.shape, generator=gen) for p in acs["torch"].actor_parameters()]
+    for came, goes in (("torch", "ours"), ("ours", "torch")):
+        ac = copy.deepcopy(acs[came])
+        opt = kinds[goes](ac.actor_parameters())
+        opt.load_state_dict(copy.deepcopy(opts[came].state_dict()))
+        step(opt, ac, grads)
+        ref_ac = copy.deepcopy(acs[came])
+        ref = kinds[came](ref_ac.actor_parameters())
+        ref.load_state_dict(copy.deepcopy(opts[came].state_dict()))
+        step(ref, ref_ac, grads)
+        assert as_bytes(ac, opt) == as_bytes(ref_ac, ref), (came, goes)
+
+
 # --- 10. checkpoints ----------------------------------------------------------------------------------
 
 
@@ -2112,6 +2160,7 @@ up = sorted((a, b) for a, b in edges if order.index(a) < order.index(b))
 print("EDGES", sorted(edges))
 assert not up, f"a script imported one above it at run time: {up}"
 assert ("ppo_clash", "ladder") in edges and ("farm", "codec") in edges   # the watch saw the real ones
+assert "torch._dynamo" not in sys.modules, "torch's compiler was imported: 2 s of CPU at every process start"
 """   # noqa: E501 (the script holds its own long lines)
 
 
@@ -2120,7 +2169,9 @@ assert ("ppo_clash", "ladder") in edges and ("farm", "codec") in edges   # the w
 def test_the_import_direction_holds_at_run_time(tmp_path):
     """codec <- farm <- ladder <- ppo_clash, while a run trains, gates a candidate against v0 on the
     evaluation farm, checkpoints, is rated and has a snapshot played by `ladder.py eval`: every
-    import statement executed is watched, lazy ones inside functions included."""
+    import statement executed is watched, lazy ones inside functions included. Nor is torch's
+    compiler imported (torch.optim.Adam and a network built on the meta device would import it;
+    design 6.3, 5.6)."""
     import subprocess
     import sys
     proc = subprocess.run([sys.executable, "-c", RUNTIME_IMPORTS, str(ROOT), str(tmp_path)],
