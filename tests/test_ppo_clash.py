@@ -2165,7 +2165,6 @@ assert "torch._dynamo" not in sys.modules, "torch's compiler was imported: 2 s o
 
 
 @pytest.mark.slow
-@pytest.mark.other_half
 def test_the_import_direction_holds_at_run_time(tmp_path):
     """codec <- farm <- ladder <- ppo_clash, while a run trains, gates a candidate against v0 on the
     evaluation farm, checkpoints, is rated and has a snapshot played by `ladder.py eval`: every
