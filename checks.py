@@ -1087,12 +1087,16 @@ def cmd_play(cmd: "Play") -> int:
 #   the parts, each timed alone and repeated (REPEATS, medians): the engine stepped by one process
 #     with nothing else (the raw loop), the same battles collected by the profile's farm (workers x
 #     shards, codec.pack included, no inference), codec.pack per row, and, on one real rectangle
-#     collected by the profile's own farm and network, the parent's inference per shard-round, the
-#     critic pass per row and the PPO update per learner row;
+#     collected by the profile's own farm and network, the parent's inference per forwarded row, the
+#     critic pass per row and the PPO update per row through it (every epoch);
 #   the whole: `--iterations` real iterations of the profile (train(), as a user runs it), the first
 #     a warm-up, the median of the rest beside what the parts predict for one iteration.
 # The prediction is a plain sum: env time at the farm's rate, plus inference, critic and update at
-# theirs. Collection overlaps the parent's inference with the workers' stepping, so a measured
+# theirs, each times the real iterations' own count of what it works on (their rows' median
+# throughput/inference_rows_forward, throughput/critic_rows and ppo/actor_rows_seen). The rectangle
+# is iteration 0's, its battles all starting: it forwarded 0.7x and updated 0.8x the rows a later
+# iteration does [M: docs/throughput.md, "bench part by part"], so its own counts would put the
+# miss on the rates. Collection overlaps the parent's inference with the workers' stepping, so a measured
 # iteration may come in under the sum; a measured iteration well over it means time goes somewhere
 # the parts do not name (the row's time/residual says where to look). The machine is shared and
 # its load drifts, so the load average is printed before and after each part.
@@ -1148,15 +1152,16 @@ def codec_figure() -> BenchFigure:
                         "8 battles x 60 decisions of random legal play")
 
 
-class Rig(NamedTuple):
-    """What one collected rectangle holds, which the parts' rates are multiplied by."""
-    learner_rows: int        # the update's rows
-    critic_rows: int         # the critic pass's (every cell, or smdp's choice and sampled cells)
-    forwarded: int           # rows the round forwards ran on (the rest were forced: no forward)
+class Work(NamedTuple):
+    """What an iteration's parts work on, the counts their rates are per: the bench rectangle's, or
+    the median of the real iterations' rows."""
+    forwarded: float         # rows the parent's forwards ran on (forced rows take none), pool seats included
+    critic_rows: float       # the critic pass's (every cell, or smdp's choice and sampled cells)
+    update_rows: float       # rows through the update, every epoch (ppo/actor_rows_seen)
 
 
 def rig_figures(args: P.Args, env: P.Env, work: Path, gate_battles: int,
-                engine_rate: float, farm_rate: float) -> tuple[list[BenchFigure], Rig]:
+                engine_rate: float, farm_rate: float) -> list[BenchFigure]:
     """Inference, critic and update, each timed alone on one real rectangle, and the rectangle's
     counts: the profile's farm collects one iteration with the profile's (untrained) network, set
     up as train() sets up (ppo_clash.set_up, a scratch run under `work`), then each part is re-run
@@ -1166,14 +1171,14 @@ def rig_figures(args: P.Args, env: P.Env, work: Path, gate_battles: int,
     with P.process_settings_kept():
         s = P.set_up(dataclasses.replace(args, runs_dir=str(work)), quiet=True)
         try:
-            figs, rig = _rig_figures(s, args, env, farm_rate)
-            return figs + [gate_figure(s, args, env, gate_battles, engine_rate)], rig
+            parts = _rig_figures(s, args, env, farm_rate)
+            return parts + [gate_figure(s, args, env, gate_battles, engine_rate)]
         finally:
             s.source.close()
             s.run.close()
 
 
-def _rig_figures(s: P.Setup, args: P.Args, env: P.Env, farm_rate: float) -> tuple[list[BenchFigure], Rig]:
+def _rig_figures(s: P.Setup, args: P.Args, env: P.Env, farm_rate: float) -> list[BenchFigure]:
     learner, source, view, lad = s.learner, s.source, s.view, s.lad
     sched = learner.schedule_values(args)
     view.new_iteration(renumber=False)
@@ -1181,26 +1186,34 @@ def _rig_figures(s: P.Setup, args: P.Args, env: P.Env, farm_rate: float) -> tupl
     roll = P.collect(source, view, learner.model, lad, env, s.run, 0, 0, sched["gamma"], time.perf_counter())
     crit = P.critic_pass(learner.model, view, source, roll, env, args.ppo, 0)
     adv = P.advantages(learner.scaler, roll, crit, sched["gamma"], args)
-    rig = Rig(int(roll.trainable.sum()), crit.rows, roll.rows_forward)
     rounds, r = max(roll.rounds, 1), args.rollout
+    forwarded = max(roll.rows_forward, 1)
     beside, gap_s = replay_load(r, env, farm_rate)
     with farm.SteppingBeside(env.spec, beside, r.games_per_worker, args.master_seed):
         inference = timed_figure(
-            "inference", "ms/round",
+            "inference", "ms/forwarded row",
             lambda: 1e3 * replay_inference(roll, view, learner, lad, env, args.determinism.inference_threads,
-                                           gap_s),
-            f"{rig.learner_rows / rounds:.1f} learner rows a shard-round, pool seats included; "
-            f"{rig.forwarded / rounds:.1f} forwarded (forced rows: no forward); "
+                                           gap_s) / forwarded,
+            f"{forwarded} rows forwarded in {rounds} shard-rounds ({forwarded / rounds:.1f} a round; "
+            f"{int(roll.trainable.sum()) / rounds:.1f} learner rows a round, forced rows take no forward), "
+            "pool seats included; "
             + (f"beside {beside} process(es) stepping {r.games_per_worker} battles each, as the workers do, "
                f"{1e3 * gap_s:.1f} ms asleep between rounds" if beside
                else "inline farm: nothing beside (the parent steps its battles)"))
-    return [inference,
-            timed_figure("critic pass", "ms/row", lambda: 1e3 * P.critic_pass(
-                learner.model, view, source, roll, env, args.ppo, 0).seconds / rig.critic_rows,
-                f"{rig.critic_rows} rows a pass ({args.ppo.forced_rows}), chunks of {args.ppo.critic_chunk}"),
-            timed_figure("PPO update", "ms/learner-row",
-                         lambda: 1e3 * timed_update(s, roll, crit, adv, sched, args) / rig.learner_rows,
-                         f"{rig.learner_rows} learner rows, {args.ppo.n_epochs} epochs")], rig
+    critic = timed_figure("critic pass", "ms/row", lambda: 1e3 * P.critic_pass(
+        learner.model, view, source, roll, env, args.ppo, 0).seconds / crit.rows,
+        f"{crit.rows} rows a pass ({args.ppo.forced_rows}), chunks of {args.ppo.critic_chunk}")
+    update_rows = []   # the update's own count, the same every repeat (one rectangle, one state)
+
+    def update_ms_per_row() -> float:
+        seconds, n = timed_update(s, roll, crit, adv, sched, args)
+        update_rows.append(n)
+        return 1e3 * seconds / max(n, 1)
+
+    update = timed_figure("PPO update", "ms/update row", update_ms_per_row)
+    return [inference, critic, update._replace(
+        note=f"{update_rows[0]} rows through the update, its {args.ppo.n_epochs} epochs together "
+             f"({args.ppo.forced_rows}; {int(roll.trainable.sum())} learner rows)")]
 
 
 def gate_figure(s: P.Setup, args: P.Args, env: P.Env, battles: int, engine_rate: float) -> BenchFigure:
@@ -1225,22 +1238,23 @@ def gate_figure(s: P.Setup, args: P.Args, env: P.Env, battles: int, engine_rate:
 
 
 def timed_update(s: P.Setup, roll: P.Rollout, crit: P.Critic, adv: P.Advantages, sched: dict[str, float],
-                 args: P.Args) -> float:
-    """Seconds of one update from the weights that collected the rectangle: each repeat starts
-    from the same learner state (the ratio invariant holds the update to it, design 6.4)."""
+                 args: P.Args) -> tuple[float, int]:
+    """Seconds of one update from the weights that collected the rectangle, and its rows through
+    the update (every epoch): each repeat starts from the same learner state (the ratio invariant
+    holds the update to it, design 6.4)."""
     learner = s.learner
     before = P.learner_state(learner, args.master_seed)
     rows = P.update_rows(s.view, roll, crit, adv)
     # the update of a steady iteration, which the loop's median is made of: no mask asserts, no
     # ratio check (a run's first iterations and one in ppo.check_ratio_invariant_every have them),
     # both optimizers stepping, the profile's teacher at its scheduled weight
-    seconds = P.ppo_update(
+    out = P.ppo_update(
         learner.model, learner.opt_a, learner.opt_c, rows, args.ppo, ent_coef=sched["ent_coef"],
         ent_coef_noop=sched["ent_coef_noop"], master_seed=args.master_seed, iteration=learner.iteration,
         debug=False, check_ratio=False, ratio_atol=P.ratio_atol(args), comm=learner.comm, actor_steps=True,
-        teacher=None if learner.teacher is None else (learner.teacher, sched["teacher_kl"]))["time/update"]
+        teacher=None if learner.teacher is None else (learner.teacher, sched["teacher_kl"]))
     P.restore_learner(learner, before)
-    return seconds
+    return out["time/update"], int(out["ppo/actor_rows_seen"])
 
 
 def replay_load(r: P.RolloutArgs, env: Any, farm_rate: float) -> tuple[int, float]:
@@ -1257,12 +1271,12 @@ def replay_load(r: P.RolloutArgs, env: Any, farm_rate: float) -> tuple[int, floa
 
 def replay_inference(roll: P.Rollout, view: P.RectView, learner: P.Learner, lad: Any, env: P.Env,
                      threads: int, gap_s: float) -> float:
-    """Seconds per shard-round of act_round over the collected rectangle's rounds, the same seats
-    and groups as collection had (each shard's slots, in the order the farm served them), on
-    fresh uniforms and collection's threads; what collection's time/inference measures. Between
+    """Seconds of act_round over the collected rectangle's rounds, the same seats and groups as
+    collection had (each shard's slots, in the order the farm served them), on fresh uniforms and
+    collection's threads; what collection's time/inference measures. Between
     rounds the parent sleeps gap_s (untimed), as it waits for the next shard in the loop: a
     forward on a core just woken from idle ran 1.5x slower than a hot one [M: docs/throughput.md]."""
-    scratch, rounds, spent = P.Rollout.empty(env.T, env.R), 0, 0.0
+    scratch, spent = P.Rollout.empty(env.T, env.R), 0.0
     with P.torch_threads(threads):
         for t in range(env.T):
             u = torch.rand(env.R, generator=torch.Generator().manual_seed(t)).to(env.device)
@@ -1272,39 +1286,41 @@ def replay_inference(roll: P.Rollout, view: P.RectView, learner: P.Learner, lad:
                 t0 = time.perf_counter()
                 P.act_round(rnd, t, u, view, learner.model, lad, env.geo, scratch)
                 spent += time.perf_counter() - t0
-                rounds += 1
-    return spent / rounds
+    return spent
 
 
 class Whole(NamedTuple):
     predicted: dict[str, float]    # seconds an iteration, by part, from the parts' medians
     measured: dict[str, float]     # the real iterations' medians of the row's time/ keys
+    work: Work                     # the real iterations' medians of what the parts work on
     iterations: list[float]        # time/iteration of every real iteration after the first
     load: tuple[float, float]
 
 
-def predict(env: Any, figs: dict[str, BenchFigure], rig: Rig) -> dict[str, float]:
+def predict(env: Any, figs: dict[str, BenchFigure], work: Work) -> dict[str, float]:
     """Seconds an iteration, by part, from the parts' medians: T x battles game-steps at the farm's
-    rate, T x shards rounds of inference, the critic pass's rows and the update's learner rows
-    (the profile's forced-rows setting decides both), each at its rate."""
+    rate, and the rows forwarded, the critic pass's rows and the rows through the update (the
+    profile's forced-rows setting decides all three), each at its rate."""
     farm_rate = next(f for f in figs.values() if f.part.startswith("process farm (")).median
     return {"env": env.T * env.n_battles / farm_rate,
-            "inference": env.T * env.n_shards * figs["inference"].median / 1e3,
-            "critic": rig.critic_rows * figs["critic pass"].median / 1e3,
-            "update": rig.learner_rows * figs["PPO update"].median / 1e3}
+            "inference": work.forwarded * figs["inference"].median / 1e3,
+            "critic": work.critic_rows * figs["critic pass"].median / 1e3,
+            "update": work.update_rows * figs["PPO update"].median / 1e3}
 
 
-def real_iterations(args: P.Args, env: P.Env, figs: dict[str, BenchFigure], rig: Rig,
-                    n: int, work: Path) -> Whole:
+def real_iterations(args: P.Args, env: P.Env, figs: dict[str, BenchFigure], n: int, work: Path) -> Whole:
     """n iterations of the profile as train() runs them; the first is a warm-up (the farm starting,
-    first-call allocations) and is left out of the medians."""
+    first-call allocations) and is left out of the medians. The parts predict them at their own
+    counts (Work)."""
     before = loadavg()
     run = P.train(dataclasses.replace(args, runs_dir=str(work)), max_iterations=n, quiet=True)
     rows = read_jsonl(run / "metrics.jsonl")[1:]
     med = lambda k: float(np.median([r[k] for r in rows]))
     measured = {k: med(f"time/{k}") for k in ("iteration", "collection", "inference", "critic_pass", "update",
                                                 "residual")}
-    return Whole(predict(env, figs, rig), measured, [r["time/iteration"] for r in rows],
+    did = Work(med("throughput/inference_rows_forward"), med("throughput/critic_rows"),
+               med("ppo/actor_rows_seen"))
+    return Whole(predict(env, figs, did), measured, did, [r["time/iteration"] for r in rows],
                  (before, loadavg()))
 
 
@@ -1336,7 +1352,10 @@ def bench_lines(profile: str, env: P.Env, figs: list[BenchFigure], whole: Whole)
         runs = " ".join(f"{x:.4g}" for x in f.runs)
         out.append(f"| {f.part} | {f.median:.4g} | {f.unit} | {runs} | {f.load[0]:.2f} / {f.load[1]:.2f} "
                    f"| {f.note} |")
-    parts = " + ".join(f"{k} {v:.2f}" for k, v in p.items())
+    w = whole.work
+    parts = " + ".join(f"{k} {v:.2f}" for k, v in p.items()) + (
+        f", at the real iterations' {w.forwarded:.0f} rows forwarded, {w.critic_rows:.0f} critic rows and "
+        f"{w.update_rows:.0f} update rows")
     its = " ".join(f"{x:.2f}" for x in whole.iterations)
     out += [f"| iteration, predicted by the parts | {sum(p.values()):.2f} | s | | | {parts} |",
             f"| iteration, measured | {m['iteration']:.2f} | s | {its} "
@@ -1362,10 +1381,9 @@ def cmd_bench(cmd: "Bench") -> int:
         figs = engine_figures(args, env) + [codec_figure()]
         print(f"bench: inference, critic and update on one collected rectangle; a gate of {cmd.gate_battles} "
               "battles ...", flush=True)
-        parts, rig = rig_figures(args, env, work / "parts", cmd.gate_battles, figs[0].median, figs[1].median)
-        figs += parts
+        figs += rig_figures(args, env, work / "parts", cmd.gate_battles, figs[0].median, figs[1].median)
         print(f"bench: {cmd.iterations} real iterations ...", flush=True)
-        whole = real_iterations(args, env, {f.part: f for f in figs}, rig, cmd.iterations, work / "whole")
+        whole = real_iterations(args, env, {f.part: f for f in figs}, cmd.iterations, work / "whole")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     lines = bench_lines(cmd.profile, env, figs, whole)
@@ -1703,7 +1721,8 @@ class Play:
 class Bench:
     """This machine's budget for a profile (design 1.2): the engine, the farm, codec.pack,
     inference, the critic pass and the update, each timed alone (medians of 3, load average
-    beside), then real iterations beside the time the parts predict."""
+    beside), then real iterations beside the time the parts predict at the iterations' own row
+    counts."""
     script: str = "ppo_clash.py"
     """the training script to run: ppo_clash.py or a fork of it beside checks.py (ppo_myidea.py)"""
     profile: str = "cpu"

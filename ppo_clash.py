@@ -5545,6 +5545,8 @@ SCHEMA: dict[str, tuple[str, str, tuple[float, float] | None, bool]] = {
                                           "(learner and pool seats)", None, False),
     "throughput/inference_rows_skipped": ("rows", "forced rows acted without a forward: "
                                           "the no-op at log-prob 0 (design 3.6)", None, False),
+    "throughput/critic_rows": ("rows", "observations the critic pass ran on, truncation finals included "
+                               "(smdp: its choice, sampled and held-out cells; design 6.6)", None, False),
     "policy/forced_noop_frac": ("", "learner rollout cells with exactly one legal action "
                                 "(zero policy gradient); read against ppo/forced_frac", None, True),
     "policy/rollout_choice_frac": ("", "learner rollout cells with more than the no-op legal: "
@@ -6213,7 +6215,8 @@ def metric_row(args: Args, env: Env, learner: Learner, run: Run, lad: ladder.Lad
         "throughput/inference_rows_skipped": roll.rows_skipped,
         "health/rss_peak_mb": rss_peak_mb(), **device_memory(env.device, env.vram_needed_mb), **pol,
         **episode_metrics(roll.episodes, args.obs.max_steps),
-        "time/critic_pass": crit.seconds, "time/gae": adv.seconds, "time/update": upd["time/update"],
+        "time/critic_pass": crit.seconds, "throughput/critic_rows": crit.rows, "time/gae": adv.seconds,
+        "time/update": upd["time/update"],
         "throughput/collected_steps_per_second": env.game_steps / max(roll.t_collect, 1e-9),
         "ppo/explained_variance": adv.explained_variance, "ppo/reward_clip_frac": adv.reward_clip_frac,
         "health/worker_failures": len(roll.failures), "health/mask_disagreements": env.mask_disagreements,

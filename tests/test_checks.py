@@ -624,14 +624,15 @@ def test_play_viewer_streams_when_royalegym_has_one_and_says_so_when_not(monkeyp
 
 
 def test_bench_predicts_an_iteration_from_its_parts_by_plain_arithmetic():
-    """[A] T=10 cycles, 4 battles, 2 shards, R=8: env 40 game-steps at 100/s = 0.4 s; 20 rounds at
-    5 ms = 0.1 s; the rectangle's 24 critic rows (smdp's, not the 88 cells) at 0.5 ms = 0.012 s; 30
-    learner rows at 2 ms = 0.06 s. Part by part beside the measured medians."""
+    """[A] T=10 cycles, 4 battles, 2 shards, R=8: env 40 game-steps at 100/s = 0.4 s; the real
+    iterations' 20 forwarded rows at 5 ms = 0.1 s (forced rows take none: not the 20 rounds, not
+    the 40 learner cells); their 24 critic rows (smdp's, not the 88 cells) at 0.5 ms = 0.012 s;
+    their 30 rows through the update at 2 ms = 0.06 s. Part by part beside the measured medians."""
     env = type("E", (), {"T": 10, "n_battles": 4, "n_shards": 2, "R": 8})()
     fig = lambda part, x: checks.BenchFigure(part, "u", [x - 1, x, x + 1], (0.0, 0.0))
     figs = {f.part: f for f in (fig("process farm (1 worker(s) x 2 shard(s))", 100.0), fig("inference", 5.0),
                                 fig("critic pass", 0.5), fig("PPO update", 2.0))}
-    p = checks.predict(env, figs, checks.Rig(learner_rows=30, critic_rows=24, forwarded=9))
+    p = checks.predict(env, figs, checks.Work(forwarded=20, critic_rows=24, update_rows=30))
     assert p == pytest.approx({"env": 0.4, "inference": 0.1, "critic": 0.012, "update": 0.06})
     assert figs["inference"].median == 5.0
     m = {"iteration": 0.75, "collection": 0.6, "inference": 0.2, "critic_pass": 0.012, "update": 0.06}
