@@ -1095,11 +1095,12 @@ def cmd_play(cmd: "Play") -> int:
 # theirs, each times the real iterations' own count of what it works on (their rows' median
 # throughput/inference_rows_forward, throughput/critic_rows and ppo/actor_rows_seen). The rectangle
 # is iteration 0's, its battles all starting: it forwarded 0.7x and updated 0.8x the rows a later
-# iteration does [M: docs/throughput.md, "bench part by part"], so its own counts would put the
-# miss on the rates. Collection overlaps the parent's inference with the workers' stepping, so a measured
-# iteration may come in under the sum; a measured iteration well over it means time goes somewhere
-# the parts do not name (the row's time/residual says where to look). The machine is shared and
-# its load drifts, so the load average is printed before and after each part.
+# iteration does at the same rates per row [M: docs/throughput.md, "bench part by part"], so its
+# own counts would have put the difference on the rates. Collection overlaps the parent's inference
+# with the workers' stepping, so a measured iteration may come in under the sum; a measured
+# iteration well over it means time goes somewhere the parts do not name (the row's time/residual
+# says where to look). The machine is shared and its load drifts, so the load average is printed
+# before and after each part.
 
 REPEATS = 3
 THROUGHPUT_DOC = ROOT / "docs" / "throughput.md"   # where --write appends the table
@@ -1153,8 +1154,8 @@ def codec_figure() -> BenchFigure:
 
 
 class Work(NamedTuple):
-    """What an iteration's parts work on, the counts their rates are per: the bench rectangle's, or
-    the median of the real iterations' rows."""
+    """What an iteration's parts work on, the counts their rates are per: the median of the real
+    iterations' rows."""
     forwarded: float         # rows the parent's forwards ran on (forced rows take none), pool seats included
     critic_rows: float       # the critic pass's (every cell, or smdp's choice and sampled cells)
     update_rows: float       # rows through the update, every epoch (ppo/actor_rows_seen)
@@ -1162,12 +1163,12 @@ class Work(NamedTuple):
 
 def rig_figures(args: P.Args, env: P.Env, work: Path, gate_battles: int,
                 engine_rate: float, farm_rate: float) -> list[BenchFigure]:
-    """Inference, critic and update, each timed alone on one real rectangle, and the rectangle's
-    counts: the profile's farm collects one iteration with the profile's (untrained) network, set
-    up as train() sets up (ppo_clash.set_up, a scratch run under `work`), then each part is re-run
-    REPEATS times on that rectangle; then a gate's battles (gate_figure). The update changes the
-    weights it times; nothing here is kept. engine_rate, farm_rate: engine_figures' game-steps/s
-    of the engine alone and of the profile's farm."""
+    """Inference, critic and update, each timed alone on one real rectangle, as rates per row:
+    the profile's farm collects iteration 0 with the profile's v0 (its warm start's clone, where
+    it has one), set up as train() sets up (ppo_clash.set_up, a scratch run under `work`), then
+    each part is re-run REPEATS times on that rectangle; then a gate's battles (gate_figure). The
+    update changes the weights it times; nothing here is kept. engine_rate, farm_rate:
+    engine_figures' game-steps/s of the engine alone and of the profile's farm."""
     with P.process_settings_kept():
         s = P.set_up(dataclasses.replace(args, runs_dir=str(work)), quiet=True)
         try:
