@@ -2375,7 +2375,8 @@ def test_under_smdp_the_critic_runs_on_the_choice_cells_its_samples_row_T_and_th
     """Design 6.6's population, counted by a wrapper on the critic's forward: in the critic pass,
     the choice cells, the forced sample (as many), the held-out sample (half that), row T of the
     learner's slots and the learner's truncation finals, nothing else; in the update, the choice
-    cells and the sample each epoch (actor_rows_seen), the actor on the choice cells alone."""
+    cells and the sample each epoch (actor_rows_seen), the actor on the choice cells alone. The row
+    counts both (throughput/critic_rows, ppo/actor_rows_seen): bench predicts from them."""
     counted, passes = [0], []
     value, critic_pass = P.ActorCritic.value, P.critic_pass
 
@@ -2407,7 +2408,7 @@ def test_under_smdp_the_critic_runs_on_the_choice_cells_its_samples_row_T_and_th
         n_s = min(int(choice.sum()), int(forced.sum()))
         assert crit.sample.sum() == n_s and crit.heldout.sum() == min(int(forced.sum()) - n_s, n_s // 2)
         assert not ((crit.sample | crit.heldout) & ~forced).any() and not (crit.sample & crit.heldout).any()
-        assert n == crit.rows == \
+        assert n == crit.rows == row["throughput/critic_rows"] == \
             choice.sum() + crit.sample.sum() + crit.heldout.sum() + trainable[-1].sum() + finals
         ran = np.vstack([choice | crit.sample | crit.heldout, trainable[-1:]])
         assert (crit.values[~ran] == 0).all() and (crit.values[ran] != 0).all()
