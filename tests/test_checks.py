@@ -641,6 +641,27 @@ def test_bench_predicts_an_iteration_from_its_parts_by_plain_arithmetic():
     assert "| inference | 0.10 | 0.20 | 2.00 |" in lines and "| iteration | 0.57 | 0.75 | 1.31 |" in lines
 
 
+def test_bench_predicts_the_real_iterations_at_their_own_row_counts(tmp_path, monkeypatch):
+    """real_iterations reads the parts' workload off the real iterations' rows, the first (a
+    warm-up) left out: the median rows forwarded, critic rows and rows through the update, not the
+    rectangle's. [A] medians 30, 40, 60 at 2, 0.5 and 1 ms: 0.06, 0.02 and 0.06 s."""
+    keys = ("throughput/inference_rows_forward", "throughput/critic_rows", "ppo/actor_rows_seen")
+    times = {f"time/{k}": 1.0 for k in ("iteration", "collection", "inference", "critic_pass", "update",
+                                         "residual")}
+    counts = [(999, 999, 999), (10, 40, 70), (30, 20, 60), (50, 60, 50)]
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({**times, **dict(zip(keys, c, strict=True))}) + "\n" for c in counts))
+    monkeypatch.setattr(checks.P, "train", lambda *a, **k: tmp_path)
+    env = type("E", (), {"T": 10, "n_battles": 4, "n_shards": 2, "R": 8})()
+    fig = lambda part, x: checks.BenchFigure(part, "u", [x], (0.0, 0.0))
+    figs = {f.part: f for f in (fig("process farm (1 worker(s) x 2 shard(s))", 100.0), fig("inference", 2.0),
+                                fig("critic pass", 0.5), fig("PPO update", 1.0))}
+    whole = checks.real_iterations(P.profile_args("smoke"), env, figs, 4, tmp_path / "work")
+    assert whole.work == checks.Work(forwarded=30, critic_rows=40, update_rows=60)
+    assert whole.predicted == pytest.approx({"env": 0.4, "inference": 0.06, "critic": 0.02, "update": 0.06})
+    assert len(whole.iterations) == 3
+
+
 def test_bench_replays_inference_beside_the_workers_that_step_while_the_parent_acts():
     """[A] The cpu profile's 2 workers of 1 shard: while the parent acts for one shard its worker
     waits, so 1 process steps beside; a cycle of 16 battles at 1,000 game-steps/s is 16 ms, 8 ms
